@@ -1,0 +1,293 @@
+"""Configuration: msgspec Structs loaded from one YAML file, with environment overrides.
+
+- Unknown keys and bad values are errors that name the key's path (``$.batching.lanes[0].max_wait_ms``)
+  and what was expected; the CLI turns them into exit code 2.
+- ``WORKER__SECTION__KEY=value`` overrides any key (``WORKER__KAFKA__GROUP_ID=g``;
+  list items by index: ``WORKER__BATCHING__LANES__0__MAX_WAIT_MS=5``). Values are parsed as YAML scalars.
+  Under ``kafka.consumer`` / ``kafka.producer`` underscores become dots, so
+  ``WORKER__KAFKA__CONSUMER__SESSION_TIMEOUT_MS=10000`` sets librdkafka's ``session.timeout.ms``.
+- String values may reference secrets instead of holding them: ``${env:NAME}`` or ``${file:/path}``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+import yaml
+
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
+PosFloat = Annotated[float, msgspec.Meta(gt=0)]
+Fraction = Annotated[float, msgspec.Meta(gt=0, lt=1)]
+KafkaProps = dict[str, str | int | float | bool]
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key path and what was expected."""
+
+
+class _Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class KafkaConfig(_Strict):
+    bootstrap_servers: str = "127.0.0.1:9092"
+    group_id: str = "kafka-inference-worker"
+    # Topics for the default lane when no lane lists its own topics.
+    input_topics: list[str] = msgspec.field(default_factory=list)
+    output_topic: str = "inference-results"
+    dlq_topic: str = "inference-dlq"
+    # Any librdkafka property, passed through verbatim (SASL/SSL settings go here).
+    consumer: KafkaProps = msgspec.field(default_factory=dict)
+    producer: KafkaProps = msgspec.field(default_factory=dict)
+    poll_max_records: PosInt = 1000
+    poll_timeout_ms: PosInt = 20
+    commit_interval_ms: PosInt = 1000
+
+
+class LaneConfig(_Strict):
+    name: str
+    topics: list[str] = msgspec.field(default_factory=list)
+    # Share of device time under overload relative to other lanes' weights (anti-starvation).
+    weight: PosFloat = 1.0
+    # Higher is served first when several lanes have work; ties go to the lane listed first.
+    priority: int = 0
+    max_batch_size: PosInt = 32
+    max_wait_ms: NonNegFloat = 10.0
+    # Default budget (ms after receipt) for records of this lane that carry no deadline_ms of their own.
+    deadline_ms: PosFloat | None = None
+    queue_bound: PosInt = 10_000
+
+
+class BatchingConfig(_Strict):
+    policy: Literal["fixed", "adaptive"] = "fixed"
+    lanes: list[LaneConfig] = msgspec.field(default_factory=lambda: [LaneConfig(name="default")])
+    default_lane: str = "default"
+    # Group records of similar size (e.g. token count) into the same batch: size // bucket_width is the
+    # bucket. 0 turns bucketing off.
+    bucket_width: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Backpressure: pause the partitions when this many records are in flight; resume below resume_ratio*it.
+    max_in_flight: PosInt = 20_000
+    resume_ratio: Fraction = 0.5
+
+
+class ModelConfig(_Strict):
+    # A built-in handler ("synthetic", "minilm", "identity", "tiny"), a "package.module:factory" callable,
+    # or a file: TorchScript (.pt/.ts), torch.export program (.pt2), ONNX (.onnx).
+    name: str = "tiny"
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+    version: str | None = None
+    device: str = "auto"  # auto = cuda, then mps, then cpu
+    devices: list[str] = msgspec.field(default_factory=list)  # several devices, one inference thread each
+    dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
+    compile: bool = False
+    warmup: bool = True
+
+
+class DeliveryConfig(_Strict):
+    mode: Literal["at_least_once", "exactly_once"] = "at_least_once"
+    # Exactly-once: stable per instance (fencing a zombie with the same id). Default: <group_id>-<hostname>.
+    transactional_id: str | None = None
+    revoke_timeout_ms: NonNegFloat = 5000.0
+    shutdown_timeout_s: NonNegFloat = 30.0
+    max_input_bytes: PosInt = 1_048_576
+    # A record that crashed the process this many times goes to the DLQ at its next delivery.
+    max_attempts: PosInt = 3
+    format: Literal["json", "msgpack"] = "json"
+
+
+class RedisConfig(_Strict):
+    url: str | None = None  # None: in-memory store (per process)
+    password: str | None = None
+    tls: bool = False
+    tls_ca_file: str | None = None
+    key_prefix: str = "kiw:"
+    cache: bool = False
+    cache_ttl_s: PosInt = 3600
+    ledger: bool = True
+    ledger_ttl_s: PosInt = 86_400
+    attempts_ttl_s: PosInt = 86_400
+    timeout_ms: PosInt = 50
+    breaker_failures: PosInt = 3
+    breaker_reset_s: PosFloat = 5.0
+
+
+class MetricsConfig(_Strict):
+    enabled: bool = True
+    host: str = "0.0.0.0"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 9400
+    lag_interval_s: PosFloat = 5.0
+
+
+class LoggingConfig(_Strict):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    format: Literal["json", "text"] = "json"
+
+
+class Config(_Strict):
+    kafka: KafkaConfig = msgspec.field(default_factory=KafkaConfig)
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    batching: BatchingConfig = msgspec.field(default_factory=BatchingConfig)
+    delivery: DeliveryConfig = msgspec.field(default_factory=DeliveryConfig)
+    redis: RedisConfig = msgspec.field(default_factory=RedisConfig)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
+
+    def lane_topics(self) -> dict[str, str]:
+        """topic -> lane name."""
+        out: dict[str, str] = {}
+        for lane in self.batching.lanes:
+            for t in lane.topics:
+                out[t] = lane.name
+        for t in self.kafka.input_topics:
+            out.setdefault(t, self.batching.default_lane)
+        return out
+
+    def input_topics(self) -> list[str]:
+        return list(self.lane_topics())
+
+
+_SECRET_REF = re.compile(r"\$\{(env|file):([^}]+)\}")
+_PASSTHROUGH = {("kafka", "consumer"), ("kafka", "producer")}
+SECRET_WORDS = ("password", "secret", "token", "sasl.jaas", "key.pem", "private")
+
+
+def _resolve_secrets(value: Any, path: str) -> Any:
+    if isinstance(value, dict):
+        return {k: _resolve_secrets(v, f"{path}.{k}") for k, v in value.items()}
+    if isinstance(value, list):
+        return [_resolve_secrets(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, str) and "${" in value:
+        def sub(m: re.Match[str]) -> str:
+            kind, ref = m.group(1), m.group(2).strip()
+            if kind == "env":
+                if ref not in os.environ:
+                    raise ConfigError(f"{path}: environment variable {ref!r} is not set")
+                return os.environ[ref]
+            try:
+                return Path(ref).read_text().strip()
+            except OSError as e:
+                raise ConfigError(f"{path}: cannot read secret file {ref!r}: {e.strerror}") from None
+        return _SECRET_REF.sub(sub, value)
+    return value
+
+
+def _apply_env(data: dict[str, Any], environ: dict[str, str]) -> None:
+    for name, raw in sorted(environ.items()):
+        if not name.startswith("WORKER__"):
+            continue
+        parts = [p.lower() for p in name[len("WORKER__"):].split("__") if p]
+        if not parts:
+            continue
+        node: Any = data
+        for i, part in enumerate(parts[:-1]):
+            if tuple(parts[:i]) in _PASSTHROUGH:
+                part = part.replace("_", ".")
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) >= len(node):
+                    raise ConfigError(f"{name}: no list item {part!r} at $.{'.'.join(parts[:i])}")
+                node = node[int(part)]
+                continue
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict | list):
+                raise ConfigError(f"{name}: $.{'.'.join(parts[: i + 1])} is not a section")
+        leaf = parts[-1]
+        if tuple(parts[:-1]) in _PASSTHROUGH:
+            leaf = leaf.replace("_", ".")
+        value = yaml.safe_load(raw) if raw != "" else ""
+        if isinstance(node, list):
+            if not leaf.isdigit() or int(leaf) >= len(node):
+                raise ConfigError(f"{name}: no list item {leaf!r}")
+            node[int(leaf)] = value
+        else:
+            node[leaf] = value
+
+
+def _check_semantics(cfg: Config) -> None:
+    lanes = [lane.name for lane in cfg.batching.lanes]
+    if not lanes:
+        raise ConfigError("$.batching.lanes: at least one lane is required")
+    dupes = {n for n in lanes if lanes.count(n) > 1}
+    if dupes:
+        raise ConfigError(f"$.batching.lanes: duplicate lane names {sorted(dupes)}")
+    if cfg.batching.default_lane not in lanes:
+        raise ConfigError(f"$.batching.default_lane: {cfg.batching.default_lane!r} is not one of the lanes {lanes}")
+    seen: dict[str, str] = {}
+    for i, lane in enumerate(cfg.batching.lanes):
+        for t in lane.topics:
+            if t in seen:
+                raise ConfigError(f"$.batching.lanes[{i}].topics: topic {t!r} already belongs to lane {seen[t]!r}")
+            seen[t] = lane.name
+    if not cfg.input_topics():
+        raise ConfigError("$.kafka.input_topics: no input topics (set kafka.input_topics or batching.lanes[].topics)")
+    if cfg.kafka.output_topic in seen or cfg.kafka.output_topic in cfg.kafka.input_topics:
+        raise ConfigError("$.kafka.output_topic: must differ from the input topics (it would feed itself)")
+    for key in ("enable.auto.commit", "enable.auto.offset.store"):
+        if str(cfg.kafka.consumer.get(key, "false")).lower() == "true":
+            raise ConfigError(f"$.kafka.consumer.{key}: must stay false; offsets are committed only after delivery")
+    for i, dev in enumerate(cfg.model.devices):
+        if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", dev):
+            raise ConfigError(f"$.model.devices[{i}]: expected cpu, mps, cuda or cuda:N, got {dev!r}")
+    if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", cfg.model.device):
+        raise ConfigError(f"$.model.device: expected auto, cpu, mps, cuda or cuda:N, got {cfg.model.device!r}")
+
+
+def from_dict(data: dict[str, Any] | None, environ: dict[str, str] | None = None) -> Config:
+    data = dict(data or {})
+    if not isinstance(data, dict):
+        raise ConfigError(f"$: expected a mapping at the top of the config, got {type(data).__name__}")
+    _apply_env(data, dict(os.environ) if environ is None else environ)
+    data = _resolve_secrets(data, "$")
+    try:
+        cfg = msgspec.convert(data, Config, strict=False)
+    except msgspec.ValidationError as e:
+        raise ConfigError(_explain(str(e))) from None
+    _check_semantics(cfg)
+    return cfg
+
+
+def _explain(msg: str) -> str:
+    # msgspec: "Object contains unknown field `x` - at `$.kafka`" -> put the path first.
+    m = re.match(r"(.*) - at `(\$[^`]*)`$", msg)
+    if m:
+        what, path = m.groups()
+        u = re.match(r"Object contains unknown field `([^`]+)`", what)
+        if u:
+            return f"{path}.{u.group(1)}: unknown key"
+        return f"{path}: {what}"
+    u = re.match(r"Object contains unknown field `([^`]+)`", msg)
+    if u:
+        return f"$.{u.group(1)}: unknown key"
+    return f"$: {msg}"
+
+
+def load(path: str | Path | None, environ: dict[str, str] | None = None) -> Config:
+    if path is None:
+        return from_dict({}, environ)
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {str(p)!r}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"$: expected a mapping at the top of {p}, got {type(data).__name__}")
+    return from_dict(data, environ)
+
+
+def redact(props: dict[str, Any]) -> dict[str, Any]:
+    """A copy safe to log: values of secret-looking keys are replaced."""
+    return {k: ("***" if any(w in k.lower() for w in SECRET_WORDS) else v) for k, v in props.items()}
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return msgspec.to_builtins(cfg)  # type: ignore[no-any-return]

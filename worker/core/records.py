@@ -1,0 +1,67 @@
+"""The plain data that flows through the pipeline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+Status = Literal["ok", "error", "expired"]
+
+
+class TopicPartition(NamedTuple):
+    topic: str
+    partition: int
+
+
+@dataclass(slots=True, eq=False)
+class Record:
+    """One consumed request, decoded, on its way through a lane.
+
+    ``received_at`` and ``deadline`` are monotonic seconds (the runner's clock); ``deadline`` is None when
+    neither the request nor its lane sets one.
+    """
+
+    tp: TopicPartition
+    offset: int
+    value: bytes
+    key: bytes | None = None
+    headers: list[tuple[str, bytes]] = field(default_factory=list)
+    received_at: float = 0.0
+    id: str | None = None
+    item: Any = None  # what the model handler's decode() returned
+    lane: str = "default"
+    deadline: float | None = None
+    size: int = 1  # a size hint (e.g. token count) for bucketing; 1 when the model gives none
+    meta: Any = None  # the request's opaque ``meta`` echoed back in the result
+    produced_at_ms: int | None = None  # Kafka record timestamp (CreateTime), for end-to-end latency
+    attempts: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class Batch:
+    lane: str
+    records: list[Record]
+    opened_at: float  # monotonic time of the window's first record
+    closed_at: float
+    reason: str  # "count" | "time" | "idle" | "flush" | "adaptive"
+    max_batch_size: int = 0
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @property
+    def fill_ratio(self) -> float:
+        return len(self.records) / self.max_batch_size if self.max_batch_size else 1.0
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What happened to one record. ``dlq_stage`` set means it also goes to the dead-letter topic."""
+
+    record: Record
+    status: Status
+    output: Any = None
+    error: str | None = None
+    dlq_stage: str | None = None  # "decode" | "validate" | "size" | "inference" | "expired" | "quarantine" ...
+    batch_size: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
