@@ -1,0 +1,68 @@
+"""Walking skeleton on the real broker: 5,000 requests over 4 partitions, one malformed record."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.support.kafka_io import (
+    WorkerProcess, committed_offsets, create_topics, decode, end_offsets, produce_values, read_all, request,
+    wait_for, worker_config,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def test_5000_requests_exactly_once_each_and_offsets_committed(kafka, topic_names, tmp_path):
+    print(f"\n[kafka] broker version: {kafka.version}")
+    bs, n = kafka.bootstrap, 5000
+    create_topics(bs, {topic_names["in"]: 4, topic_names["out"]: 4, topic_names["dlq"]: 1})
+    reqs = [request(i) for i in range(n)]
+    # Spread over the 4 partitions explicitly; the malformed record sits in the middle of partition 2.
+    for part in range(4):
+        chunk = reqs[part::4]
+        produce_values(bs, topic_names["in"], chunk[: len(chunk) // 2], partition=part)
+        if part == 2:
+            produce_values(bs, topic_names["in"], [(b"broken", b'{"id": "broken", "inputs": [1, 2')], partition=2)
+        produce_values(bs, topic_names["in"], chunk[len(chunk) // 2:], partition=part)
+    cfg = worker_config(bs, topic_names)
+    group = cfg["kafka"]["group_id"]
+
+    w = WorkerProcess(cfg, tmp_path).start()
+    try:
+        results = read_all(bs, topic_names["out"], want=n, timeout=180)
+        ends = end_offsets(bs, topic_names["in"])
+        wait_for(lambda: committed_offsets(bs, group, topic_names["in"]) == ends, 30,
+                 what="committed offsets to reach the end offsets")
+        assert w.stop() == 0, w.log()[-3000:]
+    finally:
+        w.kill()
+
+    values = decode(results)
+    ids = [v["id"] for v in values]
+    assert len(ids) == n, f"expected exactly {n} results, got {len(ids)}"
+    assert set(ids) == {f"r-{i}" for i in range(n)}
+    assert all(v["status"] == "ok" and len(v["outputs"]) == 4 for v in values)
+    # the result key is the request key
+    assert all(m.key() == v["id"].encode() for m, v in zip(results, values, strict=True))
+
+    dlq = read_all(bs, topic_names["dlq"], want=1, timeout=30)
+    assert len(dlq) == 1
+    h = dict(dlq[0].headers())
+    assert dlq[0].value() == b'{"id": "broken", "inputs": [1, 2'  # original bytes
+    assert dlq[0].key() == b"broken"
+    assert h["x-error-stage"] == b"decode" and h["x-source-partition"] == b"2"
+    assert h["x-source-topic"] == topic_names["in"].encode() and b"x-error" in h and h["x-error"]
+
+    # Restart: everything is committed, so nothing new is processed.
+    w2 = WorkerProcess(cfg, tmp_path, name="restart").start()
+    try:
+        w2.wait_assigned()
+        time.sleep(3)
+        assert w2.stop() == 0
+    finally:
+        w2.kill()
+    again = read_all(bs, topic_names["out"], timeout=30, idle=2)
+    assert len(again) == n, f"restart reprocessed {len(again) - n} records"
+    print(f"[e2e] results={len(ids)} dlq={len(dlq)} committed==end for {len(ends)} partitions; restart added 0")

@@ -1,0 +1,96 @@
+"""Thin, lazy wrappers around confluent-kafka clients with the settings the delivery rules need.
+
+Only the loop thread calls into these objects (librdkafka callbacks fire from its poll calls).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import Any
+
+from confluent_kafka import Consumer, Producer
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from worker.config import Config
+
+log = logging.getLogger("worker.kafka")
+
+# The worker's correctness depends on these: auto commit / auto offset store would commit records whose
+# results were never delivered. config._check_semantics rejects a config that turns them on.
+CONSUMER_FIXED = {"enable.auto.commit": False, "enable.auto.offset.store": False}
+
+CONSUMER_DEFAULTS: dict[str, Any] = {
+    "auto.offset.reset": "earliest",
+    "partition.assignment.strategy": "cooperative-sticky",
+    # librdkafka prefetches up to this much per consumer even while the worker is busy; keep it modest
+    # so memory stays bounded under overload (paused partitions stop fetching altogether).
+    "queued.max.messages.kbytes": 16384,
+    "fetch.wait.max.ms": 50,
+    "isolation.level": "read_committed",
+}
+
+PRODUCER_DEFAULTS: dict[str, Any] = {
+    "enable.idempotence": True,
+    "acks": "all",
+    "linger.ms": 5,
+    "batch.num.messages": 10000,
+    "compression.type": "lz4",
+    "queue.buffering.max.messages": 500000,
+    "message.timeout.ms": 120000,
+}
+
+
+def _base(cfg: Config) -> dict[str, Any]:
+    return {"bootstrap.servers": cfg.kafka.bootstrap_servers, "client.id": f"kiw-{socket.gethostname()}"}
+
+
+def consumer_config(cfg: Config, group_id: str | None = None, **extra: Any) -> dict[str, Any]:
+    conf = {**_base(cfg), "group.id": group_id or cfg.kafka.group_id, **CONSUMER_DEFAULTS}
+    conf.update(cfg.kafka.consumer)
+    conf.update(extra)
+    conf.update(CONSUMER_FIXED)
+    conf.setdefault("logger", logging.getLogger("worker.kafka.consumer"))
+    return conf
+
+
+def producer_config(cfg: Config, **extra: Any) -> dict[str, Any]:
+    conf = {**_base(cfg), **PRODUCER_DEFAULTS}
+    conf.update(cfg.kafka.producer)
+    conf.update(extra)
+    conf.setdefault("logger", logging.getLogger("worker.kafka.producer"))
+    return conf
+
+
+def admin_config(cfg: Config) -> dict[str, Any]:
+    conf = _base(cfg)
+    # SASL/SSL settings the user gave the consumer apply to the admin client as well.
+    for k, v in cfg.kafka.consumer.items():
+        if k.startswith(("security.", "sasl.", "ssl.")):
+            conf[k] = v
+    return conf
+
+
+def make_consumer(cfg: Config, **extra: Any) -> Consumer:
+    return Consumer(consumer_config(cfg, **extra))
+
+
+def make_producer(cfg: Config, **extra: Any) -> Producer:
+    return Producer(producer_config(cfg, **extra))
+
+
+def ensure_topics(bootstrap: str | dict[str, Any], topics: dict[str, int], timeout: float = 30.0) -> None:
+    """Create topics that do not exist yet (name -> partitions). Existing ones are left as they are."""
+    conf = {"bootstrap.servers": bootstrap} if isinstance(bootstrap, str) else bootstrap
+    admin = AdminClient(conf)
+    existing = set(admin.list_topics(timeout=timeout).topics)
+    new = [NewTopic(t, num_partitions=n, replication_factor=1 if "127.0.0.1" in str(conf) else -1)
+           for t, n in topics.items() if t not in existing]
+    if not new:
+        return
+    for topic, fut in admin.create_topics(new, operation_timeout=timeout).items():
+        try:
+            fut.result(timeout)
+        except Exception as e:  # already exists (race with another worker) is fine
+            if "TOPIC_ALREADY_EXISTS" not in str(e):
+                raise RuntimeError(f"cannot create topic {topic!r}: {e}") from e

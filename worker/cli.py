@@ -1,0 +1,173 @@
+"""``worker`` command line. Exit codes: 0 ok, 1 runtime failure, 2 bad configuration or usage."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from worker.config import Config, ConfigError, load
+
+log = logging.getLogger("worker")
+
+EPILOG = """Configuration: one YAML file (see README "Configuration"); any key can be overridden with
+WORKER__SECTION__KEY environment variables, e.g. WORKER__KAFKA__BOOTSTRAP_SERVERS=broker:9092."""
+
+
+def _config(path: str | None) -> Config:
+    return load(path)
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    cfg = _config(args.config)
+    if args.print:
+        import yaml
+
+        from worker.config import to_dict
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    else:
+        print(f"{args.config}: OK ({len(cfg.batching.lanes)} lane(s), topics {cfg.input_topics()}, "
+              f"model {cfg.model.name!r}, delivery {cfg.delivery.mode})")
+    return 0
+
+
+def _setup_logging(cfg: Config, level: str | None = None) -> None:
+    try:
+        from worker.logs import setup_logging
+    except ImportError:  # pragma: no cover - logs module is part of the package
+        logging.basicConfig(level=level or cfg.logging.level)
+        return
+    setup_logging(level or cfg.logging.level, cfg.logging.format)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    cfg = _config(args.config)
+    _setup_logging(cfg)
+    from worker.service import run_service
+
+    return run_service(cfg, metrics_port=args.metrics_port)
+
+
+def cmd_backfill(args: argparse.Namespace) -> int:
+    cfg = _config(args.config)
+    _setup_logging(cfg, "WARNING" if not args.verbose else None)
+    from worker.backfill import backfill
+
+    return backfill(cfg, from_beginning=args.from_beginning, from_timestamp=args.from_timestamp,
+                    group=args.group)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from worker.demo import demo
+
+    return demo(records=args.records, model=args.model, bootstrap=args.bootstrap, partitions=args.partitions)
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    from worker.load import load_main
+
+    return load_main(args)
+
+
+def cmd_dlq_replay(args: argparse.Namespace) -> int:
+    cfg = _config(args.config)
+    _setup_logging(cfg)
+    from worker.dlq import replay
+
+    return replay(cfg, limit=args.limit, stage=args.filter_stage, dry_run=args.dry_run)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from worker.profile import run
+
+    return run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="worker", description=(
+        "Kafka inference worker: consume requests, micro-batch them by count or time in priority lanes, "
+        "run a PyTorch model, produce results, commit offsets only after delivery."), epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    r = sub.add_parser("run", help="run the worker until SIGTERM/SIGINT", description=(
+        "Consume the input topics, batch, infer, produce results and commit. SIGTERM/SIGINT stop it "
+        "gracefully: stop fetching, finish in-flight work within delivery.shutdown_timeout_s, commit, exit 0."))
+    r.add_argument("--config", "-c", required=True, help="worker YAML config file")
+    r.add_argument("--metrics-port", type=int, default=None, help="override metrics.port (0 = any free port)")
+    r.set_defaults(func=cmd_run)
+
+    c = sub.add_parser("check-config", help="validate a config file and exit (0 valid, 2 invalid)")
+    c.add_argument("--config", "-c", required=True)
+    c.add_argument("--print", action="store_true", help="print the effective config (defaults and env applied)")
+    c.set_defaults(func=cmd_check_config)
+
+    d = sub.add_parser("demo", help="one-command demo: local broker, sample requests, worker, summary", description=(
+        "Starts a local Apache Kafka broker (unless KAFKA_BOOTSTRAP_SERVERS or --bootstrap is given), creates "
+        "topics, produces sample requests, runs the worker with a built-in model, prints a summary, stops."))
+    d.add_argument("--records", type=int, default=5000)
+    d.add_argument("--partitions", type=int, default=4)
+    d.add_argument("--model", default="tiny", help="built-in model: tiny (default), synthetic, identity, minilm")
+    d.add_argument("--bootstrap", default=None, help="use this broker instead of starting one")
+    d.set_defaults(func=cmd_demo)
+
+    b = sub.add_parser("backfill", help="process the input topics up to their current end, then exit",
+                       description="Snapshots the end offsets of the input topics, processes until every partition "
+                       "reaches them, commits and exits 0. Killed, it resumes from the committed offsets.")
+    b.add_argument("--config", "-c", required=True)
+    g = b.add_mutually_exclusive_group()
+    g.add_argument("--from-beginning", action="store_true", help="ignore committed offsets; start at the earliest")
+    g.add_argument("--from-timestamp", type=int, default=None, metavar="MS",
+                   help="start at the first record at or after this Unix time in milliseconds")
+    b.add_argument("--group", default=None, help="consumer group (default: kafka.group_id + '-backfill')")
+    b.add_argument("--verbose", action="store_true", help="log at the configured level instead of WARNING")
+    b.set_defaults(func=cmd_backfill)
+
+    ld = sub.add_parser("load", help="produce synthetic requests at a given rate")
+    ld.add_argument("--bootstrap", default=None, help="broker (default: $KAFKA_BOOTSTRAP_SERVERS or 127.0.0.1:9092)")
+    ld.add_argument("--topic", required=True)
+    ld.add_argument("--rate", type=float, default=1000.0, help="records per second (0 = as fast as possible)")
+    ld.add_argument("--count", type=int, default=10000)
+    ld.add_argument("--lanes", default=None, help="priority mix, e.g. high=0.1,low=0.9 (sets the request field)")
+    ld.add_argument("--model-input", default="tiny", choices=["tiny", "synthetic", "identity", "minilm"],
+                    help="shape of the generated inputs")
+    ld.add_argument("--id-prefix", default="load")
+    ld.add_argument("--deadline-ms", type=int, default=None, help="relative deadline to set on each request")
+    ld.set_defaults(func=cmd_load)
+
+    dq = sub.add_parser("dlq", help="dead-letter topic tools")
+    dsub = dq.add_subparsers(dest="dlq_command", required=True, metavar="SUBCOMMAND")
+    rp = dsub.add_parser("replay", help="re-submit dead letters to their source topic",
+                         description="Reads the DLQ topic (its own consumer group, so each dead letter is replayed "
+                         "once), strips the x-error*/x-source* headers and produces the original key, value and "
+                         "headers to the source topic. Stops at the end of the DLQ snapshot taken at start.")
+    rp.add_argument("--config", "-c", required=True)
+    rp.add_argument("--limit", type=int, default=None)
+    rp.add_argument("--filter-stage", default=None, help="only dead letters of this x-error-stage")
+    rp.add_argument("--dry-run", action="store_true", help="list what would be replayed; produce nothing")
+    rp.set_defaults(func=cmd_dlq_replay)
+
+    pr = sub.add_parser("profile", help="throughput/latency/memory per batch size for a model")
+    try:
+        from worker.profile import add_arguments
+        add_arguments(pr)
+    except ImportError:  # pragma: no cover
+        pass
+    pr.set_defaults(func=cmd_profile)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""``worker demo``: the main job on an embedded default, from nothing to a summary in one command."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from typing import Any
+
+import msgspec
+
+from worker.config import from_dict
+
+log = logging.getLogger("worker.demo")
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q / 100.0 * (len(s) - 1))))]
+
+
+def demo(records: int = 5000, model: str = "tiny", bootstrap: str | None = None, partitions: int = 4,
+         rate: float = 2000.0) -> int:
+    from confluent_kafka import Consumer
+
+    from worker.adapters.kafka_clients import ensure_topics
+    from worker.load import produce, requests
+    from worker.runner import Runner
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    broker = None
+    bootstrap = bootstrap or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    t_start = time.monotonic()
+    if not bootstrap:
+        from worker.local.kafka_broker import LocalKafka
+
+        print("starting a local Apache Kafka broker (KRaft) ...", flush=True)
+        broker = LocalKafka().start()
+        bootstrap = broker.bootstrap
+        print(f"  broker {broker.version} ready at {bootstrap} in {time.monotonic() - t_start:.1f}s", flush=True)
+    run_id = uuid.uuid4().hex[:6]
+    topics = {"in": f"demo-requests-{run_id}", "out": f"demo-results-{run_id}", "dlq": f"demo-dlq-{run_id}"}
+    try:
+        ensure_topics(bootstrap, {topics["in"]: partitions, topics["out"]: partitions, topics["dlq"]: 1})
+        cfg = from_dict({
+            "kafka": {"bootstrap_servers": bootstrap, "group_id": f"demo-{run_id}", "input_topics": [topics["in"]],
+                      "output_topic": topics["out"], "dlq_topic": topics["dlq"]},
+            "model": {"name": model, "device": "cpu"},
+            "batching": {"lanes": [{"name": "default", "max_batch_size": 64, "max_wait_ms": 5}]},
+            "metrics": {"enabled": False},
+        }, environ={})
+        print(f"loading model {model!r} ...", flush=True)
+        runner = Runner(cfg)
+        t = threading.Thread(target=runner.run, name="worker-loop", daemon=True)
+        t.start()
+        if not runner.ready.wait(300):
+            print("worker did not start in time")
+            return 1
+        print(f"producing {records} requests (+2 malformed) at {rate:.0f}/s to {topics['in']} ...", flush=True)
+        produce(bootstrap, topics["in"], iter([(b"bad-1", b"{not json"), (b"bad-2", b'{"id": "bad-2"}')]))
+        t0 = time.monotonic()
+        produce(bootstrap, topics["in"], requests(records, kind=model, id_prefix=f"demo-{run_id}"), rate=rate)
+
+        results = _collect(Consumer, bootstrap, topics["out"], records + 1, timeout=180)
+        elapsed = time.monotonic() - t0
+        runner.stop()
+        t.join(60)
+        st = runner.stats
+        ok = [r for r in results if r.get("status") == "ok"]
+        e2e = [r["timings"]["e2e_ms"] for r in ok if r.get("timings", {}).get("e2e_ms") is not None]
+        ids = {r["id"] for r in ok}
+        print()
+        print("demo summary")
+        print(f"  records in        {st.records_in}")
+        print(f"  results out       {len(results)} ({len(ok)} ok, {len(results) - len(ok)} error)")
+        print(f"  distinct ok ids   {len(ids)} of {records}")
+        print(f"  dead letters      {st.dlq}")
+        print(f"  batches           {st.batches}")
+        print(f"  mean batch size   {st.mean_batch:.1f}")
+        print(f"  records/s         {len(results) / elapsed:.0f} (offered {rate:.0f}/s)")
+        print(f"  end-to-end p50    {percentile(e2e, 50):.1f} ms")
+        print(f"  end-to-end p99    {percentile(e2e, 99):.1f} ms")
+        print(f"  total time        {time.monotonic() - t_start:.1f}s")
+        return 0 if len(ids) == records and st.dlq == 2 else 1
+    finally:
+        if broker is not None:
+            broker.close()
+            print("local broker stopped")
+
+
+def _collect(consumer_cls: Any, bootstrap: str, topic: str, want: int, timeout: float) -> list[dict[str, Any]]:
+    c = consumer_cls({"bootstrap.servers": bootstrap, "group.id": f"demo-reader-{uuid.uuid4().hex[:6]}",
+                      "auto.offset.reset": "earliest", "enable.auto.commit": False})
+    c.subscribe([topic])
+    out: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout
+    dec = msgspec.json.Decoder()
+    try:
+        while len(out) < want and time.monotonic() < deadline:
+            for m in c.consume(1000, 0.5):
+                if m.error() is None:
+                    out.append(dec.decode(m.value()))
+    finally:
+        c.close()
+    return out

@@ -1,0 +1,91 @@
+"""``worker dlq replay``: re-submit dead letters to their source topic once the cause is fixed.
+
+Uses its own consumer group (``<group_id>-dlq-replay``) so each dead letter is replayed once; commits
+only after the replayed record is delivered. Stops at the DLQ end offsets taken at start (so records
+that fail again and come back to the DLQ are not replayed in a loop).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from confluent_kafka import KafkaError, Producer
+from confluent_kafka import TopicPartition as KTP
+
+from schemas import DeadLetter
+from worker.adapters.kafka_clients import make_consumer, producer_config
+from worker.config import Config
+
+
+def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_run: bool = False,
+           timeout_s: float = 30.0) -> int:
+    topic = cfg.kafka.dlq_topic
+    consumer = make_consumer(cfg, **{"group.id": f"{cfg.kafka.group_id}-dlq-replay", "enable.partition.eof": True,
+                                     "partition.assignment.strategy": "range"})
+    producer = Producer(producer_config(cfg))
+    md = consumer.list_topics(topic, timeout=30)
+    if topic not in md.topics or md.topics[topic].error is not None:
+        print(f"dlq replay: topic {topic!r} does not exist")
+        return 1
+    parts = list(md.topics[topic].partitions)
+    end = {p: consumer.get_watermark_offsets(KTP(topic, p), timeout=30)[1] for p in parts}
+    consumer.assign([KTP(topic, p) for p in parts])  # committed offsets of the replay group, else earliest
+    done_parts = {p for p in parts if end[p] == 0}
+    replayed = skipped = 0
+    failures: list[str] = []
+    last_activity = time.monotonic()
+
+    def cb(err: Any, _m: Any) -> None:
+        if err is not None:
+            failures.append(str(err))
+
+    try:
+        while len(done_parts) < len(parts) and (limit is None or replayed < limit):
+            msgs = consumer.consume(500, 0.5)
+            if not msgs and time.monotonic() - last_activity > timeout_s:
+                break
+            to_commit: dict[int, int] = {}
+            for m in msgs:
+                last_activity = time.monotonic()
+                if m.error() is not None:
+                    if m.error().code() == KafkaError._PARTITION_EOF:
+                        done_parts.add(m.partition())
+                    continue
+                if m.offset() >= end[m.partition()]:
+                    done_parts.add(m.partition())
+                    continue
+                if m.offset() + 1 >= end[m.partition()]:
+                    done_parts.add(m.partition())
+                if limit is not None and replayed >= limit:
+                    break
+                to_commit[m.partition()] = m.offset() + 1
+                try:
+                    dl = DeadLetter.from_headers(m.headers())
+                except ValueError as e:
+                    print(f"  skip {topic}[{m.partition()}]@{m.offset()}: {e}")
+                    skipped += 1
+                    continue
+                if stage is not None and dl.error_stage != stage:
+                    skipped += 1
+                    continue
+                headers = [(k, v) for k, v in (m.headers() or []) if not k.startswith(("x-error", "x-source"))
+                           and k != "x-attempts"]
+                if dry_run:
+                    print(f"  would replay {dl.source_topic}[{dl.source_partition}]@{dl.source_offset} "
+                          f"({dl.error_stage}: {dl.error[:80]})")
+                else:
+                    producer.produce(dl.source_topic, value=m.value(), key=m.key(), headers=headers, on_delivery=cb)
+                replayed += 1
+            if to_commit and not dry_run:
+                producer.flush(60)
+                if failures:
+                    print(f"dlq replay: {len(failures)} records failed to deliver: {failures[0]}")
+                    return 1
+                consumer.commit(offsets=[KTP(topic, p, o) for p, o in to_commit.items()], asynchronous=False)
+    finally:
+        producer.flush(60)
+        consumer.close()
+    verb = "would replay" if dry_run else "replayed"
+    print(f"dlq replay: {verb} {replayed} dead letters, skipped {skipped}")
+    return 0

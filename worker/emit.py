@@ -1,0 +1,140 @@
+"""Outcome -> records on the output topic and the dead-letter topic, with per-record delivery tracking.
+
+A record is *done* only when everything it owes is delivered: its result (when its id is known) and its
+dead letter (when it has one). Then ``on_done(record)`` fires; the runner acks its offset. A failed
+delivery is retried ``max_retries`` times, then ``on_failed(record, error)`` fires (the runner stops without
+committing past it, so the record is reprocessed after restart).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from schemas import DeadLetter, Result, Source, Timings
+from worker.core.records import Outcome, Record
+
+log = logging.getLogger("worker.emit")
+
+_json = msgspec.json.Encoder()
+_msgpack = msgspec.msgpack.Encoder()
+
+
+class _Pending:
+    __slots__ = ("record", "remaining", "messages", "attempts", "round")
+
+    def __init__(self, record: Record) -> None:
+        self.record = record
+        self.remaining = 0
+        self.messages: list[tuple[str, bytes | None, bytes, list[tuple[str, bytes]] | None]] = []
+        self.attempts = 0
+        self.round = 0  # callbacks of an earlier (failed) round are ignored
+
+
+class Emitter:
+    def __init__(self, producer: Any, output_topic: str, dlq_topic: str, model_name: str, model_version: str | None,
+                 fmt: str, on_done: Callable[[Record], None], on_failed: Callable[[Record, str], None],
+                 max_retries: int = 5) -> None:
+        self.producer = producer
+        self.output_topic = output_topic
+        self.dlq_topic = dlq_topic
+        self.model_name = model_name
+        self.model_version = model_version
+        self.encode = _json.encode if fmt == "json" else _msgpack.encode
+        self.on_done = on_done
+        self.on_failed = on_failed
+        self.max_retries = max_retries
+        self.retry_queue: list[_Pending] = []
+        self.produced = 0
+
+    def result_bytes(self, o: Outcome, now: float, now_wall_ms: float) -> bytes:
+        rec = o.record
+        e2e = (now_wall_ms - rec.produced_at_ms) if rec.produced_at_ms else None
+        t = o.timings
+        result = Result(
+            id=rec.id or "",
+            status=o.status,
+            outputs=o.output,
+            error=o.error,
+            model=self.model_name,
+            model_version=self.model_version,
+            lane=rec.lane,
+            batch_size=o.batch_size,
+            source=Source(topic=rec.tp.topic, partition=rec.tp.partition, offset=rec.offset),
+            timings=Timings(queue_ms=round(t.get("queue", 0.0) * 1000, 3),
+                            inference_ms=round(t.get("infer", 0.0) * 1000, 3),
+                            total_ms=round((now - rec.received_at) * 1000, 3),
+                            e2e_ms=round(e2e, 3) if e2e is not None else None),
+            meta=rec.meta,
+            cached=bool(t.get("cached")),
+        )
+        return self.encode(result)
+
+    def emit(self, o: Outcome, now: float, now_wall_ms: float, result_bytes: bytes | None = None) -> None:
+        rec = o.record
+        p = _Pending(rec)
+        if rec.id is not None:
+            value = result_bytes if result_bytes is not None else self.result_bytes(o, now, now_wall_ms)
+            p.messages.append((self.output_topic, rec.key, value, None))
+        if o.dlq_stage is not None:
+            dl = DeadLetter(error=(o.error or o.dlq_stage)[:4000], error_stage=o.dlq_stage,  # type: ignore[arg-type]
+                            source_topic=rec.tp.topic, source_partition=rec.tp.partition,
+                            source_offset=rec.offset, attempts=max(rec.attempts, 1))
+            headers = [(k, v) for k, v in rec.headers if not k.startswith("x-error") and not k.startswith("x-source")
+                       and k != "x-attempts"] + dl.headers()
+            p.messages.append((self.dlq_topic, rec.key, rec.value, headers))
+        if not p.messages:  # nothing owed (cannot happen with a DLQ stage set); done at once
+            self.on_done(rec)
+            return
+        self._send(p)
+
+    def _send(self, p: _Pending) -> None:
+        p.remaining = len(p.messages)
+        p.round += 1
+        for topic, key, value, headers in p.messages:
+            self._produce(topic, key, value, headers, p)
+
+    def _produce(self, topic: str, key: bytes | None, value: bytes, headers: Any, p: _Pending) -> None:
+        rnd = p.round
+
+        def cb(err: Any, _msg: Any) -> None:
+            if rnd == p.round:
+                self._delivered(p, err)
+
+        while True:
+            try:
+                self.producer.produce(topic, value=value, key=key, headers=headers, on_delivery=cb)
+                self.produced += 1
+                return
+            except BufferError:
+                # Local queue full: serve delivery reports, then try again (bounded by the queue size).
+                self.producer.poll(0.05)
+
+    def _delivered(self, p: _Pending, err: Any) -> None:
+        if err is not None:
+            p.attempts += 1
+            log.warning("delivery failed (attempt %d): %s", p.attempts, err,
+                        extra={"id": p.record.id, "topic": p.record.tp.topic, "offset": p.record.offset})
+            if p.attempts <= self.max_retries:
+                # Re-send everything this record owes; duplicates of the part that did arrive are allowed
+                # by at-least-once and absorbed by the idempotent producer per message otherwise.
+                self.retry_queue.append(p)
+            else:
+                self.on_failed(p.record, str(err))
+            p.round += 1  # ignore the other callbacks of this round
+            return
+        p.remaining -= 1
+        if p.remaining == 0:
+            self.on_done(p.record)
+
+    def retry_failed(self) -> None:
+        if not self.retry_queue:
+            return
+        queue, self.retry_queue = self.retry_queue, []
+        for p in queue:
+            time.sleep(min(0.05 * p.attempts, 0.5))
+            self._send(p)

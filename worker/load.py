@@ -1,0 +1,112 @@
+"""``worker load``: synthetic requests at a given rate (also used by the demo, tests and benchmarks)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgspec
+from confluent_kafka import Producer
+
+_enc = msgspec.json.Encoder()
+
+SENTENCES = [
+    "Kafka keeps the log; the worker keeps the promise.",
+    "A short one.",
+    "Batching requests by count or by time trades a little latency for a lot of throughput on accelerators.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Priority lanes let urgent traffic overtake the backlog without starving it.",
+    "Offsets are committed only after the results are safely delivered to the output topic, never before.",
+    "GPU time is expensive.",
+    "Embeddings map sentences to vectors so that similar meanings end up close together in space.",
+]
+
+
+def make_inputs(kind: str, rng: random.Random) -> Callable[[int], Any]:
+    if kind == "tiny":
+        return lambda i: [round(rng.uniform(-1, 1), 4) for _ in range(16)]
+    if kind == "synthetic":
+        return lambda i: {"x": i}
+    if kind == "identity":
+        return lambda i: {"v": i}
+    if kind == "minilm":
+        return lambda i: {"text": SENTENCES[i % len(SENTENCES)] + f" #{i}"}
+    raise ValueError(f"unknown --model-input {kind!r}: expected tiny, synthetic, identity or minilm")
+
+
+def parse_lanes(spec: str | None) -> list[tuple[str, float]]:
+    if not spec:
+        return []
+    out = []
+    for part in spec.split(","):
+        name, _, share = part.partition("=")
+        try:
+            out.append((name.strip(), float(share) if share else 1.0))
+        except ValueError:
+            raise ValueError(f"--lanes: bad share in {part!r}; expected NAME=FRACTION, e.g. high=0.1,low=0.9") from None
+    return out
+
+
+def requests(count: int, kind: str = "tiny", lanes: str | None = None, id_prefix: str = "req",
+             deadline_ms: int | None = None, seed: int = 7) -> Iterator[tuple[bytes, bytes]]:
+    """(key, value) pairs of valid requests."""
+    rng = random.Random(seed)
+    inputs = make_inputs(kind, rng)
+    mix = parse_lanes(lanes)
+    names = [n for n, _ in mix]
+    weights = [w for _, w in mix]
+    for i in range(count):
+        req: dict[str, Any] = {"id": f"{id_prefix}-{i}", "inputs": inputs(i)}
+        if mix:
+            req["priority"] = rng.choices(names, weights)[0]
+        if deadline_ms is not None:
+            req["deadline_ms"] = int(time.time() * 1000) + deadline_ms
+        yield req["id"].encode(), _enc.encode(req)
+
+
+def produce(bootstrap: str, topic: str, items: Iterator[tuple[bytes, bytes]], rate: float = 0.0,
+            producer_conf: dict[str, Any] | None = None) -> int:
+    """Produce at ``rate`` records/s (0 = unthrottled); returns the count delivered. Raises on failures."""
+    p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, "enable.idempotence": True,
+                  "queue.buffering.max.messages": 1_000_000, **(producer_conf or {})})
+    failed: list[str] = []
+    delivered = 0
+
+    def cb(err: Any, _msg: Any) -> None:
+        nonlocal delivered
+        if err is not None:
+            failed.append(str(err))
+        else:
+            delivered += 1
+
+    start = time.monotonic()
+    for n, (key, value) in enumerate(items):
+        if rate > 0:
+            ahead = start + n / rate - time.monotonic()
+            if ahead > 0:
+                time.sleep(ahead)
+        while True:
+            try:
+                p.produce(topic, value=value, key=key, on_delivery=cb)
+                break
+            except BufferError:
+                p.poll(0.05)
+        p.poll(0)
+    p.flush(60)
+    if failed:
+        raise RuntimeError(f"{len(failed)} records failed to deliver, first: {failed[0]}")
+    return delivered
+
+
+def load_main(args: argparse.Namespace) -> int:
+    bootstrap = args.bootstrap or os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
+    t0 = time.monotonic()
+    n = produce(bootstrap, args.topic, requests(args.count, args.model_input, args.lanes, args.id_prefix,
+                                                args.deadline_ms), rate=args.rate)
+    dt = time.monotonic() - t0
+    print(f"produced {n} records to {args.topic} in {dt:.1f}s ({n / dt if dt else 0:.0f}/s)")
+    return 0

@@ -1,0 +1,486 @@
+"""The one loop that wires the ports together (ARCHITECTURE sections 3 and 4).
+
+Threads:
+- the **loop thread** (the caller of ``Runner.run``) owns every Kafka client call: consume, produce, poll,
+  commit, pause/resume and the rebalance callbacks;
+- one **device thread** per device (``DeviceWorker``) takes the next batch from the scheduler, runs the
+  model and hands the outputs back through ``self._completions``.
+
+Commit order (at-least-once): result/DLQ produced -> delivery report OK -> tracker.ack -> the contiguous
+done prefix is committed every ``commit_interval_ms``, on revoke and on shutdown. Never past a gap.
+Exactly-once: the same prefix goes into the producer's transaction with the results it covers.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import TopicPartition as KTP
+
+from worker.adapters.kafka_clients import make_consumer, make_producer
+from worker.config import Config
+from worker.core.offsets import OffsetTracker
+from worker.core.ports import Metrics, Model, NullMetrics
+from worker.core.records import Batch, Outcome, Record, TopicPartition
+from worker.core.scheduler import PriorityScheduler
+from worker.emit import Emitter
+from worker.intake import Intake
+
+log = logging.getLogger("worker.runner")
+
+
+@dataclass
+class RunStats:
+    records_in: int = 0
+    results_ok: int = 0
+    results_error: int = 0
+    results_expired: int = 0
+    dlq: int = 0
+    batches: int = 0
+    batched_records: int = 0
+    commits: int = 0
+    started: float = field(default_factory=time.monotonic)
+    e2e_ms: list[float] = field(default_factory=list)  # sampled end-to-end latencies (for summaries)
+    lanes: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def mean_batch(self) -> float:
+        return self.batched_records / self.batches if self.batches else 0.0
+
+
+class FatalDeliveryError(RuntimeError):
+    pass
+
+
+class Runner:
+    def __init__(self, cfg: Config, model: Model | None = None, *, metrics: Metrics | None = None,
+                 store: Any = None, devices: list[str] | None = None,
+                 stop_at: dict[TopicPartition, int] | None = None,
+                 on_assign_offsets: Callable[[Any, list[KTP]], None] | None = None,
+                 group_id: str | None = None, install_signals: bool = False,
+                 health: Any = None, reached: set[TopicPartition] | None = None) -> None:
+        self.cfg = cfg
+        self.metrics: Metrics = metrics or NullMetrics()
+        self.store = store
+        self.health = health
+        self._models: list[Model] = []
+        self._model_arg = model
+        self._device_specs = devices
+        self.stop_at = stop_at  # backfill: stop when every partition reaches these end offsets
+        self.reached: set[TopicPartition] = set(reached or ())  # backfill: partitions read up to stop_at
+        self._on_assign_offsets = on_assign_offsets
+        self.group_id = group_id or cfg.kafka.group_id
+        self.install_signals = install_signals
+
+        lanes = cfg.batching.lanes
+        self.lane_cfg = {lane.name: lane for lane in lanes}
+        self.scheduler = PriorityScheduler(lanes, cfg.batching.default_lane, cfg.batching.policy,
+                                           cfg.batching.bucket_width)
+        self.tracker = OffsetTracker()
+        self.cv = threading.Condition()
+        self._completions: queue.SimpleQueue[tuple[Batch, list[Any], dict[str, float]]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._fatal: str | None = None
+        self.stats = RunStats()
+        self.assigned: set[TopicPartition] = set()
+        self.epochs: Counter[TopicPartition] = Counter()
+        self.paused: set[TopicPartition] = set()
+        self.position: dict[TopicPartition, int] = {}  # next offset to read, per partition (backfill progress)
+        self.committed: dict[TopicPartition, int] = {}
+        self._device_busy = 0
+        self._last_commit = time.monotonic()
+        self._e2e_sample = 0
+        self.consumer: Any = None
+        self.producer: Any = None
+        self.workers: list[Any] = []
+        self.ready = threading.Event()
+
+    # ------------------------------------------------------------------ setup
+    def _build_models(self) -> None:
+        from worker.adapters.torch_engine import DeviceWorker, Engine, resolve_device
+        from worker.models.registry import load_model
+
+        specs = self._device_specs or self.cfg.model.devices or [self.cfg.model.device]
+        devices = [resolve_device(s) for s in specs]
+        for i, dev in enumerate(devices):
+            model = self._model_arg if (i == 0 and self._model_arg is not None) else load_model(self.cfg.model)
+            engine = Engine(model, dev, dtype=self.cfg.model.dtype, compile=self.cfg.model.compile,
+                            warmup=self.cfg.model.warmup, on_limit=self._on_limit)
+            engine.setup()
+            self._models.append(model)
+            self.workers.append(DeviceWorker(engine, take=self._take, done=self._done, name=f"device-{dev}"))
+        self.model = self._models[0]
+        self.metrics.gauge("model_loaded", 1)
+
+    def _on_limit(self, lane: str, new_max: int) -> None:
+        with self.cv:
+            self.scheduler.set_max_batch_size(lane, new_max)
+        self.metrics.event("oom_splits", lane=lane)
+
+    # ------------------------------------------------------------------ device side (device threads)
+    def _take(self, timeout: float) -> Batch | None:
+        deadline = time.monotonic() + timeout
+        with self.cv:
+            while True:
+                now = time.monotonic()
+                batch = self.scheduler.next_batch(now, idle=True)
+                if batch is not None:
+                    self._device_busy += 1
+                    batch.closed_at = now  # dispatch time: queue wait is measured up to here
+                    return batch
+                if now >= deadline or self._stop_devices:
+                    return None
+                wake = self.scheduler.next_wakeup(now)
+                until = deadline if wake is None else min(deadline, wake)
+                self.cv.wait(max(until - now, 0.0002))
+
+    def _done(self, batch: Batch, outputs: list[Any], timings: dict[str, float]) -> None:
+        with self.cv:
+            self._device_busy -= 1
+            self.scheduler.observe(batch.lane, len(batch.records), timings.get("infer", 0.0))
+        self._completions.put((batch, outputs, timings))
+
+    _stop_devices = False
+
+    # ------------------------------------------------------------------ loop side
+    def stop(self, *_: Any) -> None:
+        """Ask for a graceful stop (signal-safe)."""
+        self._stop.set()
+        with self.cv:
+            self.cv.notify_all()
+
+    def run(self) -> int:
+        if self.install_signals:
+            signal.signal(signal.SIGTERM, self.stop)
+            signal.signal(signal.SIGINT, self.stop)
+        self._build_models()
+        from worker.intake import Intake
+
+        self.intake = Intake(self.cfg, self.model)
+        self.consumer = make_consumer(self.cfg, **({"group.id": self.group_id}))
+        self.producer = make_producer(self.cfg)
+        self.emitter = Emitter(self.producer, self.cfg.kafka.output_topic, self.cfg.kafka.dlq_topic,
+                               getattr(self.model, "name", "model"),
+                               self.cfg.model.version or getattr(self.model, "version", None),
+                               self.cfg.delivery.format, on_done=self._record_done, on_failed=self._record_failed)
+        for w in self.workers:
+            w.start()
+        topics = self.cfg.input_topics()
+        self.consumer.subscribe(topics, on_assign=self._on_assign, on_revoke=self._on_revoke,
+                                on_lost=self._on_lost)
+        log.info("worker started", extra={"topics": topics, "group": self.group_id,
+                                          "devices": [w.name for w in self.workers]})
+        self.ready.set()
+        try:
+            while not self._stop.is_set() and self._fatal is None:
+                self._iterate()
+                if self.stop_at is not None and self._backfill_complete():
+                    break
+            return self._shutdown()
+        finally:
+            self._close()
+
+    def _iterate(self, consume: bool = True) -> None:
+        now = time.monotonic()
+        if self.health is not None:
+            self.health.heartbeat = now
+        if consume:
+            busy = self._device_busy > 0 or not self._completions.empty()
+            timeout = 0.002 if busy else self.cfg.kafka.poll_timeout_ms / 1000.0
+            msgs = self.consumer.consume(self.cfg.kafka.poll_max_records, timeout)
+            if msgs:
+                self._ingest(msgs)
+        else:
+            self.consumer.poll(0)  # heartbeats / rebalance callbacks while draining (partitions paused)
+        self._drain_completions()
+        self._expire()
+        self.producer.poll(0)
+        self.emitter.retry_failed()
+        if consume:
+            self._backpressure()
+        if time.monotonic() - self._last_commit >= self.cfg.kafka.commit_interval_ms / 1000.0:
+            self._commit()
+
+    def _ingest(self, msgs: list[Any]) -> None:
+        now = time.monotonic()
+        outcomes: list[Outcome] = []
+        admitted: list[Record] = []
+        for m in msgs:
+            err = m.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    if self.stop_at is not None:
+                        eof_tp = TopicPartition(m.topic(), m.partition())
+                        if m.offset() >= self.stop_at.get(eof_tp, 0):
+                            self.reached.add(eof_tp)
+                else:
+                    log.warning("consume error: %s", err)
+                    if err.fatal():
+                        self._fatal = f"fatal consumer error: {err}"
+                continue
+            tp = TopicPartition(m.topic(), m.partition())
+            if tp not in self.assigned:
+                continue  # a message of a partition revoked while it was in the fetch batch
+            offset = m.offset()
+            if self.stop_at is not None and offset >= self.stop_at.get(tp, 0):
+                # Backfill: past the end snapshot taken at start; leave it for the live workers.
+                self.reached.add(tp)
+                continue
+            self.position[tp] = offset + 1
+            if self.stop_at is not None and offset + 1 >= self.stop_at.get(tp, 0):
+                self.reached.add(tp)
+            self.tracker.track(tp, offset)
+            ts_type, ts = m.timestamp()
+            rec = Record(tp=tp, offset=offset, value=m.value(), key=m.key(), headers=m.headers() or [],
+                         received_at=now, produced_at_ms=ts if ts_type else None, epoch=self.epochs[tp])
+            self.stats.records_in += 1
+            bad = self.intake.admit(rec, now)
+            if bad is not None:
+                outcomes.append(bad)
+            else:
+                admitted.append(rec)
+        if admitted:
+            lane_counts: Counter[str] = Counter()
+            with self.cv:
+                for rec in admitted:
+                    lane_counts[rec.lane] += 1
+                    for late in self.scheduler.add(rec, now):
+                        outcomes.append(Outcome(late, "expired", error="deadline passed", dlq_stage="expired"))
+                self.cv.notify_all()
+            for lane, n in lane_counts.items():
+                self.metrics.records_in(lane, n)
+        if outcomes:
+            self._emit_all(outcomes, now)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self.cv:
+            expired = self.scheduler.expire(now)
+        if expired:
+            self._emit_all([Outcome(r, "expired", error="deadline passed before inference", dlq_stage="expired")
+                            for r in expired], now)
+
+    def _drain_completions(self) -> None:
+        while True:
+            try:
+                batch, outputs, timings = self._completions.get_nowait()
+            except queue.Empty:
+                return
+            self._complete_batch(batch, outputs, timings)
+
+    def _complete_batch(self, batch: Batch, outputs: list[Any], timings: dict[str, float]) -> None:
+        now = time.monotonic()
+        n = len(batch.records)
+        self.stats.batches += 1
+        self.stats.batched_records += n
+        infer_s = timings.get("infer", 0.0)
+        queue_wait = sum(batch.closed_at - r.received_at for r in batch.records) / n
+        self.metrics.batch(batch.lane, n, batch.fill_ratio, queue_wait, infer_s)
+        self.metrics.event("batches", lane=batch.lane, reason=batch.reason)
+        outcomes = []
+        for rec, out in zip(batch.records, outputs, strict=True):
+            if self.epochs[rec.tp] != rec.epoch:
+                continue  # partition revoked meanwhile: the new owner reprocesses it
+            t = {"queue": batch.closed_at - rec.received_at, "infer": infer_s}
+            if isinstance(out, BaseException):
+                outcomes.append(Outcome(rec, "error", error=f"{type(out).__name__}: {out}", dlq_stage="inference",
+                                        batch_size=n, timings=t))
+            else:
+                outcomes.append(Outcome(rec, "ok", output=out, batch_size=n, timings=t))
+        self._emit_all(outcomes, now)
+
+    def _emit_all(self, outcomes: Iterable[Outcome], now: float) -> None:
+        wall_ms = time.time() * 1000.0
+        st = self.stats
+        for o in outcomes:
+            if o.status == "ok":
+                st.results_ok += 1
+            elif o.status == "error":
+                st.results_error += 1
+            else:
+                st.results_expired += 1
+            if o.dlq_stage is not None:
+                st.dlq += 1
+                self.metrics.dlq(o.dlq_stage)
+            rec = o.record
+            self.metrics.records_out(rec.lane, o.status)
+            if rec.produced_at_ms:
+                e2e = (wall_ms - rec.produced_at_ms) / 1000.0
+                self.metrics.end_to_end(rec.lane, e2e)
+                self._e2e_sample += 1
+                if len(st.e2e_ms) < 200_000:
+                    st.e2e_ms.append(e2e * 1000.0)
+            self.emitter.emit(o, now, wall_ms)
+
+    def _record_done(self, rec: Record) -> None:
+        if self.epochs[rec.tp] == rec.epoch:
+            self.tracker.ack(rec.tp, rec.offset)
+
+    def _record_failed(self, rec: Record, err: str) -> None:
+        if self.epochs[rec.tp] == rec.epoch:
+            self.tracker.nack(rec.tp, rec.offset)
+        self._fatal = f"giving up delivering the result of {rec.tp.topic}[{rec.tp.partition}]@{rec.offset}: {err}"
+
+    # ------------------------------------------------------------------ backpressure
+    def _backpressure(self) -> None:
+        in_flight = self.tracker.in_flight()
+        self.metrics.gauge("in_flight", in_flight)
+        bound = self.cfg.batching.max_in_flight
+        want: set[TopicPartition]
+        if in_flight >= bound:
+            want = set(self.assigned)
+        elif self.paused and in_flight > bound * self.cfg.batching.resume_ratio:
+            want = set(self.paused) & self.assigned  # hysteresis: stay paused until the low watermark
+        else:
+            want = set()
+        if self.stop_at is not None:
+            want |= self.reached & self.assigned  # backfill: nothing more to read there
+        with self.cv:
+            full = self.scheduler.over_bound()
+        if full:
+            lanes_of = self.intake.topic_lanes
+            want |= {tp for tp in self.assigned if lanes_of.get(tp.topic, self.cfg.batching.default_lane) in full}
+        if want != self.paused:
+            to_pause = want - self.paused
+            to_resume = (self.paused - want) & self.assigned
+            if to_pause:
+                self.consumer.pause([KTP(t, p) for t, p in to_pause])
+            if to_resume:
+                self.consumer.resume([KTP(t, p) for t, p in to_resume])
+            self.paused = want
+            self.metrics.gauge("paused_partitions", len(want))
+
+    # ------------------------------------------------------------------ commits
+    def _commit(self, only: set[TopicPartition] | None = None) -> None:
+        self._last_commit = time.monotonic()
+        offsets = self.tracker.committable()
+        if only is not None:
+            offsets = {tp: o for tp, o in offsets.items() if tp in only}
+        if not offsets:
+            return
+        t0 = time.monotonic()
+        try:
+            self.consumer.commit(offsets=[KTP(tp.topic, tp.partition, o) for tp, o in offsets.items()],
+                                 asynchronous=False)
+        except KafkaException as e:
+            # Not fatal: the same (or a later) prefix is committed next time. A rebalance in progress or a
+            # fenced generation shows up here; the new owner starts from the last successful commit.
+            log.warning("commit failed: %s", e)
+            self.metrics.event("commit_failures")
+            return
+        self.tracker.mark_committed(offsets)
+        self.committed.update(offsets)
+        self.stats.commits += 1
+        self.metrics.gauge("commit_seconds", time.monotonic() - t0)
+
+    # ------------------------------------------------------------------ rebalance (loop thread, inside poll)
+    def _on_assign(self, consumer: Any, partitions: list[KTP]) -> None:
+        try:
+            for p in partitions:
+                tp = TopicPartition(p.topic, p.partition)
+                self.epochs[tp] += 1
+                self.assigned.add(tp)
+            self.metrics.event("rebalances", kind="assign")
+            log.info("partitions assigned", extra={"partitions": [f"{p.topic}[{p.partition}]" for p in partitions]})
+            if self._on_assign_offsets is not None:
+                self._on_assign_offsets(consumer, partitions)
+        except Exception:  # never let an exception escape a rebalance callback raw
+            log.exception("error in on_assign")
+
+    def _on_revoke(self, consumer: Any, partitions: list[KTP]) -> None:
+        try:
+            tps = {TopicPartition(p.topic, p.partition) for p in partitions}
+            self._release(tps, graceful=True)
+            self.metrics.event("rebalances", kind="revoke")
+        except Exception:
+            log.exception("error in on_revoke")
+
+    def _on_lost(self, consumer: Any, partitions: list[KTP]) -> None:
+        try:
+            tps = {TopicPartition(p.topic, p.partition) for p in partitions}
+            self._release(tps, graceful=False)
+            self.metrics.event("rebalances", kind="lost")
+        except Exception:
+            log.exception("error in on_lost")
+
+    def _release(self, tps: set[TopicPartition], graceful: bool) -> None:
+        """Revoke: queued records of these partitions are dropped (not yet started: the new owner will
+        process them); records already on a device get ``revoke_timeout_ms`` to finish and be delivered;
+        what is done is committed synchronously; the rest is dropped."""
+        with self.cv:
+            dropped = self.scheduler.revoke(tps)
+        dropped_per: Counter[TopicPartition] = Counter(r.tp for r in dropped)
+        if graceful:
+            deadline = time.monotonic() + self.cfg.delivery.revoke_timeout_ms / 1000.0
+            while time.monotonic() < deadline:
+                if all(self.tracker.pending(tp) <= dropped_per[tp] for tp in tps):
+                    break
+                self._drain_completions()
+                self._expire()
+                self.producer.poll(0.005)
+            self.producer.flush(max(0.0, deadline - time.monotonic()))
+            self._commit(only=tps)
+        self.tracker.revoke(tps)
+        for tp in tps:
+            self.epochs[tp] += 1
+            self.position.pop(tp, None)
+        self.assigned -= tps
+        self.paused -= tps
+        log.info("partitions released", extra={"partitions": sorted(f"{t}[{p}]" for t, p in tps),
+                                               "dropped_queued": len(dropped), "graceful": graceful})
+
+    # ------------------------------------------------------------------ backfill
+    def _backfill_complete(self) -> bool:
+        assert self.stop_at is not None
+        return self.reached.issuperset(self.stop_at) and self.tracker.in_flight() == 0
+
+    # ------------------------------------------------------------------ shutdown
+    def _shutdown(self) -> int:
+        """Stop fetching, finish in-flight work within shutdown_timeout_s, commit. 0 unless a fatal error."""
+        log.info("shutting down", extra={"in_flight": self.tracker.in_flight()})
+        if self.assigned:
+            self.consumer.pause([KTP(t, p) for t, p in self.assigned])
+            self.paused = set(self.assigned)
+        with self.cv:
+            self.scheduler.flush(time.monotonic())
+            self.cv.notify_all()
+        deadline = time.monotonic() + self.cfg.delivery.shutdown_timeout_s
+        while self.tracker.in_flight() > 0 and time.monotonic() < deadline and self._fatal is None:
+            self._iterate(consume=False)
+            time.sleep(0.001)
+        self.producer.flush(max(1.0, deadline - time.monotonic()))
+        self.producer.poll(0)
+        self._commit()
+        left = self.tracker.in_flight()
+        if left:
+            log.warning("shutdown timeout: records left uncommitted (they will be reprocessed)", extra={"count": left})
+        if self._fatal:
+            log.error(self._fatal)
+            return 1
+        return 0
+
+    def _close(self) -> None:
+        self._stop_devices = True
+        with self.cv:
+            self.cv.notify_all()
+        for w in self.workers:
+            try:
+                w.stop(timeout=5.0)
+            except Exception:
+                log.exception("stopping device worker")
+        if self.consumer is not None:
+            try:
+                self.consumer.close()  # leaves the group now (no session-timeout wait for the others)
+            except Exception:
+                log.exception("closing consumer")
+        if self.producer is not None:
+            self.producer.flush(5.0)

@@ -1,0 +1,38 @@
+"""``worker run``: the runner plus what a deployed service needs around it (metrics/health port, store)."""
+
+from __future__ import annotations
+
+import logging
+
+from worker.config import Config, redact
+
+log = logging.getLogger("worker.service")
+
+
+def run_service(cfg: Config, metrics_port: int | None = None) -> int:
+    from worker.adapters.memory_store import make_store
+    from worker.runner import Runner
+
+    metrics = None
+    health_server = None
+    state = None
+    if cfg.metrics.enabled:
+        from worker.adapters.health import HealthServer, HealthState
+        from worker.adapters.metrics import PrometheusMetrics
+
+        metrics = PrometheusMetrics()
+        state = HealthState()
+        port = cfg.metrics.port if metrics_port is None else metrics_port
+        health_server = HealthServer(metrics, cfg.metrics.host, port, state)
+        health_server.start()
+        log.info("metrics and health on port %d", health_server.port)
+    log.info("starting", extra={"consumer": redact(dict(cfg.kafka.consumer)),
+                                "producer": redact(dict(cfg.kafka.producer)),
+                                "model": cfg.model.name, "delivery": cfg.delivery.mode})
+    store = make_store(cfg.redis, metrics)
+    runner = Runner(cfg, metrics=metrics, store=store, install_signals=True, health=state)
+    try:
+        return runner.run()
+    finally:
+        if health_server is not None:
+            health_server.stop()
