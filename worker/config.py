@@ -236,10 +236,21 @@ def _check_semantics(cfg: Config) -> None:
         raise ConfigError(f"$.model.device: expected auto, cpu, mps, cuda or cuda:N, got {cfg.model.device!r}")
 
 
+def _merge(base: Any, over: Any) -> Any:
+    """Mappings merge key by key; anything else (lists included) in ``over`` replaces ``base``."""
+    if isinstance(base, dict) and isinstance(over, dict):
+        out = dict(base)
+        for k, v in over.items():
+            out[k] = _merge(base[k], v) if k in base else v
+        return out
+    return over
+
+
 def from_dict(data: dict[str, Any] | None, environ: dict[str, str] | None = None) -> Config:
-    data = dict(data or {})
-    if not isinstance(data, dict):
+    if data is not None and not isinstance(data, dict):
         raise ConfigError(f"$: expected a mapping at the top of the config, got {type(data).__name__}")
+    # Start from the defaults so env overrides can address keys the file leaves out (lanes[0], ...).
+    data = _merge(msgspec.to_builtins(Config()), data or {})
     _apply_env(data, dict(os.environ) if environ is None else environ)
     data = _resolve_secrets(data, "$")
     try:
