@@ -38,7 +38,7 @@ class _Pending:
 class Emitter:
     def __init__(self, producer: Any, output_topic: str, dlq_topic: str, model_name: str, model_version: str | None,
                  fmt: str, on_done: Callable[[Record], None], on_failed: Callable[[Record, str], None],
-                 max_retries: int = 5) -> None:
+                 max_retries: int = 5, is_stale: Callable[[Record], bool] | None = None) -> None:
         self.producer = producer
         self.output_topic = output_topic
         self.dlq_topic = dlq_topic
@@ -48,6 +48,9 @@ class Emitter:
         self.on_done = on_done
         self.on_failed = on_failed
         self.max_retries = max_retries
+        # A record whose partition was revoked (or whose transaction aborted) is not retried: the new
+        # owner, or the rewound consumer, processes it again.
+        self.is_stale = is_stale or (lambda _r: False)
         self.retry_queue: list[_Pending] = []
         self.produced = 0
 
@@ -136,5 +139,7 @@ class Emitter:
             return
         queue, self.retry_queue = self.retry_queue, []
         for p in queue:
+            if self.is_stale(p.record):
+                continue
             time.sleep(min(0.05 * p.attempts, 0.5))
             self._send(p)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import signal
+import socket
 import threading
 import time
 from collections import Counter
@@ -23,7 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KTP
 
 from worker.adapters.kafka_clients import make_consumer, make_producer
@@ -34,6 +35,7 @@ from worker.core.records import Batch, Outcome, Record, TopicPartition
 from worker.core.scheduler import PriorityScheduler
 from worker.emit import Emitter
 from worker.intake import Intake
+from worker.transactions import Fenced, TransactionalCommitter
 
 log = logging.getLogger("worker.runner")
 
@@ -163,15 +165,22 @@ class Runner:
             signal.signal(signal.SIGTERM, self.stop)
             signal.signal(signal.SIGINT, self.stop)
         self._build_models()
-        from worker.intake import Intake
-
         self.intake = Intake(self.cfg, self.model)
         self.consumer = make_consumer(self.cfg, **({"group.id": self.group_id}))
-        self.producer = make_producer(self.cfg)
+        self.txn: TransactionalCommitter | None = None
+        if self.cfg.delivery.mode == "exactly_once":
+            tid = self.cfg.delivery.transactional_id or f"{self.group_id}-{socket.gethostname()}"
+            self.producer = make_producer(self.cfg, **{"transactional.id": tid})
+            self.txn = TransactionalCommitter(self.producer, self.consumer)
+            self.txn.init()
+            log.info("exactly-once mode", extra={"transactional_id": tid})
+        else:
+            self.producer = make_producer(self.cfg)
         self.emitter = Emitter(self.producer, self.cfg.kafka.output_topic, self.cfg.kafka.dlq_topic,
                                getattr(self.model, "name", "model"),
                                self.cfg.model.version or getattr(self.model, "version", None),
-                               self.cfg.delivery.format, on_done=self._record_done, on_failed=self._record_failed)
+                               self.cfg.delivery.format, on_done=self._record_done, on_failed=self._record_failed,
+                               is_stale=lambda r: self.epochs[r.tp] != r.epoch)
         for w in self.workers:
             w.start()
         topics = self.cfg.input_topics()
@@ -239,6 +248,8 @@ class Runner:
             if self.stop_at is not None and offset + 1 >= self.stop_at.get(tp, 0):
                 self.reached.add(tp)
             self.tracker.track(tp, offset)
+            if self.txn is not None:
+                self.txn.track(tp, offset)
             ts_type, ts = m.timestamp()
             rec = Record(tp=tp, offset=offset, value=m.value(), key=m.key(), headers=m.headers() or [],
                          received_at=now, produced_at_ms=ts if ts_type else None, epoch=self.epochs[tp])
@@ -319,7 +330,11 @@ class Runner:
                 self._e2e_sample += 1
                 if len(st.e2e_ms) < 200_000:
                     st.e2e_ms.append(e2e * 1000.0)
-            self.emitter.emit(o, now, wall_ms)
+            if self.txn is None:
+                self.emitter.emit(o, now, wall_ms)
+            else:
+                for ordered in self.txn.release(o):
+                    self.emitter.emit(ordered, now, wall_ms)
 
     def _record_done(self, rec: Record) -> None:
         if self.epochs[rec.tp] == rec.epoch:
@@ -362,6 +377,9 @@ class Runner:
     # ------------------------------------------------------------------ commits
     def _commit(self, only: set[TopicPartition] | None = None) -> None:
         self._last_commit = time.monotonic()
+        if self.txn is not None:
+            self._checkpoint_transaction()
+            return
         offsets = self.tracker.committable()
         if only is not None:
             offsets = {tp: o for tp, o in offsets.items() if tp in only}
@@ -381,6 +399,42 @@ class Runner:
         self.committed.update(offsets)
         self.stats.commits += 1
         self.metrics.gauge("commit_seconds", time.monotonic() - t0)
+
+    def _checkpoint_transaction(self) -> None:
+        assert self.txn is not None
+        t0 = time.monotonic()
+        # Every produced result must be delivered before its offset can go into the transaction.
+        self.producer.flush(30)
+        offsets = self.tracker.committable()
+        try:
+            ok = self.txn.checkpoint(offsets)
+        except Fenced as e:
+            self._fatal = str(e)
+            return
+        if ok:
+            self.tracker.mark_committed(offsets)
+            self.committed.update(offsets)
+            self.stats.commits += 1
+            self.metrics.gauge("commit_seconds", time.monotonic() - t0)
+        else:
+            self.metrics.event("commit_failures")
+            self._rewind()
+
+    def _rewind(self) -> None:
+        """After an aborted transaction: forget everything in flight and read again from the committed
+        offsets (results of the aborted transaction are invisible to read_committed readers)."""
+        tps = set(self.assigned)
+        with self.cv:
+            self.scheduler.revoke(tps)
+        self.tracker.revoke(tps)
+        if self.txn is not None:
+            self.txn.drop(tps)
+        for tp in tps:
+            self.epochs[tp] += 1
+        committed = self.consumer.committed([KTP(t, p) for t, p in tps], timeout=30)
+        for k in committed:
+            self.consumer.seek(KTP(k.topic, k.partition, k.offset if k.offset >= 0 else OFFSET_BEGINNING))
+        log.warning("rewound to the committed offsets after an aborted transaction", extra={"partitions": len(tps)})
 
     # ------------------------------------------------------------------ rebalance (loop thread, inside poll)
     def _on_assign(self, consumer: Any, partitions: list[KTP]) -> None:
@@ -430,6 +484,8 @@ class Runner:
             self.producer.flush(max(0.0, deadline - time.monotonic()))
             self._commit(only=tps)
         self.tracker.revoke(tps)
+        if self.txn is not None:
+            self.txn.drop(tps)
         for tp in tps:
             self.epochs[tp] += 1
             self.position.pop(tp, None)
@@ -483,4 +539,6 @@ class Runner:
             except Exception:
                 log.exception("closing consumer")
         if self.producer is not None:
+            if self.txn is not None:
+                self.txn.close()
             self.producer.flush(5.0)
