@@ -12,6 +12,7 @@ Checkpoint (every ``kafka.commit_interval_ms``, on revoke and on shutdown):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
 from collections.abc import Iterator
@@ -106,8 +107,6 @@ class TransactionalCommitter:
 
     def close(self) -> None:
         if self.in_txn:
-            try:
+            with contextlib.suppress(KafkaException):
                 self.producer.abort_transaction(5.0)
-            except KafkaException:
-                pass
             self.in_txn = False

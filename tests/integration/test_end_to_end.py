@@ -7,8 +7,16 @@ import time
 import pytest
 
 from tests.support.kafka_io import (
-    WorkerProcess, committed_offsets, create_topics, decode, end_offsets, produce_values, read_all, request,
-    wait_for, worker_config,
+    WorkerProcess,
+    committed_offsets,
+    create_topics,
+    decode,
+    end_offsets,
+    produce_values,
+    read_all,
+    request,
+    wait_for,
+    worker_config,
 )
 
 pytestmark = pytest.mark.integration
