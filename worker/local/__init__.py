@@ -1,0 +1,1 @@
+"""Launchers for a local Apache Kafka broker and Redis server (tests, ``worker demo``)."""
