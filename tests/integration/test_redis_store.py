@@ -1,0 +1,186 @@
+"""RedisStore against a real redis-server (REDIS_URL, testcontainers, or a LocalRedis; see tests/conftest_redis.py)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import redis
+
+from worker.adapters.metrics import PrometheusMetrics
+from worker.adapters.redis_store import RedisStore, make_store
+from worker.config import RedisConfig
+from worker.local.redis_server import LocalRedis
+
+pytestmark = pytest.mark.integration
+# Also declared by tests/conftest.py; repeated here so this file runs on its own (a no-op when loaded twice).
+pytest_plugins = ["tests.conftest_redis"]
+
+
+def cfg(url: str, **kw: object) -> RedisConfig:
+    base: dict[str, object] = {"url": url, "key_prefix": f"kiw-test:{uuid.uuid4().hex[:10]}:", "cache": True,
+                               "timeout_ms": 500}
+    base.update(kw)
+    return RedisConfig(**base)  # type: ignore[arg-type]
+
+
+def errors(m: PrometheusMetrics, op: str) -> float:
+    return m.registry.get_sample_value("kiw_redis_errors_total", {"op": op}) or 0.0
+
+
+def circuit_open(m: PrometheusMetrics) -> float | None:
+    return m.registry.get_sample_value("kiw_redis_circuit_open")
+
+
+def test_cache_roundtrip_with_ttl(redis_url: str) -> None:
+    c = cfg(redis_url, cache_ttl_s=1)
+    store = RedisStore(c)
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        assert store.get_cached("abc") is None
+        store.put_cached("abc", b"\x00result\xff")
+        assert store.get_cached("abc") == b"\x00result\xff"
+        assert 0 < raw.pttl(f"{c.key_prefix}cache:abc") <= 1000
+        time.sleep(1.1)
+        assert store.get_cached("abc") is None
+    finally:
+        store.close()
+        raw.close()
+
+
+def test_ledger_and_attempts(redis_url: str) -> None:
+    c = cfg(redis_url, ledger_ttl_s=600, attempts_ttl_s=300)
+    store = make_store(c)
+    assert isinstance(store, RedisStore)
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        assert store.ping()
+        assert not store.was_delivered("r1")
+        ids = [f"r{i}" for i in range(500)]
+        store.mark_delivered(ids[::2])
+        assert store.was_delivered("r0") and not store.was_delivered("r1")
+        assert store.delivered_many(ids) == set(ids[::2])
+        assert store.delivered_many([]) == set()
+        assert 590 <= raw.ttl(f"{c.key_prefix}delivered:r0") <= 600
+
+        assert [store.incr_attempts("t/0/42") for _ in range(3)] == [1, 2, 3]
+        assert 290 <= raw.ttl(f"{c.key_prefix}attempts:t/0/42") <= 300
+        store.clear_attempts(["t/0/42", "t/0/43"])
+        assert store.incr_attempts("t/0/42") == 1
+    finally:
+        raw.delete(*raw.keys(f"{c.key_prefix}*"))
+        store.close()
+        raw.close()
+
+
+def test_password_protected_server(local_redis_factory: Callable[..., LocalRedis],
+                                   caplog: pytest.LogCaptureFixture) -> None:
+    secret = "pa:ss@w/rd-" + uuid.uuid4().hex[:6]
+    server = local_redis_factory(password=secret)
+    caplog.set_level(logging.DEBUG)
+    m = PrometheusMetrics()
+
+    via_cfg = RedisStore(cfg(server.url_without_password, password=secret))
+    via_url = RedisStore(cfg(server.url))  # the password percent-encoded in the URL
+    wrong = RedisStore(cfg(server.url_without_password, password="nope", breaker_failures=1), m)
+    try:
+        via_cfg.put_cached("k", b"v")
+        assert via_cfg.get_cached("k") == b"v"
+        assert via_url.incr_attempts("a") == 1
+        assert wrong.get_cached("k") is None  # auth failure is a soft miss, never an exception
+        assert errors(m, "get_cached") == 1 and circuit_open(m) == 1
+        for text in (repr(via_cfg), repr(via_url), via_url.url, str(via_url.connection_kwargs()), caplog.text):
+            assert secret not in text
+    finally:
+        for s in (via_cfg, via_url, wrong):
+            s.close()
+
+
+def test_outage_returns_misses_fast_and_recovers(local_redis: LocalRedis) -> None:
+    m = PrometheusMetrics()
+    store = RedisStore(cfg(local_redis.url, breaker_failures=2, breaker_reset_s=1.0, timeout_ms=200), m)
+    try:
+        store.put_cached("k", b"v")
+        store.mark_delivered(["r1"])
+        assert store.get_cached("k") == b"v" and store.was_delivered("r1")
+
+        local_redis.stop()
+        for _ in range(2):  # these reach the dead port and open the breaker
+            assert store.get_cached("k") is None
+        assert store.breaker.state == "open" and circuit_open(m) == 1
+        misses = [store.get_cached("k"), store.was_delivered("r1"), store.delivered_many(["r1"]),
+                  store.incr_attempts("a")]
+        store.put_cached("k2", b"x")
+        store.mark_delivered(["r2"])
+        store.clear_attempts(["a"])
+        assert misses == [None, False, set(), 0]
+        t0 = time.monotonic()
+        for _ in range(50):
+            store.get_cached("k")
+        assert (time.monotonic() - t0) / 50 < 0.5  # open circuit: no network at all
+        assert errors(m, "get_cached") >= 52 and errors(m, "incr_attempts") == 1
+
+        local_redis.start()  # same port, empty data (nothing persisted)
+        time.sleep(1.05)
+        assert store.was_delivered("r1") is False  # data is gone, but the call went through...
+        assert store.breaker.state == "closed" and circuit_open(m) == 0  # ...and closed the circuit
+        store.put_cached("k", b"again")
+        assert store.get_cached("k") == b"again"
+    finally:
+        store.close()
+
+
+def test_hung_server_is_bounded_by_the_socket_timeout(local_redis: LocalRedis) -> None:
+    m = PrometheusMetrics()
+    store = RedisStore(cfg(local_redis.url, breaker_failures=2, breaker_reset_s=30, timeout_ms=100), m)
+    try:
+        assert store.ping()
+        local_redis.pause()  # accepts connections, never answers
+        t0 = time.monotonic()
+        assert store.get_cached("k") is None
+        assert store.incr_attempts("k") == 0
+        assert time.monotonic() - t0 < 2.0  # two timeouts of 0.1 s, with generous slack for a busy machine
+        t0 = time.monotonic()
+        assert store.delivered_many(["a", "b"]) == set()
+        assert time.monotonic() - t0 < 0.05
+        assert store.breaker.state == "open"
+    finally:
+        local_redis.resume()
+        store.close()
+
+
+def _self_signed(tmp: Path) -> tuple[Path, Path]:
+    cert, key = tmp / "cert.pem", tmp / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+        check=True, capture_output=True)
+    return cert, key
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI needed to make a test certificate")
+def test_tls_with_ca_file_and_password(local_redis_factory: Callable[..., LocalRedis], tmp_path: Path) -> None:
+    cert, key = _self_signed(tmp_path)
+    server = local_redis_factory(password="tls-pw", tls_cert_file=cert, tls_key_file=key)
+    assert server.url_without_password.startswith("rediss://")
+    plain_url = server.url_without_password.replace("rediss://", "redis://")
+    stores = [
+        RedisStore(cfg(plain_url, tls=True, tls_ca_file=str(cert), password="tls-pw")),
+        RedisStore(cfg(server.url, tls_ca_file=str(cert))),
+    ]
+    untrusted = RedisStore(cfg(server.url, breaker_failures=1))  # no CA: the self-signed cert is rejected
+    try:
+        for s in stores:
+            s.put_cached("k", b"tls")
+            assert s.get_cached("k") == b"tls"
+        assert untrusted.get_cached("k") is None and untrusted.breaker.state == "open"
+    finally:
+        for s in [*stores, untrusted]:
+            s.close()
