@@ -1,0 +1,212 @@
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from worker.adapters.health import HealthServer, HealthState
+from worker.adapters.metrics import DrainEstimator, PrometheusMetrics
+
+EXPECTED = {
+    # family name (as the parser reports it) -> (type, label names)
+    "kiw_records_in": ("counter", {"lane"}),
+    "kiw_records_out": ("counter", {"lane", "status"}),
+    "kiw_batch_size": ("histogram", {"lane"}),
+    "kiw_batch_fill_ratio": ("histogram", {"lane"}),
+    "kiw_queue_wait_seconds": ("histogram", {"lane"}),
+    "kiw_inference_seconds": ("histogram", {"lane"}),
+    "kiw_end_to_end_seconds": ("histogram", {"lane"}),
+    "kiw_in_flight": ("gauge", set()),
+    "kiw_paused_partitions": ("gauge", set()),
+    "kiw_consumer_lag": ("gauge", {"topic", "partition"}),
+    "kiw_drain_seconds": ("gauge", set()),
+    "kiw_commit_seconds": ("histogram", set()),
+    "kiw_commit_failures": ("counter", set()),
+    "kiw_dlq": ("counter", {"stage"}),
+    "kiw_oom_splits": ("counter", {"lane"}),
+    "kiw_redis_errors": ("counter", {"op"}),
+    "kiw_redis_circuit_open": ("gauge", set()),
+    "kiw_model_loaded": ("gauge", set()),
+    "kiw_rebalances": ("counter", {"kind"}),
+    "kiw_batches": ("counter", {"lane", "reason"}),
+}
+
+
+def samples(m: PrometheusMetrics) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    out = {}
+    for fam in text_string_to_metric_families(m.render().decode()):
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def value(m: PrometheusMetrics, name: str, **labels: str) -> float:
+    return samples(m).get((name, frozenset(labels.items())), math.nan)
+
+
+def exercise(m: PrometheusMetrics) -> None:
+    m.records_in("hi", 3)
+    m.records_out("hi", "ok", 2)
+    m.batch("hi", size=8, fill_ratio=0.25, queue_wait_s=0.004, infer_s=0.03)
+    m.end_to_end("hi", 0.05)
+    m.dlq("decode")
+    m.gauge("in_flight", 7)
+    m.gauge("paused_partitions", 2)
+    m.gauge("consumer_lag", 120, topic="req", partition="3")
+    m.gauge("drain_seconds", 12.5)
+    m.gauge("commit_seconds", 0.003)
+    m.gauge("redis_circuit_open", 1)
+    m.gauge("model_loaded", 1)
+    m.event("commit_failures")
+    m.event("oom_splits", lane="hi")
+    m.event("redis_errors", op="get_cached")
+    m.event("rebalances", kind="assign")
+    m.event("batches", 4, lane="hi", reason="full")
+
+
+def test_every_metric_is_exposed_with_its_labels() -> None:
+    m = PrometheusMetrics()
+    exercise(m)
+    fams = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
+    assert set(fams) == set(EXPECTED)
+    for name, (kind, labels) in EXPECTED.items():
+        assert fams[name].type == kind, name
+        got = {k for s in fams[name].samples for k in s.labels if k not in ("le",)}
+        assert got == labels, name
+
+
+def test_counters_gauges_and_histograms_move() -> None:
+    m = PrometheusMetrics()
+    exercise(m)
+    exercise(m)
+    assert value(m, "kiw_records_in_total", lane="hi") == 6
+    assert value(m, "kiw_records_out_total", lane="hi", status="ok") == 4
+    assert value(m, "kiw_batches_total", lane="hi", reason="full") == 8
+    assert value(m, "kiw_redis_errors_total", op="get_cached") == 2
+    assert value(m, "kiw_dlq_total", stage="decode") == 2
+    assert value(m, "kiw_commit_failures_total") == 2
+    assert value(m, "kiw_in_flight") == 7
+    assert value(m, "kiw_consumer_lag", topic="req", partition="3") == 120
+    assert value(m, "kiw_commit_seconds_count") == 2
+    assert value(m, "kiw_batch_size_bucket", lane="hi", le="8.0") == 2
+    assert value(m, "kiw_batch_size_bucket", lane="hi", le="4.0") == 0
+    assert value(m, "kiw_end_to_end_seconds_sum", lane="hi") == pytest.approx(0.1)
+
+
+def test_buckets() -> None:
+    m = PrometheusMetrics()
+    m.batch("l", 1, 1.0, 0.0, 0.0)
+    s = samples(m)
+    les = sorted(float(dict(k[1])["le"]) for k in s if k[0] == "kiw_batch_size_bucket")
+    assert les == [2.0**i for i in range(11)] + [math.inf]
+    les = sorted(float(dict(k[1])["le"]) for k in s if k[0] == "kiw_inference_seconds_bucket")
+    assert les[0] == 0.001 and les[-2] == 60.0
+
+
+def test_generic_names_are_tolerant_and_never_raise() -> None:
+    m = PrometheusMetrics()
+    m.event("kiw_redis_errors_total", op="ping")  # full names work too
+    m.gauge("kiw_in_flight", 3)
+    m.event("no_such_metric", lane="x")
+    m.gauge("no_such_gauge", 1.0)
+    m.event("dlq")  # missing label -> ""
+    m.event("rebalances", kind="revoke", extra="ignored")
+    m.gauge("consumer_lag", 5, topic="t", partition=1)
+    m.event("commit_failures", -1)  # counters cannot go down: ignored, not raised
+    assert value(m, "kiw_redis_errors_total", op="ping") == 1
+    assert value(m, "kiw_in_flight") == 3
+    assert value(m, "kiw_dlq_total", stage="") == 1
+    assert value(m, "kiw_rebalances_total", kind="revoke") == 1
+    assert value(m, "kiw_consumer_lag", topic="t", partition="1") == 5
+    assert value(m, "kiw_commit_failures_total") == 0
+    m.remove_lag("t", 1)
+    assert (("kiw_consumer_lag", frozenset({("topic", "t"), ("partition", "1")}))) not in samples(m)
+
+
+def test_instances_have_separate_registries() -> None:
+    a, b = PrometheusMetrics(), PrometheusMetrics()
+    a.records_in("x")
+    assert value(a, "kiw_records_in_total", lane="x") == 1
+    assert math.isnan(value(b, "kiw_records_in_total", lane="x"))
+
+
+# -- DrainEstimator -------------------------------------------------------------------------------------
+
+def test_drain_zero_lag_is_zero_and_no_throughput_is_capped() -> None:
+    d = DrainEstimator(window_s=10, cap_s=1000)
+    assert d.estimate(0, now=0) == 0
+    assert d.estimate(50, now=0) == 1000
+    d.record(0, now=0)
+    assert d.estimate(50, now=5) == 1000
+
+
+def test_drain_is_lag_over_recent_throughput() -> None:
+    d = DrainEstimator(window_s=10, cap_s=10_000)
+    d.record(0, now=0)
+    for t in range(1, 11):
+        d.record(100, now=t)  # 100 records/s
+    assert d.throughput(now=10) == pytest.approx(100)
+    assert d.estimate(5000, now=10) == pytest.approx(50)
+    # the window forgets old throughput: after 10 quiet seconds the rate falls to 0 and the estimate caps
+    for t in range(11, 16):
+        d.record(0, now=t)
+    assert d.throughput(now=15) == pytest.approx(50)
+    assert d.estimate(5000, now=21) == 10_000
+
+
+def test_drain_rejects_bad_input() -> None:
+    with pytest.raises(ValueError):
+        DrainEstimator(window_s=0)
+    with pytest.raises(ValueError):
+        DrainEstimator().record(-1, now=0)
+
+
+# -- HealthServer -----------------------------------------------------------------------------------------
+
+def get(url: str) -> tuple[int, bytes, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read(), r.headers["Content-Type"]
+    except urllib.error.HTTPError as e:
+        return e.code, e.read(), e.headers["Content-Type"]
+
+
+def test_health_endpoints() -> None:
+    m = PrometheusMetrics()
+    m.records_in("default", 2)
+    state = HealthState()
+    with HealthServer(m, "127.0.0.1", 0, state, heartbeat_timeout_s=30) as hs:
+        assert hs.port != 0
+        code, body, ctype = get(f"{hs.url}/metrics")
+        assert code == 200 and ctype.startswith("text/plain")
+        assert b'kiw_records_in_total{lane="default"} 2.0' in body
+        assert b"kiw_model_loaded 0.0" in body
+
+        assert get(f"{hs.url}/healthz")[0] == 200
+        state.heartbeat = time.monotonic() - 31
+        code, body, _ = get(f"{hs.url}/healthz")
+        assert code == 503 and json.loads(body)["status"] == "stalled"
+        state.beat()
+        assert get(f"{hs.url}/healthz")[0] == 200
+
+        code, body, ctype = get(f"{hs.url}/readyz")
+        assert code == 503 and ctype == "application/json"
+        assert json.loads(body)["failed"] == ["model_loaded", "broker_reachable", "assignment"]
+        state.model_loaded = state.broker_reachable = True
+        state.waiting_for_assignment = True
+        assert get(f"{hs.url}/readyz")[0] == 200
+        state.waiting_for_assignment = False
+        assert json.loads(get(f"{hs.url}/readyz")[1])["failed"] == ["assignment"]
+        state.assigned = True
+        assert get(f"{hs.url}/readyz/")[0] == 200
+
+        assert b"kiw_model_loaded 1.0" in get(f"{hs.url}/metrics")[1]
+        assert get(f"{hs.url}/nope")[0] == 404
+        port = hs.port
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1)

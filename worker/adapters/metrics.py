@@ -1,0 +1,245 @@
+"""Prometheus implementation of the ``Metrics`` port, and the drain-time estimate used for autoscaling.
+
+Every metric lives in the instance's own ``CollectorRegistry`` (several instances can coexist in tests).
+The generic port methods map onto the fixed metric set by short name (a ``kiw_`` prefix and a ``_total``
+suffix are accepted too):
+
+- ``gauge(name, value, **labels)``: ``in_flight``, ``paused_partitions``, ``consumer_lag`` {topic, partition},
+  ``drain_seconds``, ``redis_circuit_open``, ``model_loaded``; for the histogram ``commit_seconds`` the value
+  is observed.
+- ``event(name, n, **labels)``: ``commit_failures``, ``dlq`` {stage}, ``oom_splits`` {lane},
+  ``redis_errors`` {op}, ``rebalances`` {kind}, ``batches`` {lane, reason}, ``records_in`` {lane},
+  ``records_out`` {lane, status}.
+
+Unknown names are ignored with a debug log line; missing labels become ``""`` and extra labels are dropped.
+An observation hook never raises into the pipeline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+from collections import deque
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = ["BATCH_SIZE_BUCKETS", "CONTENT_TYPE_LATEST", "FILL_RATIO_BUCKETS", "LATENCY_BUCKETS",
+           "DrainEstimator", "PrometheusMetrics"]
+
+log = logging.getLogger("worker.metrics")
+
+BATCH_SIZE_BUCKETS = tuple(float(2**i) for i in range(11))  # 1, 2, 4, ..., 1024
+FILL_RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0)
+
+
+class PrometheusMetrics:
+    """``Metrics`` port on prometheus_client. ``render()`` gives the text exposition format."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        # The *_created series double the exposition for no use on a dashboard; the switch is process-wide.
+        disable_created_metrics()
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.records_in_total = Counter("kiw_records_in", "Records consumed, by lane", ["lane"], registry=r)
+        self.records_out_total = Counter("kiw_records_out", "Results produced, by lane and status (ok|error|expired)",
+                                         ["lane", "status"], registry=r)
+        self.batch_size = Histogram("kiw_batch_size", "Records per inference batch", ["lane"],
+                                    buckets=BATCH_SIZE_BUCKETS, registry=r)
+        self.batch_fill_ratio = Histogram("kiw_batch_fill_ratio", "Batch size / lane max_batch_size", ["lane"],
+                                          buckets=FILL_RATIO_BUCKETS, registry=r)
+        self.queue_wait_seconds = Histogram("kiw_queue_wait_seconds", "Time a batch's records waited before inference",
+                                            ["lane"], buckets=LATENCY_BUCKETS, registry=r)
+        self.inference_seconds = Histogram("kiw_inference_seconds", "Collate + forward + split time per batch",
+                                           ["lane"], buckets=LATENCY_BUCKETS, registry=r)
+        self.end_to_end_seconds = Histogram("kiw_end_to_end_seconds", "Receipt to delivery report, per record",
+                                            ["lane"], buckets=LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge("kiw_in_flight", "Records consumed and not yet delivered or dead-lettered",
+                               registry=r)
+        self.paused_partitions = Gauge("kiw_paused_partitions", "Partitions paused by backpressure", registry=r)
+        self.consumer_lag = Gauge("kiw_consumer_lag", "High watermark minus committed offset",
+                                  ["topic", "partition"], registry=r)
+        self.drain_seconds = Gauge("kiw_drain_seconds", "Estimated seconds to consume the current lag at the "
+                                   "recent throughput (scaling signal)", registry=r)
+        self.commit_seconds = Histogram("kiw_commit_seconds", "Offset commit latency", buckets=LATENCY_BUCKETS,
+                                        registry=r)
+        self.commit_failures_total = Counter("kiw_commit_failures", "Failed offset commits", registry=r)
+        self.dlq_total = Counter("kiw_dlq", "Records routed to the DLQ, by stage", ["stage"], registry=r)
+        self.oom_splits_total = Counter("kiw_oom_splits", "Batches split after running out of device memory",
+                                        ["lane"], registry=r)
+        self.redis_errors_total = Counter("kiw_redis_errors", "Store calls that could not use Redis "
+                                          "(error or open circuit), by operation", ["op"], registry=r)
+        self.redis_circuit_open = Gauge("kiw_redis_circuit_open", "1 while the Redis circuit breaker is open",
+                                        registry=r)
+        self.model_loaded = Gauge("kiw_model_loaded", "1 once the model is loaded and warmed up", registry=r)
+        self.rebalances_total = Counter("kiw_rebalances", "Consumer group rebalances, by kind (assign|revoke|lost)",
+                                        ["kind"], registry=r)
+        self.batches_total = Counter("kiw_batches", "Batches closed, by lane and reason (full|timeout|drain|...)",
+                                     ["lane", "reason"], registry=r)
+
+        self._gauges: dict[str, Gauge] = {
+            "in_flight": self.in_flight, "paused_partitions": self.paused_partitions,
+            "consumer_lag": self.consumer_lag, "drain_seconds": self.drain_seconds,
+            "redis_circuit_open": self.redis_circuit_open, "model_loaded": self.model_loaded,
+        }
+        self._histograms: dict[str, Histogram] = {
+            "commit_seconds": self.commit_seconds, "batch_size": self.batch_size,
+            "batch_fill_ratio": self.batch_fill_ratio, "queue_wait_seconds": self.queue_wait_seconds,
+            "inference_seconds": self.inference_seconds, "end_to_end_seconds": self.end_to_end_seconds,
+        }
+        self._counters: dict[str, Counter] = {
+            "records_in": self.records_in_total, "records_out": self.records_out_total,
+            "commit_failures": self.commit_failures_total, "dlq": self.dlq_total,
+            "oom_splits": self.oom_splits_total, "redis_errors": self.redis_errors_total,
+            "rebalances": self.rebalances_total, "batches": self.batches_total,
+        }
+        self._warned: set[str] = set()
+
+    # -- the Metrics port ---------------------------------------------------------------------------
+    def records_in(self, lane: str, n: int = 1) -> None:
+        self.records_in_total.labels(lane=lane).inc(n)
+
+    def records_out(self, lane: str, status: str, n: int = 1) -> None:
+        self.records_out_total.labels(lane=lane, status=status).inc(n)
+
+    def batch(self, lane: str, size: int, fill_ratio: float, queue_wait_s: float, infer_s: float) -> None:
+        self.batch_size.labels(lane=lane).observe(size)
+        self.batch_fill_ratio.labels(lane=lane).observe(fill_ratio)
+        self.queue_wait_seconds.labels(lane=lane).observe(max(queue_wait_s, 0.0))
+        self.inference_seconds.labels(lane=lane).observe(max(infer_s, 0.0))
+
+    def end_to_end(self, lane: str, seconds: float) -> None:
+        self.end_to_end_seconds.labels(lane=lane).observe(max(seconds, 0.0))
+
+    def dlq(self, stage: str, n: int = 1) -> None:
+        self.dlq_total.labels(stage=stage).inc(n)
+
+    def gauge(self, name: str, value: float, **labels: Any) -> None:
+        key = _short(name)
+        try:
+            g = self._gauges.get(key)
+            if g is not None:
+                _child(g, labels).set(value)
+                return
+            h = self._histograms.get(key)
+            if h is not None:
+                _child(h, labels).observe(value)
+                return
+        except (TypeError, ValueError) as e:
+            log.debug("metric %s: bad value or labels (%s)", name, e)
+            return
+        self._unknown("gauge", name)
+
+    def event(self, name: str, n: int = 1, **labels: Any) -> None:
+        c = self._counters.get(_short(name))
+        if c is None:
+            self._unknown("event", name)
+            return
+        try:
+            _child(c, labels).inc(n)
+        except (TypeError, ValueError) as e:  # e.g. a negative n
+            log.debug("metric %s: bad value or labels (%s)", name, e)
+
+    # -- extras (not in the port) -------------------------------------------------------------------
+    def observe(self, name: str, value: float, **labels: Any) -> None:
+        """Observe a value into one of the histograms by short name (``commit_seconds``, ...)."""
+        self.gauge(name, value, **labels)
+
+    def remove_lag(self, topic: str, partition: int | str) -> None:
+        """Forget a partition's lag series (after it was revoked), so stale lag does not linger."""
+        with contextlib.suppress(KeyError):
+            self.consumer_lag.remove(topic, str(partition))
+
+    def render(self) -> bytes:
+        """The registry in Prometheus text format (what ``/metrics`` serves)."""
+        return generate_latest(self.registry)
+
+    def _unknown(self, kind: str, name: str) -> None:
+        if name not in self._warned:
+            self._warned.add(name)
+            log.debug("metrics.%s(%r): no such metric, ignored", kind, name)
+
+
+def _short(name: str) -> str:
+    if name.startswith("kiw_"):
+        name = name[4:]
+    if name.endswith("_total"):
+        name = name[:-6]
+    return name
+
+
+def _child(metric: Any, labels: dict[str, Any]) -> Any:
+    names = metric._labelnames  # prometheus_client keeps the declared label names here
+    if not names:
+        return metric
+    extra = set(labels) - set(names)
+    if extra:
+        log.debug("metric %s: ignoring labels %s", metric._name, sorted(extra))
+    return metric.labels(**{n: str(labels.get(n, "")) for n in names})
+
+
+class DrainEstimator:
+    """Seconds to consume the current lag at the recent completion rate: ``lag / throughput``.
+
+    ``record(n, now)`` adds records completed since the last call; throughput is the sum over the last
+    ``window_s`` seconds divided by the time covered (since the first observation, at most ``window_s``).
+    Lag 0 -> 0. Lag > 0 with no measurable throughput -> ``cap_s`` (also the upper bound), so the value is
+    always finite and usable as a scaling signal.
+    """
+
+    def __init__(self, window_s: float = 60.0, cap_s: float = 86_400.0) -> None:
+        if window_s <= 0:
+            raise ValueError(f"window_s must be > 0, got {window_s}")
+        if cap_s <= 0:
+            raise ValueError(f"cap_s must be > 0, got {cap_s}")
+        self.window_s = window_s
+        self.cap_s = cap_s
+        self._samples: deque[tuple[float, int]] = deque()
+        self._started: float | None = None
+        self._lock = threading.Lock()
+
+    def record(self, completed: int, now: float) -> None:
+        if completed < 0:
+            raise ValueError(f"completed must be >= 0, got {completed}")
+        with self._lock:
+            if self._started is None:
+                self._started = now
+            if completed:
+                self._samples.append((now, completed))
+            self._prune(now)
+
+    def _prune(self, now: float) -> None:
+        horizon = now - self.window_s
+        while self._samples and self._samples[0][0] <= horizon:
+            self._samples.popleft()
+
+    def throughput(self, now: float) -> float:
+        """Completed records per second over the window (0.0 before any time has passed)."""
+        with self._lock:
+            if self._started is None:
+                return 0.0
+            self._prune(now)
+            span = min(now - self._started, self.window_s)
+            if span <= 0:
+                return 0.0
+            return sum(n for _, n in self._samples) / span
+
+    def estimate(self, lag: int | float, now: float) -> float:
+        if lag <= 0:
+            return 0.0
+        rate = self.throughput(now)
+        if rate <= 0:
+            return self.cap_s
+        seconds = lag / rate
+        return self.cap_s if math.isnan(seconds) else min(seconds, self.cap_s)
