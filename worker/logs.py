@@ -1,0 +1,156 @@
+"""Logging setup: JSON lines (default) or plain text on stderr, with secrets redacted.
+
+JSON line fields: ``ts`` (UTC, ISO 8601, ms), ``level``, ``logger``, ``msg``, every field passed with
+``extra={...}``, and ``exc`` when there is a traceback. Extra fields that collide with those names are
+written with an ``x_`` prefix.
+
+What gets logged where (a rule for every module, enforced where cheap):
+
+- At INFO and above the worker logs identifiers only: record ids, topic/partition/offset, lane, batch sizes,
+  timings. Never request or result content.
+- Payloads (inputs, outputs, raw bytes) only at DEBUG. Extra fields named ``payload``, ``inputs``,
+  ``outputs``, ``body`` or ``raw`` on a record above DEBUG are replaced by ``<omitted: ...>``.
+- Secrets never: values of extra fields whose key looks secret (password, secret, token, sasl, credential,
+  api key, authorization, private key), also inside nested dicts, become ``***``; credentials in URLs
+  (``redis://:pw@host``) in extra values, in the message and in its arguments become ``***``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import re
+import sys
+from collections.abc import Mapping
+from typing import IO, Any
+
+__all__ = ["JsonFormatter", "RedactingFilter", "TextFormatter", "is_secret_key", "redact", "redact_text",
+           "setup_logging"]
+
+SECRET_KEY_WORDS = ("password", "passwd", "secret", "token", "sasl", "credential", "api_key", "apikey",
+                    "authorization", "private_key", "privatekey")
+PAYLOAD_FIELDS = frozenset({"payload", "inputs", "outputs", "body", "raw"})
+REDACTED = "***"
+
+_URL_CREDS = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*):([^@/\s]+)@")
+_RESERVED = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime", "taskName"}
+_BASE_FIELDS = ("ts", "level", "logger", "msg")
+_MARK = "_kiw_handler"
+
+
+def is_secret_key(key: str) -> bool:
+    k = key.lower().replace("-", "_").replace(".", "_")
+    return any(w in k for w in SECRET_KEY_WORDS)
+
+
+def redact_text(text: str) -> str:
+    """Mask the password part of ``scheme://user:password@host`` URLs."""
+    return _URL_CREDS.sub(rf"\1:{REDACTED}@", text) if "@" in text else text
+
+
+def redact(key: str, value: Any, depth: int = 0) -> Any:
+    """A copy of ``value`` safe to log under ``key``."""
+    if is_secret_key(key) and value is not None:
+        return REDACTED
+    if depth > 4:
+        return value
+    if isinstance(value, str):
+        return redact_text(value)
+    if isinstance(value, Mapping):
+        return {k: redact(str(k), v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [redact("", v, depth + 1) for v in value]
+    return value
+
+
+def _extras(record: logging.LogRecord) -> list[str]:
+    return [k for k in record.__dict__ if k not in _RESERVED and not k.startswith("_")]
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return f"<omitted: {len(value)} bytes>"
+    if isinstance(value, str):
+        return f"<omitted: {len(value)} chars>"
+    if isinstance(value, list | tuple | dict):
+        return f"<omitted: {type(value).__name__} of {len(value)}>"
+    return f"<omitted: {type(value).__name__}>"
+
+
+class RedactingFilter(logging.Filter):
+    """Masks secrets in extra fields, the message and its args; drops payload fields above DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        for key in _extras(record):
+            value = record.__dict__[key]
+            if key in PAYLOAD_FIELDS and record.levelno > logging.DEBUG:
+                record.__dict__[key] = _describe(value)
+            else:
+                record.__dict__[key] = redact(key, value)
+        if isinstance(record.msg, str):
+            record.msg = redact_text(record.msg)
+        if isinstance(record.args, tuple):
+            record.args = tuple(redact_text(a) if isinstance(a, str) else a for a in record.args)
+        elif isinstance(record.args, Mapping):
+            record.args = {k: redact(str(k), v) for k, v in record.args.items()}
+        return True
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, bytes | bytearray | memoryview):
+        data = bytes(value)
+        return data[:256].decode("utf-8", "replace") + ("..." if len(data) > 256 else "")
+    if isinstance(value, set | frozenset):
+        return sorted(value, key=str)
+    return str(value)
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        ts = _dt.datetime.fromtimestamp(record.created, tz=_dt.timezone.utc)
+        out: dict[str, Any] = {
+            "ts": ts.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key in _extras(record):
+            out[f"x_{key}" if key in _BASE_FIELDS else key] = record.__dict__[key]
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            out["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(out, default=_json_default, ensure_ascii=False)
+
+
+class TextFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        extras = " ".join(f"{k}={record.__dict__[k]!r}" for k in _extras(record))
+        if not extras:
+            return line
+        head, sep, tail = line.partition("\n")  # keep a traceback below the first line
+        return f"{head} {extras}{sep}{tail}"
+
+
+def setup_logging(level: str = "INFO", fmt: str = "json", stream: IO[str] | None = None) -> logging.Handler:
+    """Configure the root logger once (calling again replaces the handler it installed before)."""
+    lvl = logging.getLevelName(level.upper())
+    if not isinstance(lvl, int):
+        raise ValueError(f"logging level must be DEBUG, INFO, WARNING or ERROR, got {level!r}")
+    if fmt.lower() not in ("json", "text"):
+        raise ValueError(f"logging format must be 'json' or 'text', got {fmt!r}")
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt.lower() == "json" else TextFormatter())
+    handler.addFilter(RedactingFilter())
+    setattr(handler, _MARK, True)
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if getattr(h, _MARK, False)]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(lvl)
+    return handler
