@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from worker.adapters.redis_store import redact_url
 from worker.local.redis_server import LocalRedis, RedisStartError
 
 
@@ -68,6 +69,7 @@ def _start_container() -> tuple[Any, str]:
 def redis_url() -> Iterator[str]:
     env = os.environ.get("REDIS_URL")
     if env:
+        print(f"\n[redis] using server from REDIS_URL={redact_url(env)}")
         yield env
         return
     problems: list[str] = []
@@ -77,6 +79,7 @@ def redis_url() -> Iterator[str]:
         except Exception as e:  # noqa: BLE001 - fall through to the local server
             problems.append(f"testcontainers: {type(e).__name__}: {e}")
         else:
+            print(f"\n[redis] testcontainers redis:7-alpine at {url}")
             try:
                 yield url
             finally:
@@ -93,6 +96,7 @@ def redis_url() -> Iterator[str]:
         unavailable("no Redis for integration tests: set REDIS_URL, run Docker, or install redis-server "
                     "(apt-get install redis-server)\n" + "\n".join(problems))
         return
+    print(f"\n[redis] local redis-server at {server.url}")
     try:
         yield server.url
     finally:

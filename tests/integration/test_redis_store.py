@@ -19,8 +19,6 @@ from worker.config import RedisConfig
 from worker.local.redis_server import LocalRedis
 
 pytestmark = pytest.mark.integration
-# Also declared by tests/conftest.py; repeated here so this file runs on its own (a no-op when loaded twice).
-pytest_plugins = ["tests.conftest_redis"]
 
 
 def cfg(url: str, **kw: object) -> RedisConfig:

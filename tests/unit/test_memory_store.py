@@ -6,8 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.adapters.memory_store import MemoryStore, as_time_fn, cache_key
-from worker.adapters.redis_store import make_store
+from worker.adapters.memory_store import MemoryStore, as_time_fn, cache_key, make_store
 from worker.config import RedisConfig
 
 

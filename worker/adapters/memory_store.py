@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Generic, TypeVar
 
 from worker.config import RedisConfig
-from worker.core.ports import Clock
+from worker.core.ports import Clock, Metrics, Store
 
 V = TypeVar("V")
 TimeSource = Clock | Callable[[], float]
@@ -185,3 +185,13 @@ class MemoryStore:
 
     def close(self) -> None:
         pass
+
+
+def make_store(cfg: RedisConfig, metrics: Metrics | None = None, *,
+               clock: TimeSource | None = None) -> Store:
+    """RedisStore when ``redis.url`` is set, else a per-process MemoryStore with the same TTLs."""
+    if cfg.url:
+        from worker.adapters.redis_store import RedisStore  # imports redis only when it is configured
+
+        return RedisStore(cfg, metrics, clock=clock)
+    return MemoryStore.from_config(cfg, clock=clock)

@@ -31,9 +31,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from worker.adapters.memory_store import MemoryStore, TimeSource, as_time_fn, cache_key
+from worker.adapters.memory_store import TimeSource, as_time_fn, cache_key, make_store
 from worker.config import RedisConfig
-from worker.core.ports import Metrics, NullMetrics, Store
+from worker.core.ports import Metrics, NullMetrics
 
 __all__ = ["CircuitBreaker", "RedisStore", "cache_key", "make_store", "redact_url"]
 
@@ -323,11 +323,3 @@ class RedisStore:
         if client is not None:
             with contextlib.suppress(redis.RedisError, OSError):
                 client.close()
-
-
-def make_store(cfg: RedisConfig, metrics: Metrics | None = None, *,
-               clock: TimeSource | None = None) -> Store:
-    """RedisStore when ``redis.url`` is set, else a per-process MemoryStore with the same TTLs."""
-    if cfg.url:
-        return RedisStore(cfg, metrics, clock=clock)
-    return MemoryStore.from_config(cfg, clock=clock)
