@@ -90,10 +90,7 @@ class HealthServer:
         return not failed, {"status": "ready" if not failed else "not_ready", "checks": checks, "failed": failed}
 
     def render_metrics(self) -> bytes:
-        if self.metrics is None:
-            return b""
-        self.metrics.model_loaded.set(1.0 if self.state.model_loaded else 0.0)
-        return self.metrics.render()
+        return b"" if self.metrics is None else self.metrics.render()
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> HealthServer:
