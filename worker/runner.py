@@ -373,6 +373,7 @@ class Runner:
                 self.consumer.resume([KTP(t, p) for t, p in to_resume])
             self.paused = want
             self.metrics.gauge("paused_partitions", len(want))
+            log.debug("backpressure: %d partitions paused (in flight %d, bound %d)", len(want), in_flight, bound)
 
     # ------------------------------------------------------------------ commits
     def _commit(self, only: set[TopicPartition] | None = None) -> None:
