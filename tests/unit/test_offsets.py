@@ -1,0 +1,213 @@
+from __future__ import annotations
+
+import time
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from worker.core.offsets import OffsetTracker
+from worker.core.records import TopicPartition
+
+A = TopicPartition("in", 0)
+B = TopicPartition("in", 1)
+
+
+def test_commits_only_the_contiguous_done_prefix() -> None:
+    t = OffsetTracker()
+    for o in range(5):
+        t.track(A, o)
+    assert t.committable() == {}
+    t.ack(A, 1)
+    t.ack(A, 2)
+    assert t.committable() == {}  # 0 still in flight
+    t.ack(A, 0)
+    assert t.committable() == {A: 3}
+    t.ack(A, 4)
+    assert t.committable() == {A: 3}
+    t.ack(A, 3)
+    assert t.committable() == {A: 5}
+    assert t.in_flight() == 0 and t.pending(A) == 0
+
+
+def test_gaps_between_tracked_offsets_are_not_holes() -> None:
+    t = OffsetTracker()
+    for o in (10, 11, 15, 20):  # 12-14, 16-19: compacted away or transaction markers
+        t.track(A, o)
+    t.ack(A, 10)
+    t.ack(A, 11)
+    assert t.committable() == {A: 15}  # next to consume; commit does not claim 15 is done
+    t.ack(A, 15)
+    assert t.committable() == {A: 20}
+    t.ack(A, 20)
+    assert t.committable() == {A: 21}
+
+
+def test_only_advanced_partitions_are_committable() -> None:
+    t = OffsetTracker()
+    t.track(A, 0)
+    t.track(B, 0)
+    t.track(B, 1)
+    t.ack(A, 0)
+    t.ack(B, 0)
+    assert t.committable() == {A: 1, B: 1}
+    t.mark_committed({A: 1, B: 1})
+    assert t.committable() == {}
+    t.ack(B, 1)
+    assert t.committable() == {B: 2}
+    assert t.committed(A) == 1
+
+
+def test_commit_not_marked_is_offered_again() -> None:
+    t = OffsetTracker()
+    t.track(A, 0)
+    t.ack(A, 0)
+    assert t.committable() == {A: 1}
+    assert t.committable() == {A: 1}  # the commit failed: still offered
+    t.mark_committed({A: 1})
+    t.mark_committed({A: 0})  # an older, late success never moves it back
+    assert t.committed(A) == 1 and t.committable() == {}
+
+
+def test_nack_keeps_the_record_blocking_until_acked() -> None:
+    t = OffsetTracker()
+    for o in range(3):
+        t.track(A, o)
+    t.nack(A, 0)
+    t.ack(A, 1)
+    assert t.failed() == {(A, 0)}
+    assert t.committable() == {}
+    assert t.first_pending(A) == 0
+    t.ack(A, 0)
+    assert t.failed() == set()
+    assert t.committable() == {A: 2}
+
+
+def test_unknown_acks_and_redeliveries_are_ignored() -> None:
+    t = OffsetTracker()
+    assert t.ack(A, 7) is False and t.nack(A, 7) is False
+    assert t.track(A, 5) is True
+    assert t.track(A, 5) is False and t.track(A, 3) is False  # not after the last tracked: ignored
+    assert t.in_flight() == 1
+    assert t.ack(A, 5) is True and t.ack(A, 5) is False
+    assert t.committable() == {A: 6}
+
+
+def test_revoke_drops_partitions_and_in_flight() -> None:
+    t = OffsetTracker()
+    for o in range(3):
+        t.track(A, o)
+        t.track(B, o)
+    t.ack(A, 0)
+    t.revoke({A})
+    assert t.in_flight() == 3 and t.pending(A) == 0
+    assert t.ack(A, 1) is False
+    assert A not in t.committable()
+    t.track(A, 1)  # reassigned later: a fresh start from the committed position
+    t.ack(A, 1)
+    assert t.committable() == {A: 2}
+
+
+def test_assign_resets_state() -> None:
+    t = OffsetTracker()
+    t.track(A, 0)
+    t.assign([A, B])
+    assert t.in_flight() == 0 and set(t.partitions()) == {A, B}
+    assert t.committable() == {}
+
+
+def test_ack_is_cheap_per_record() -> None:
+    # Not a timed assert of speed: a guard against an accidental O(n) per ack (which would take minutes).
+    t = OffsetTracker()
+    n = 200_000
+    for o in range(n):
+        t.track(A, o)
+    t0 = time.perf_counter()
+    for o in range(n - 1, -1, -1):  # worst order: everything waits for offset 0
+        t.ack(A, o)
+    assert time.perf_counter() - t0 < 10.0
+    assert t.committable() == {A: n}
+
+
+# ---------------------------------------------------------------- property: a random model of delivery
+
+
+class TrackerMachine(RuleBasedStateMachine):
+    """Random interleavings of receive / deliver / fail / commit on two partitions with gaps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = OffsetTracker()
+        self.next_off = {A: 0, B: 0}
+        self.tracked: dict[TopicPartition, list[int]] = {A: [], B: []}
+        self.done: dict[TopicPartition, set[int]] = {A: set(), B: set()}
+        self.committed: dict[TopicPartition, int] = {}
+        self.last_offered: dict[TopicPartition, int] = {}
+
+    @rule(tp=st.sampled_from([A, B]), gap=st.integers(0, 3))
+    def receive(self, tp: TopicPartition, gap: int) -> None:
+        off = self.next_off[tp] + gap
+        assert self.t.track(tp, off)
+        self.tracked[tp].append(off)
+        self.next_off[tp] = off + 1
+
+    def _not_done(self) -> list[tuple[TopicPartition, int]]:
+        return [(tp, o) for tp in (A, B) for o in self.tracked[tp] if o not in self.done[tp]]
+
+    @precondition(lambda self: bool(self._not_done()))
+    @rule(data=st.data())
+    def deliver(self, data: st.DataObject) -> None:
+        tp, off = data.draw(st.sampled_from(self._not_done()))
+        assert self.t.ack(tp, off)
+        self.done[tp].add(off)
+
+    @precondition(lambda self: bool(self._not_done()))
+    @rule(data=st.data())
+    def fail(self, data: st.DataObject) -> None:
+        tp, off = data.draw(st.sampled_from(self._not_done()))
+        assert self.t.nack(tp, off)
+        assert (tp, off) in self.t.failed()
+
+    @rule(succeed=st.booleans())
+    def commit(self, succeed: bool) -> None:
+        offered = self.t.committable()
+        for tp in (A, B):
+            tracked = self.tracked[tp]
+            if not tracked:
+                assert tp not in offered
+                continue
+            blocking = [o for o in tracked if o not in self.done[tp]]
+            expect = blocking[0] if blocking else tracked[-1] + 1  # after the whole done prefix
+            should_offer = expect > tracked[0] and expect > self.committed.get(tp, -1)
+            assert (tp in offered) == should_offer
+            if should_offer:
+                pos = offered[tp]
+                assert pos == expect
+                assert all(o in self.done[tp] for o in tracked if o < pos)  # never past a record not done
+                assert pos >= self.last_offered.get(tp, pos)  # never backwards
+                self.last_offered[tp] = pos
+        if succeed and offered:
+            self.t.mark_committed(offered)
+            self.committed.update(offered)
+
+    @invariant()
+    def counts_match(self) -> None:
+        nd = self._not_done()
+        assert self.t.in_flight() == len(nd)
+        for tp in (A, B):
+            assert self.t.pending(tp) == sum(1 for p, _ in nd if p == tp)
+
+    def teardown(self) -> None:
+        # deliver everything: the committable offset reaches last + 1 on every partition
+        for tp, off in self._not_done():
+            self.t.ack(tp, off)
+            self.done[tp].add(off)
+        offered = self.t.committable()
+        for tp in (A, B):
+            if self.tracked[tp]:
+                want = self.tracked[tp][-1] + 1
+                assert offered.get(tp, self.committed.get(tp)) == want
+
+
+TrackerMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+test_tracker_state_machine = TrackerMachine.TestCase

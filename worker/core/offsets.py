@@ -1,0 +1,164 @@
+"""Which offsets are safe to commit when records finish out of order.
+
+Why: lanes, devices and the producer complete records out of order, but a Kafka commit says "everything
+before this offset is done". Committing past a record that is still in flight would lose it on a crash
+or rebalance. The tracker commits, per partition, only the contiguous done prefix of the offsets it was
+asked to track.
+
+Model, per partition:
+
+- ``track(tp, offset)`` when a record is received. Offsets increase but may have gaps (compacted topics,
+  transaction markers): an untracked offset is not a hole, only a tracked offset that is not done blocks.
+- ``ack(tp, offset)`` when its result (or DLQ record) is delivered: it is done.
+- ``nack(tp, offset)`` when a delivery failed: still not done, listed by ``failed()`` so the runner can
+  retry; a later ``ack`` clears it.
+- ``committable()``: for each partition whose position advanced past the last ``mark_committed``, the
+  offset *after* the done prefix, i.e. the first tracked offset not yet done, or the last tracked offset
+  + 1 when all are done. That is the value Kafka expects in a commit (the next offset to consume).
+
+Guarantees (checked by property tests): the committable offset never passes a tracked record that is not
+done, never goes backwards, and reaches ``last tracked + 1`` once every tracked record is done.
+
+Cost: O(1) amortised per record. Each partition keeps a deque of tracked offsets in order and a set of
+the ones not done; ``ack`` pops the done prefix from the front (each offset is popped once).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping
+
+from worker.core.records import TopicPartition
+
+
+class _Partition:
+    __slots__ = ("order", "pending", "failed", "started", "last", "committed")
+
+    def __init__(self) -> None:
+        self.order: deque[int] = deque()  # tracked offsets not yet popped, increasing; the front is not done
+        self.pending: set[int] = set()  # tracked, not done
+        self.failed: set[int] = set()  # nacked, not done
+        # True once the front record completed: before that, committing the first tracked offset would be
+        # a no-op, so nothing is offered.
+        self.started = False
+        self.last = -1  # highest offset tracked
+        self.committed: int | None = None  # last value given to mark_committed
+
+    def advance(self) -> None:
+        order, pending = self.order, self.pending
+        while order and order[0] not in pending:
+            order.popleft()
+        self.started = True
+
+    def position(self) -> int | None:
+        """The offset after the done prefix: the first tracked offset not done (untracked offsets before it
+        are gaps, not holes), or the last tracked + 1 when all are done."""
+        if not self.started:
+            return None
+        return self.order[0] if self.order else self.last + 1
+
+
+class OffsetTracker:
+    __slots__ = ("_parts", "_in_flight")
+
+    def __init__(self) -> None:
+        self._parts: dict[TopicPartition, _Partition] = {}
+        self._in_flight = 0
+
+    # ------------------------------------------------------------------ hot path
+    def track(self, tp: TopicPartition, offset: int) -> bool:
+        """Start tracking a received record. Returns False (and ignores it) for an offset at or below the
+        last one tracked on this partition (a redelivery the tracker already accounts for)."""
+        p = self._parts.get(tp)
+        if p is None:
+            p = self._parts[tp] = _Partition()
+        if offset <= p.last:
+            return False
+        p.order.append(offset)
+        p.pending.add(offset)
+        p.last = offset
+        self._in_flight += 1
+        return True
+
+    def ack(self, tp: TopicPartition, offset: int) -> bool:
+        """Mark a tracked record done. Unknown offsets (revoked partition, duplicate ack) are ignored
+        (returns False)."""
+        p = self._parts.get(tp)
+        if p is None or offset not in p.pending:
+            return False
+        p.pending.remove(offset)
+        if p.failed:
+            p.failed.discard(offset)
+        self._in_flight -= 1
+        if p.order[0] == offset:
+            p.advance()
+        return True
+
+    def nack(self, tp: TopicPartition, offset: int) -> bool:
+        """A delivery failed: the record stays not done and is listed by ``failed()``."""
+        p = self._parts.get(tp)
+        if p is None or offset not in p.pending:
+            return False
+        p.failed.add(offset)
+        return True
+
+    # ------------------------------------------------------------------ commits
+    def committable(self) -> dict[TopicPartition, int]:
+        """Per partition, the offset to commit (next to consume), where it advanced past the last commit."""
+        out: dict[TopicPartition, int] = {}
+        for tp, p in self._parts.items():
+            pos = p.position()
+            if pos is None or (p.committed is not None and pos <= p.committed):
+                continue
+            out[tp] = pos
+        return out
+
+    def mark_committed(self, offsets: Mapping[TopicPartition, int]) -> None:
+        """Record a successful commit of these offsets (values as returned by ``committable``)."""
+        for tp, off in offsets.items():
+            p = self._parts.get(tp)
+            if p is not None and (p.committed is None or off > p.committed):
+                p.committed = off
+
+    # ------------------------------------------------------------------ rebalance
+    def assign(self, tps: Iterable[TopicPartition]) -> None:
+        """Start fresh state for newly assigned partitions (optional: ``track`` creates it lazily)."""
+        for tp in tps:
+            old = self._parts.pop(tp, None)
+            if old is not None:
+                self._in_flight -= len(old.pending)
+            self._parts[tp] = _Partition()
+
+    def revoke(self, tps: Iterable[TopicPartition]) -> None:
+        """Forget these partitions; later acks for them are ignored."""
+        for tp in tps:
+            p = self._parts.pop(tp, None)
+            if p is not None:
+                self._in_flight -= len(p.pending)
+
+    # ------------------------------------------------------------------ introspection
+    def in_flight(self) -> int:
+        """Tracked records not yet done, all partitions."""
+        return self._in_flight
+
+    def pending(self, tp: TopicPartition) -> int:
+        p = self._parts.get(tp)
+        return len(p.pending) if p is not None else 0
+
+    def failed(self) -> set[tuple[TopicPartition, int]]:
+        """Nacked records not acked since."""
+        return {(tp, off) for tp, p in self._parts.items() for off in p.failed}
+
+    def first_pending(self, tp: TopicPartition) -> int | None:
+        """The offset blocking the partition's commit (oldest tracked, not done), if any."""
+        p = self._parts.get(tp)
+        if p is None:
+            return None
+        return p.order[0] if p.order else None  # the front is always not done (ack pops the done prefix)
+
+    def partitions(self) -> list[TopicPartition]:
+        return list(self._parts)
+
+    def committed(self, tp: TopicPartition) -> int | None:
+        p = self._parts.get(tp)
+        return p.committed if p is not None else None
