@@ -61,7 +61,7 @@ def test_5000_requests_exactly_once_each_and_offsets_committed(kafka, topic_name
     assert dlq[0].value() == b'{"id": "broken", "inputs": [1, 2'  # original bytes
     assert dlq[0].key() == b"broken"
     assert h["x-error-stage"] == b"decode" and h["x-source-partition"] == b"2"
-    assert h["x-source-topic"] == topic_names["in"].encode() and b"x-error" in h and h["x-error"]
+    assert h["x-source-topic"] == topic_names["in"].encode() and h["x-error"].startswith(b"undecodable json")
 
     # Restart: everything is committed, so nothing new is processed.
     w2 = WorkerProcess(cfg, tmp_path, name="restart").start()
