@@ -23,7 +23,7 @@ pytestmark = pytest.mark.integration
 
 def cfg(url: str, **kw: object) -> RedisConfig:
     base: dict[str, object] = {"url": url, "key_prefix": f"kiw-test:{uuid.uuid4().hex[:10]}:", "cache": True,
-                               "timeout_ms": 500}
+                               "ledger": True, "timeout_ms": 500}
     base.update(kw)
     return RedisConfig(**base)  # type: ignore[arg-type]
 
@@ -72,9 +72,69 @@ def test_ledger_and_attempts(redis_url: str) -> None:
         store.clear_attempts(["t/0/42", "t/0/43"])
         assert store.incr_attempts("t/0/42") == 1
     finally:
-        raw.delete(*raw.keys(f"{c.key_prefix}*"))
+        leftover = raw.keys(f"{c.key_prefix}*")
+        if leftover:
+            raw.delete(*leftover)
         store.close()
         raw.close()
+
+
+def _calls(raw: redis.Redis, *commands: str) -> int:
+    stats = raw.info("commandstats")
+    return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in commands)
+
+
+def test_batched_ops_are_one_round_trip_each(local_redis: LocalRedis) -> None:
+    """get_cached_many = one MGET, incr_attempts_many = one MULTI of INCR+EXPIRE, clear_attempts = DELs in one
+    pipeline; results equal the per-key calls. An owned server, so commandstats counts only this test."""
+    c = cfg(local_redis.url, attempts_ttl_s=300)
+    store = RedisStore(c)
+    raw = redis.Redis.from_url(local_redis.url)
+    try:
+        assert store.get_cached_many([]) == {} and store.incr_attempts_many([]) == []
+        store.put_cached("a", b"\x00A")
+        store.put_cached("b", b"B")
+        mget0 = _calls(raw, "mget")
+        assert store.get_cached_many(["a", "x", "b", "a"]) == {"a": b"\x00A", "b": b"B"}
+        assert _calls(raw, "mget") == mget0 + 1
+
+        keys = [f"t:0:{i}" for i in range(300)]
+        multi0, incr0, exec0 = _calls(raw, "multi"), _calls(raw, "incr", "incrby"), _calls(raw, "exec")
+        assert store.incr_attempts_many(keys) == [1] * 300
+        after = (_calls(raw, "multi"), _calls(raw, "incr", "incrby"), _calls(raw, "exec"))
+        assert after == (multi0 + 1, incr0 + 300, exec0 + 1)
+        assert store.incr_attempts("t:0:7") == 2
+        assert store.incr_attempts_many(["t:0:7", "t:0:8", "t:0:7"]) == [3, 2, 4]  # listed twice counts twice
+        assert 290 <= raw.ttl(f"{c.key_prefix}attempts:t:0:299") <= 300
+
+        many = [f"t:1:{i}" for i in range(2500)]
+        store.incr_attempts_many(many)
+        del0 = _calls(raw, "del")
+        store.clear_attempts(keys + many)
+        assert _calls(raw, "del") == del0 + 3  # 2,800 keys in DELs of <= 1,000, one pipeline
+        assert raw.keys(f"{c.key_prefix}attempts:*") == []
+        assert store.incr_attempts_many(["t:0:7"]) == [1]
+    finally:
+        store.close()
+        raw.close()
+
+
+def test_batched_ops_return_misses_on_outage(local_redis: LocalRedis) -> None:
+    m = PrometheusMetrics()
+    store = RedisStore(cfg(local_redis.url, breaker_failures=1, breaker_reset_s=30, timeout_ms=200), m)
+    try:
+        store.put_cached("a", b"1")
+        assert store.get_cached_many(["a"]) == {"a": b"1"}
+        local_redis.stop()
+        assert store.incr_attempts_many(["k1", "k2", "k3"]) == [0, 0, 0]  # reaches the dead port, opens
+        assert store.breaker.state == "open"
+        assert store.get_cached_many(["a", "b"]) == {}
+        store.clear_attempts(["k1"])
+        assert store.incr_attempts_many([]) == [] and store.get_cached_many([]) == {}  # no call at all
+        assert errors(m, "incr_attempts_many") == 1 and errors(m, "get_cached_many") == 1
+        assert errors(m, "clear_attempts") == 1
+    finally:
+        store.close()
 
 
 def test_password_protected_server(local_redis_factory: Callable[..., LocalRedis],

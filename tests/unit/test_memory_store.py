@@ -160,3 +160,49 @@ def test_lru_matches_a_reference_model(ops: list[tuple[str, int]]) -> None:
             if expected is not None:
                 ref.move_to_end(key)
             assert s.get_cached(key) == expected
+
+
+def test_get_cached_many_returns_only_hits() -> None:
+    s, clock = store(cache_ttl_s=10)
+    assert s.get_cached_many([]) == {}
+    s.put_cached("a", b"1")
+    clock.advance(5)
+    s.put_cached("b", b"2")
+    assert s.get_cached_many(["a", "b", "c", "a"]) == {"a": b"1", "b": b"2"}
+    clock.advance(6)  # a expired, b not
+    assert s.get_cached_many(["a", "b"]) == {"b": b"2"}
+    assert s.sizes()["cache"] == 1
+    off, _ = store(cache=False)
+    off.put_cached("a", b"1")
+    assert off.get_cached_many(["a"]) == {}
+
+
+def test_get_cached_many_refreshes_lru_like_get_cached() -> None:
+    s, _ = store(max_cache_entries=2)
+    s.put_cached("a", b"a")
+    s.put_cached("b", b"b")
+    assert s.get_cached_many(["a"]) == {"a": b"a"}  # a becomes most recent
+    s.put_cached("c", b"c")
+    assert s.get_cached_many(["a", "b", "c"]) == {"a": b"a", "c": b"c"}
+
+
+def test_incr_attempts_many_matches_per_key_calls() -> None:
+    s, clock = store(attempts_ttl_s=100)
+    assert s.incr_attempts_many([]) == []
+    assert s.incr_attempts_many(["t:0:1", "t:0:2"]) == [1, 1]
+    assert s.incr_attempts("t:0:1") == 2
+    assert s.incr_attempts_many(["t:0:1", "t:0:3", "t:0:1"]) == [3, 1, 4]  # listed twice counts twice
+    s.clear_attempts(["t:0:1"])
+    s.clear_attempts([])
+    assert s.incr_attempts_many(["t:0:1", "t:0:2"]) == [1, 2]
+    clock.advance(101)
+    assert s.incr_attempts_many(["t:0:2", "t:0:3"]) == [1, 1]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.sampled_from(["a", "b", "c"]), max_size=5), max_size=8))
+def test_incr_attempts_many_equals_sequential_incr(batches: list[list[str]]) -> None:
+    many, _ = store()
+    one, _ = store()
+    for keys in batches:
+        assert many.incr_attempts_many(keys) == [one.incr_attempts(k) for k in keys]

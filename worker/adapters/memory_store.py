@@ -129,6 +129,19 @@ class MemoryStore:
         with self._lock:
             return self._cache.get(key, self._now())
 
+    def get_cached_many(self, keys: Sequence[str]) -> dict[str, bytes]:
+        """The cached results among ``keys`` (missing or expired keys are absent), in one lock round."""
+        if not self.cache_enabled or not keys:
+            return {}
+        with self._lock:
+            now = self._now()
+            out: dict[str, bytes] = {}
+            for k in keys:
+                v = self._cache.get(k, now)
+                if v is not None:
+                    out[k] = v
+            return out
+
     def put_cached(self, key: str, value: bytes) -> None:
         if not self.cache_enabled:
             return
@@ -167,7 +180,22 @@ class MemoryStore:
             self._attempts.put(attempt_key, n, now + self.attempts_ttl_s)
             return n
 
+    def incr_attempts_many(self, attempt_keys: Sequence[str]) -> list[int]:
+        """``incr_attempts`` for each key, in order (a key listed twice counts twice), in one lock round."""
+        if not attempt_keys:
+            return []
+        with self._lock:
+            now = self._now()
+            out: list[int] = []
+            for k in attempt_keys:
+                n = (self._attempts.get(k, now) or 0) + 1
+                self._attempts.put(k, n, now + self.attempts_ttl_s)
+                out.append(n)
+            return out
+
     def clear_attempts(self, attempt_keys: Sequence[str]) -> None:
+        if not attempt_keys:
+            return
         with self._lock:
             for k in attempt_keys:
                 self._attempts.pop(k)

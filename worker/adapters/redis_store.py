@@ -6,10 +6,15 @@ Keys (``key_prefix`` defaults to ``kiw:``)::
     <prefix>delivered:<id>       "1"                   SET EX ledger_ttl_s  (only when redis.ledger is true)
     <prefix>attempts:<key>       integer               INCR + EXPIRE attempts_ttl_s, in one MULTI
 
+Batched forms for the hot path, one round trip each: ``get_cached_many`` (one MGET), ``delivered_many``
+(one MGET), ``mark_delivered`` (one pipeline of SETs), ``incr_attempts_many`` (one MULTI of INCR+EXPIRE per
+key), ``clear_attempts`` (one pipeline of DELs).
+
 Redis is an optimisation, never a dependency of the pipeline: every call has a short socket timeout
 (``timeout_ms``), no client-side retries, and goes through a :class:`CircuitBreaker`. After
 ``breaker_failures`` consecutive errors the breaker opens and every call returns its "miss" value at once
-(``None`` / ``False`` / empty set / ``0`` = "unknown" for ``incr_attempts``) without touching the
+(``None`` / ``False`` / empty set / ``{}`` / ``0`` = "unknown" for ``incr_attempts``, a list of 0s for
+``incr_attempts_many``) without touching the
 network; after ``breaker_reset_s`` one probe call goes through and closes it again on success. Each call
 that could not use Redis (an error, or skipped by the open breaker) counts in ``kiw_redis_errors_total{op}``;
 ``kiw_redis_circuit_open`` is 1 while the breaker is not closed.
@@ -39,6 +44,7 @@ __all__ = ["CircuitBreaker", "RedisStore", "cache_key", "make_store", "redact_ur
 
 log = logging.getLogger("worker.redis")
 T = TypeVar("T")
+_DEL_CHUNK = 1000  # keys per DEL command in clear_attempts' pipeline
 
 
 def redact_url(url: str) -> str:
@@ -257,6 +263,18 @@ class RedisStore:
             return None
         return self._run("get_cached", None, lambda c: c.get(self._k("cache", key)))
 
+    def get_cached_many(self, keys: Sequence[str]) -> dict[str, bytes]:
+        """The cached results among ``keys``, in one MGET; absent keys are left out. ``{}`` on outage."""
+        uniq = list(dict.fromkeys(keys))
+        if not self.cache_enabled or not uniq:
+            return {}
+
+        def mget(c: redis.Redis) -> dict[str, bytes]:
+            values = c.mget([self._k("cache", k) for k in uniq])
+            return {k: v for k, v in zip(uniq, values, strict=True) if v is not None}
+
+        return self._run("get_cached_many", {}, mget)
+
     def put_cached(self, key: str, value: bytes) -> None:
         if not self.cache_enabled:
             return
@@ -308,10 +326,37 @@ class RedisStore:
 
         return self._run("incr_attempts", 0, incr)
 
+    def incr_attempts_many(self, attempt_keys: Sequence[str]) -> list[int]:
+        """``incr_attempts`` for each key, in order, in one MULTI pipeline (INCR + EXPIRE per key; a key
+        listed twice counts twice). On outage: a list of 0s ("unknown"), one per key."""
+        keys = list(attempt_keys)
+        if not keys:
+            return []
+
+        def incr(c: redis.Redis) -> list[int]:
+            pipe = c.pipeline(transaction=True)
+            for k in keys:
+                rk = self._k("attempts", k)
+                pipe.incr(rk)
+                pipe.expire(rk, self._cfg.attempts_ttl_s)
+            replies = pipe.execute()
+            return [int(n) for n in replies[0::2]]
+
+        return self._run("incr_attempts_many", [0] * len(keys), incr)
+
     def clear_attempts(self, attempt_keys: Sequence[str]) -> None:
-        if not attempt_keys:
+        """Deletes the counters in one round trip (one pipeline of DELs of at most 1,000 keys each)."""
+        keys = [self._k("attempts", k) for k in dict.fromkeys(attempt_keys)]
+        if not keys:
             return
-        self._run("clear_attempts", None, lambda c: c.delete(*[self._k("attempts", k) for k in attempt_keys]))
+
+        def delete(c: redis.Redis) -> None:
+            pipe = c.pipeline(transaction=False)
+            for i in range(0, len(keys), _DEL_CHUNK):
+                pipe.delete(*keys[i:i + _DEL_CHUNK])
+            pipe.execute()
+
+        self._run("clear_attempts", None, delete)
 
     # -- housekeeping -------------------------------------------------------------------------------
     def ping(self) -> bool:
