@@ -1,0 +1,584 @@
+"""Which lane's batch a free device runs next: priorities, weighted fair shares, deadlines, adaptive waits.
+
+Why: lanes (e.g. ``interactive`` and ``bulk``) share the devices. Interactive work should go first, bulk
+work must never starve, records past their deadline must never reach the model, and an idle device should
+not sit waiting for a window to fill when waiting cannot pay off.
+
+Structure: one ``MicroBatcher`` per lane (open windows) plus a FIFO of closed ("ready") batches per lane.
+The runner ``add``s records, and each time a device is free it asks ``next_batch(now, idle=...)``.
+
+Choosing a lane (both policies)
+-------------------------------
+Each lane ``i`` keeps a normalized service counter ``v_i``: the records it was served divided by its
+``weight``. *Candidates* are the lanes with dispatchable work: a ready batch, or (``idle=True`` only) an
+open window. A candidate is *eligible* when ``v_i < v_min + L``, where ``v_min`` is the smallest ``v`` among
+candidates and ``L = max_j(max_batch_size_j / weight_j)`` (one batch of lag, in normalized units). The
+eligible lane with the highest ``priority`` is served (ties: the lane listed first in the config); it gets
+its oldest ready batch, or, if it has none and the device is idle, its oldest open window (work-conserving:
+an idle device never waits out ``max_wait`` when there is work). A lane that becomes backlogged starts at
+``v_i = max(v_i, v_min of the backlogged lanes)``: idle time earns no credit to burst with later.
+
+Fairness guarantee. While a set ``S`` of lanes stays backlogged (each always has a ready batch, i.e. under
+overload), every lane is served at most one batch past ``v_min + L``, so ``|v_i - v_j| < 2L`` for
+``i, j`` in ``S`` at all times. Hence over any such interval in which ``T`` records are served in total,
+lane ``i`` gets at least ``T * w_i / W - 4 * L * w_i`` of them (``W`` = sum of the weights in ``S``): its
+weighted share ``w_i / W`` minus a constant of a few batches, whatever the priorities. Priority decides
+who goes first within that lag: when both lanes are backlogged the high lane is served first and then
+they alternate in proportion to their weights (high ``weight`` for the interactive lane gives it most of
+the device under overload; ``weight: 1`` everywhere splits the device evenly).
+
+Deadlines (both policies)
+-------------------------
+A record whose ``deadline`` is ``<= now`` is expired: ``add`` hands it straight back, ``expire(now)``
+removes and returns queued ones (a per-lane min-heap on deadline with lazy deletion, O(log n) per record),
+and ``next_batch`` expires first, so no expired record is ever returned in a batch. Records expired by
+``next_batch`` itself are handed out by the next ``expire`` call.
+
+Policy "fixed"
+--------------
+Windows close by count or ``max_wait``; an idle device takes the best open window at once.
+
+Policy "adaptive" (the latency predictor and adaptive timeout of design seed 000)
+--------------------------------------------------------------------------------
+Per lane an online least-squares fit ``latency(n) = a + b*n`` (``LatencyModel``, fed by ``observe``; a
+pooled model stands in for lanes without enough observations) and an arrival-rate estimate ``lam``
+(records/s, exponentially smoothed).
+
+- *Wait or go*: with ``k`` records open and the device idle, dispatching now yields ``k / (a + b k)``
+  records/s; waiting ``t`` yields ``(k + lam t) / (t + a + b (k + lam t))``. That function of ``t`` is
+  monotone and increases exactly when ``lam * a > k``, so the scheduler holds the window until it should be
+  full (``(B - k) / lam``), capped by the window's ``max_wait`` and by every queued record's deadline
+  (the lane's earliest deadline must still be met after the wait plus the batch; other lanes' earliest
+  deadlines after that plus their own batch); otherwise it dispatches now (reason ``"adaptive"``). While
+  holding, a lower lane's batch that is predicted to finish before the hold ends is served in the gap.
+- *Expire early*: a record whose deadline falls before ``now + a + b`` cannot make it even alone and is
+  expired now; at dispatch the batch keeps the largest set of records that all meet
+  ``deadline >= now + a + b * n_kept`` (records without deadline always stay), the rest are expired
+  rather than sent to the model to produce a late answer.
+
+Until a model has ``min_obs`` observations, "adaptive" behaves exactly like "fixed".
+
+Pure: ``now`` is passed in (monotonic seconds, non-decreasing); no clocks, threads or I/O. Not
+thread-safe: the runner serializes calls. Costs: ``add`` O(1) (+ O(log n) with a deadline), ``next_batch``
+O(lanes + batch size). Removing expired records scans a lane's queue from the front and stops once it found
+them all (cheap when deadlines follow arrival order, the usual case); ``revoke`` is O(records queued).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
+
+from worker.config import LaneConfig
+from worker.core.batcher import MicroBatcher
+from worker.core.latency import LatencyModel
+from worker.core.records import Batch, Record, TopicPartition
+
+Policy = Literal["fixed", "adaptive"]
+
+RATE_TAU_S = 0.2  # time constant of the arrival-rate estimate
+MIN_HOLD_S = 1e-4  # an adaptive wait shorter than this is not worth a wake-up
+
+
+class _Lane:
+    __slots__ = (
+        "name", "index", "priority", "weight", "queue_bound", "max_batch", "batcher", "ready", "ready_n",
+        "heap", "live", "vservice", "served_records", "served_batches", "expired", "revoked", "arrivals",
+        "rate", "rate_t", "rate_mark", "rate_num", "rate_den", "model", "hold_until", "cfg_max_batch",
+    )
+
+    def __init__(self, cfg: LaneConfig, index: int, bucket_width: int) -> None:
+        self.name = cfg.name
+        self.index = index
+        self.priority = cfg.priority
+        if not cfg.weight > 0:
+            raise ValueError(f"lane {cfg.name!r}: weight must be > 0, got {cfg.weight}")
+        self.weight = float(cfg.weight)
+        self.queue_bound = cfg.queue_bound
+        self.max_batch = cfg.max_batch_size
+        self.cfg_max_batch = cfg.max_batch_size
+        self.batcher = MicroBatcher(cfg.name, cfg.max_batch_size, cfg.max_wait_ms / 1000.0, bucket_width)
+        self.ready: deque[Batch] = deque()
+        self.ready_n = 0  # records in ready batches
+        self.heap: list[tuple[float, int, Record]] = []  # (deadline, seq, record), lazy deletion
+        self.live: set[int] = set()  # id() of queued records that have a deadline
+        self.vservice = 0.0
+        self.served_records = 0
+        self.served_batches = 0
+        self.expired = 0
+        self.revoked = 0
+        self.arrivals = 0
+        self.rate = 0.0
+        self.rate_t: float | None = None
+        self.rate_mark = 0
+        self.rate_num = 0.0  # exponentially decayed arrivals ...
+        self.rate_den = 0.0  # ... over exponentially decayed elapsed time: unbiased from the first update
+        self.model = LatencyModel()
+        self.hold_until: float | None = None
+
+    def queued(self) -> int:
+        return len(self.batcher) + self.ready_n
+
+    def earliest_deadline(self) -> float | None:
+        """Earliest deadline among queued records (drops stale heap tops on the way)."""
+        heap, live = self.heap, self.live
+        while heap:
+            d, _, r = heap[0]
+            if id(r) in live and r.deadline == d:
+                return d
+            heapq.heappop(heap)
+        return None
+
+    def compact(self) -> None:
+        """Rebuild the deadline heap without stale entries once they outnumber live ones."""
+        if len(self.heap) > 2 * len(self.live) + 64:
+            live = self.live
+            self.heap = [e for e in self.heap if id(e[2]) in live and e[2].deadline == e[0]]
+            heapq.heapify(self.heap)
+
+
+class PriorityScheduler:
+    def __init__(self, lanes: Sequence[LaneConfig], default_lane: str, policy: Policy | str = "fixed",
+                 bucket_width: int = 0) -> None:
+        if not lanes:
+            raise ValueError("at least one lane is required")
+        names = [lane.name for lane in lanes]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate lane names: {dupes}")
+        if default_lane not in names:
+            raise ValueError(f"default_lane {default_lane!r} is not one of the lanes {names}")
+        if policy not in ("fixed", "adaptive"):
+            raise ValueError(f"policy must be 'fixed' or 'adaptive', got {policy!r}")
+        self.default_lane = default_lane
+        self.policy = policy
+        self._adaptive = policy == "adaptive"
+        self._lanes: dict[str, _Lane] = {c.name: _Lane(c, i, bucket_width) for i, c in enumerate(lanes)}
+        # Preference order: higher priority first, ties by config order.
+        self._order: list[_Lane] = sorted(self._lanes.values(), key=lambda ln: (-ln.priority, ln.index))
+        self._global_model = LatencyModel()
+        self._pending_expired: list[Record] = []
+        self._total = 0
+        self._seq = 0
+        self._lag = 0.0
+        self._update_lag()
+
+    # ------------------------------------------------------------------ routing
+    def lane_for(self, topic: str, header_priority: str | None, field_priority: str | None,
+                 topic_lanes: dict[str, str]) -> tuple[str, bool]:
+        """The lane for a record: the ``x-priority`` header wins, then the request's ``priority`` field, then
+        the topic's lane, else the default lane. The first of those that is set decides; if it names no
+        configured lane the record goes to the default lane and the second value is True (count/log it)."""
+        for wanted in (header_priority, field_priority):
+            if wanted is not None:
+                wanted = wanted.strip()
+                if wanted:
+                    return (wanted, False) if wanted in self._lanes else (self.default_lane, True)
+        lane = topic_lanes.get(topic)
+        if lane is None:
+            return self.default_lane, False
+        return (lane, False) if lane in self._lanes else (self.default_lane, True)
+
+    @property
+    def lanes(self) -> list[str]:
+        return list(self._lanes)
+
+    # ------------------------------------------------------------------ intake
+    def add(self, record: Record, now: float) -> list[Record]:
+        """Queue ``record`` in ``record.lane`` (an unknown lane name is rewritten to the default lane).
+        Returns ``[record]`` if it is already past its deadline (not queued), else ``[]``."""
+        lane = self._lanes.get(record.lane)
+        if lane is None:
+            record.lane = self.default_lane
+            lane = self._lanes[self.default_lane]
+        d = record.deadline
+        if d is not None and d <= now:
+            lane.expired += 1
+            return [record]
+        if lane.ready_n == 0 and len(lane.batcher) == 0:
+            self._becomes_backlogged(lane, now)
+        closed = lane.batcher.add(record, now)
+        if closed:
+            self._push_ready(lane, closed)
+        if d is not None:
+            self._seq += 1
+            heapq.heappush(lane.heap, (d, self._seq, record))
+            lane.live.add(id(record))
+        self._total += 1
+        lane.arrivals += 1
+        return []
+
+    def _becomes_backlogged(self, lane: _Lane, now: float) -> None:
+        if lane.rate_t is None:
+            lane.rate_t = now
+        if self._total == 0:
+            for ln in self._order:  # nobody backlogged: start a fresh fairness epoch
+                ln.vservice = 0.0
+            return
+        others = [ln.vservice for ln in self._order if ln is not lane and (ln.ready_n or len(ln.batcher))]
+        if others:
+            lane.vservice = max(lane.vservice, min(others))
+
+    def _push_ready(self, lane: _Lane, batches: Iterable[Batch]) -> None:
+        for b in batches:
+            lane.ready.append(b)
+            lane.ready_n += len(b.records)
+
+    # ------------------------------------------------------------------ dispatch
+    def next_batch(self, now: float, idle: bool = True) -> Batch | None:
+        """The batch a free device should run now, or None.
+
+        ``idle=True``: the device has nothing else to do, so an open window is dispatched rather than left
+        to fill (fixed policy always; adaptive unless waiting pays, see the module docstring).
+        ``idle=False``: only closed batches (e.g. prefetching while the device is still busy)."""
+        self._expire_due(now)
+        if self._total == 0:
+            return None
+        adaptive = self._adaptive
+        for lane in self._order:
+            if len(lane.batcher):
+                closed = lane.batcher.poll(now)
+                if closed:
+                    self._push_ready(lane, closed)
+            if adaptive:
+                self._update_rate(lane, now)
+                if idle:
+                    lane.hold_until = None
+        while self._total:
+            batch = self._select(now, idle)
+            if batch is None:
+                return None
+            batch = self._finalize(batch, now)
+            if batch is not None:
+                return batch
+        return None
+
+    def _select(self, now: float, idle: bool) -> Batch | None:
+        cands = [ln for ln in self._order if ln.ready_n or (idle and len(ln.batcher))]
+        if not cands:
+            return None
+        limit = min(ln.vservice for ln in cands) + self._lag
+        lane = next((ln for ln in cands if ln.vservice < limit), None)
+        if lane is None:  # only reachable through float rounding on huge counters
+            lane = min(cands, key=lambda ln: ln.vservice)
+        if lane.ready_n:
+            return self._pop_ready(lane)
+        if not self._adaptive:
+            return lane.batcher.take_open(now, lane.max_batch, "idle")
+        hold = self._hold_until(lane, now)
+        if hold is None:
+            return lane.batcher.take_open(now, lane.max_batch, "adaptive")
+        lane.hold_until = hold
+        # Fill the gap: a batch of another lane that finishes before the hold ends delays nobody.
+        rest = [ln for ln in cands if ln is not lane]
+        rest.sort(key=lambda ln: (ln.vservice >= limit, -ln.priority, ln.index))
+        for other in rest:
+            if other.ready_n:
+                n = min(len(other.ready[0].records), other.max_batch)
+            else:
+                peek = other.batcher.peek_oldest()
+                assert peek is not None
+                n = min(len(peek[1]), other.max_batch)
+            if now + self._predict(other, n) <= hold:
+                if other.ready_n:
+                    return self._pop_ready(other)
+                return other.batcher.take_open(now, other.max_batch, "adaptive")
+        return None
+
+    def _pop_ready(self, lane: _Lane) -> Batch:
+        b = lane.ready[0]
+        m = lane.max_batch
+        if len(b.records) > m:  # closed before the max was lowered (OOM): cut it down
+            out = Batch(lane.name, b.records[:m], b.opened_at, b.closed_at, b.reason, m)
+            del b.records[:m]
+            b.max_batch_size = m
+        else:
+            out = lane.ready.popleft()
+        lane.ready_n -= len(out.records)
+        return out
+
+    def _finalize(self, batch: Batch, now: float) -> Batch | None:
+        """Account for a batch leaving the queue; adaptive: drop records predicted to miss their deadline.
+        Returns None when nothing is left to send."""
+        lane = self._lanes[batch.lane]
+        recs = batch.records
+        live = lane.live
+        if self._adaptive and live:
+            model = self._model(lane)
+            if model is not None:
+                recs = self._drop_misses(lane, recs, now, model)
+                batch.records = recs
+        n = len(recs)
+        self._total -= n  # (dropped records were accounted for in _drop_misses)
+        if live:
+            for r in recs:
+                if r.deadline is not None:
+                    live.discard(id(r))
+            lane.compact()
+        if n == 0:
+            return None
+        lane.served_records += n
+        lane.served_batches += 1
+        lane.vservice += n / lane.weight
+        lane.hold_until = None
+        return batch
+
+    def _drop_misses(self, lane: _Lane, recs: list[Record], now: float, model: LatencyModel) -> list[Record]:
+        a, b = model.a, model.b
+        n = len(recs)
+        earliest = min((r.deadline for r in recs if r.deadline is not None), default=None)
+        if earliest is None or earliest >= now + a + b * n:
+            return recs
+        # Largest kept set such that every kept deadline >= now + a + b * kept: records without deadline
+        # always stay; then the latest deadlines first (kept deadlines fall while the bar rises, so the
+        # first failure ends the search).
+        timed = sorted((r for r in recs if r.deadline is not None), key=lambda r: r.deadline or 0.0, reverse=True)
+        k = n - len(timed)
+        keep_ids: set[int] = set()
+        for r in timed:
+            assert r.deadline is not None
+            if r.deadline >= now + a + b * (k + 1):
+                k += 1
+                keep_ids.add(id(r))
+            else:
+                break
+        kept: list[Record] = []
+        for r in recs:
+            if r.deadline is None or id(r) in keep_ids:
+                kept.append(r)
+            else:
+                lane.live.discard(id(r))
+                lane.expired += 1
+                self._total -= 1
+                self._pending_expired.append(r)
+        return kept
+
+    # ------------------------------------------------------------------ adaptive policy
+    def _model(self, lane: _Lane) -> LatencyModel | None:
+        if lane.model.ready:
+            return lane.model
+        if self._global_model.ready:
+            return self._global_model
+        return None
+
+    def _predict(self, lane: _Lane, n: int) -> float:
+        model = self._model(lane)
+        return model.predict(n) if model is not None else 0.0
+
+    def _update_rate(self, lane: _Lane, now: float) -> None:
+        t = lane.rate_t
+        if t is None:
+            lane.rate_t = now
+            lane.rate_mark = lane.arrivals
+            return
+        dt = now - t
+        if dt < 1e-3:
+            return
+        keep = math.exp(-dt / RATE_TAU_S)
+        lane.rate_num = lane.rate_num * keep + (lane.arrivals - lane.rate_mark)
+        lane.rate_den = lane.rate_den * keep + dt
+        lane.rate = lane.rate_num / lane.rate_den
+        lane.rate_t = now
+        lane.rate_mark = lane.arrivals
+
+    def _hold_until(self, lane: _Lane, now: float) -> float | None:
+        """When to dispatch the lane's oldest open window if waiting for more records pays, else None."""
+        model = self._model(lane)
+        peek = lane.batcher.peek_oldest()
+        if model is None or peek is None:
+            return None
+        a, b = model.a, model.b
+        opened_at, recs = peek
+        k = len(recs)
+        cap = lane.max_batch
+        lam = lane.rate
+        if k >= cap or lam * a <= k:
+            return None  # waiting cannot raise throughput
+        t = min(opened_at + lane.batcher.max_wait_s - now, (cap - k) / lam)
+        denom = 1.0 + b * lam  # latency grows with the records that arrive while waiting
+        for other in self._order:
+            d = other.earliest_deadline()
+            if d is None:
+                continue
+            extra = 0.0 if other is lane else self._predict(other, min(other.queued(), other.max_batch))
+            t = min(t, (d - now - a - b * k - extra) / denom)
+        if t < MIN_HOLD_S:
+            return None
+        return now + t
+
+    def observe(self, lane: str, n: int, seconds: float) -> None:
+        """Feed the latency model with a finished batch: ``n`` records took ``seconds`` on the device."""
+        ln = self._lanes.get(lane)
+        if ln is not None:
+            ln.model.observe(n, seconds)
+        self._global_model.observe(n, seconds)
+
+    # ------------------------------------------------------------------ expiry
+    def expire(self, now: float) -> list[Record]:
+        """Remove and return queued records past their deadline (adaptive: also those that cannot make it
+        even dispatched alone now), plus any that ``next_batch`` dropped since the last call."""
+        self._expire_due(now)
+        out = self._pending_expired
+        self._pending_expired = []
+        return out
+
+    def _expire_due(self, now: float) -> None:
+        for lane in self._order:
+            heap = lane.heap
+            if not heap:
+                continue
+            bar = now
+            if self._adaptive:
+                model = self._model(lane)
+                if model is not None:
+                    bar = now + model.predict(1)
+            top = heap[0][0]
+            if top > now and top >= bar:  # nothing due (the top may be stale: harmless)
+                continue
+            live = lane.live
+            dead: dict[int, Record] = {}
+            while heap:
+                d, _, r = heap[0]
+                # hard expiry at deadline <= now; predicted miss when now + latency(1) > deadline
+                if d > now and d >= bar:
+                    break
+                heapq.heappop(heap)
+                rid = id(r)
+                if rid in live and r.deadline == d:
+                    live.discard(rid)
+                    dead[rid] = r
+            if dead:
+                self._remove_queued(lane, dead)
+                lane.expired += len(dead)
+                self._total -= len(dead)
+                self._pending_expired.extend(dead.values())
+
+    def _remove_queued(self, lane: _Lane, dead: dict[int, Record]) -> None:
+        """Physically remove ``dead`` records from the lane's ready batches and windows, oldest first,
+        stopping as soon as all are found."""
+        left = len(dead)
+        emptied = False
+        for b in lane.ready:
+            kept = [r for r in b.records if id(r) not in dead]
+            gone = len(b.records) - len(kept)
+            if gone:
+                b.records = kept
+                lane.ready_n -= gone
+                left -= gone
+                emptied = emptied or not kept
+                if left == 0:
+                    break
+        if emptied:
+            lane.ready = deque(b for b in lane.ready if b.records)
+        if left:
+            lane.batcher.remove(lambda r: id(r) in dead, limit=left)
+
+    # ------------------------------------------------------------------ control
+    def revoke(self, tps: set[TopicPartition] | Iterable[TopicPartition]) -> list[Record]:
+        """Remove and return the queued (not yet dispatched) records of these partitions, including any
+        expired records not yet handed out by ``expire``."""
+        tps = set(tps)
+        out: list[Record] = []
+        for lane in self._order:
+            removed: list[Record] = []
+            if lane.ready_n:
+                for b in lane.ready:
+                    kept = [r for r in b.records if r.tp not in tps]
+                    if len(kept) != len(b.records):
+                        removed.extend(r for r in b.records if r.tp in tps)
+                        b.records = kept
+                lane.ready = deque(b for b in lane.ready if b.records)
+                lane.ready_n = sum(len(b.records) for b in lane.ready)
+            if len(lane.batcher):
+                removed.extend(lane.batcher.remove(lambda r: r.tp in tps))
+            for r in removed:
+                lane.live.discard(id(r))
+            lane.revoked += len(removed)
+            self._total -= len(removed)
+            out.extend(removed)
+        if self._pending_expired:
+            out.extend(r for r in self._pending_expired if r.tp in tps)
+            self._pending_expired = [r for r in self._pending_expired if r.tp not in tps]
+        return out
+
+    def flush(self, now: float) -> None:
+        """Close every open window so ``next_batch`` returns them (shutdown, end of a backfill)."""
+        for lane in self._order:
+            closed = lane.batcher.flush(now)
+            if closed:
+                self._push_ready(lane, closed)
+
+    def set_max_batch_size(self, lane: str, n: int) -> None:
+        """Change a lane's effective max batch (OOM handling lowers it and raises it back). Queued batches
+        larger than the new max are cut at dispatch; open windows split on the next add/poll."""
+        if n < 1:
+            raise ValueError(f"max batch size must be >= 1, got {n}")
+        ln = self._lanes[lane]
+        ln.batcher.set_max_batch_size(n)
+        ln.max_batch = n
+        self._update_lag()
+
+    def max_batch_size(self, lane: str) -> int:
+        return self._lanes[lane].max_batch
+
+    def _update_lag(self) -> None:
+        self._lag = max(max(ln.cfg_max_batch, ln.max_batch) / ln.weight for ln in self._lanes.values())
+
+    # ------------------------------------------------------------------ introspection
+    def next_wakeup(self, now: float) -> float | None:
+        """Earliest time the state changes by time alone: a window closes by time, a queued record's
+        deadline passes (adaptive: when it can no longer be met), an adaptive hold ends. None when
+        nothing is pending. May be <= now (overdue); ready batches are not included."""
+        best: float | None = None
+        for lane in self._order:
+            t = lane.batcher.next_deadline()
+            if t is not None and (best is None or t < best):
+                best = t
+            d = lane.earliest_deadline()
+            if d is not None:
+                if self._adaptive:
+                    model = self._model(lane)
+                    if model is not None:
+                        d -= model.predict(1)
+                if best is None or d < best:
+                    best = d
+            h = lane.hold_until
+            if h is not None and h > now and (best is None or h < best):
+                best = h
+        return best
+
+    def __len__(self) -> int:
+        """Records queued (open windows + ready batches), all lanes."""
+        return self._total
+
+    def queued(self, lane: str) -> int:
+        return self._lanes[lane].queued()
+
+    def over_bound(self) -> set[str]:
+        """Lanes whose queued count reached their ``queue_bound``: pause the partitions feeding them."""
+        return {ln.name for ln in self._order if ln.queued() >= ln.queue_bound}
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for ln in self._lanes.values():
+            model = self._model(ln)
+            out[ln.name] = {
+                "queued": ln.queued(),
+                "ready_batches": len(ln.ready),
+                "open_windows": ln.batcher.open_windows,
+                "served_records": ln.served_records,
+                "served_batches": ln.served_batches,
+                "expired": ln.expired,
+                "revoked": ln.revoked,
+                "max_batch_size": ln.max_batch,
+                "weight": ln.weight,
+                "priority": ln.priority,
+                "service": ln.vservice,
+                "arrival_rate": ln.rate,
+                "latency_a_s": model.a if model is not None else None,
+                "latency_b_s": model.b if model is not None else None,
+            }
+        return out
