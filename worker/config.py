@@ -108,7 +108,7 @@ class RedisConfig(_Strict):
     key_prefix: str = "kiw:"
     cache: bool = False
     cache_ttl_s: PosInt = 3600
-    ledger: bool = True
+    ledger: bool = False
     ledger_ttl_s: PosInt = 86_400
     attempts_ttl_s: PosInt = 86_400
     timeout_ms: PosInt = 50

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from schemas import H_PRIORITY, Request
+from worker.adapters.memory_store import cache_key
 from worker.config import Config
 from worker.core.ports import Model
 from worker.core.records import Outcome, Record
@@ -25,6 +26,7 @@ class _IdOnly(msgspec.Struct):
 
 _id_json = msgspec.json.Decoder(_IdOnly)
 _id_msgpack = msgspec.msgpack.Decoder(_IdOnly)
+_cache_input = msgspec.msgpack.Encoder(order="sorted")  # canonical bytes: equal inputs, equal keys
 
 
 def salvage_id(value: bytes, fmt: str) -> str | None:
@@ -48,6 +50,9 @@ class Intake:
         self.lanes = {lane.name: lane for lane in cfg.batching.lanes}
         self.default_lane = cfg.batching.default_lane
         self._size_of = getattr(model, "size_of", None)
+        self.cache_on = cfg.redis.cache
+        self.model_id = (str(getattr(model, "name", cfg.model.name)),
+                         str(cfg.model.version or getattr(model, "version", "")))
         self.unknown_lane_count = 0
 
     def lane_for(self, topic: str, header: str | None, field: str | None) -> str:
@@ -91,6 +96,8 @@ class Intake:
                 rec.deadline = rec.received_at + budget / 1000.0
         if rec.deadline is not None and rec.deadline <= now:
             return Outcome(rec, "expired", error="deadline passed before the record was read", dlq_stage="expired")
+        if self.cache_on:
+            rec.cache_key = cache_key(*self.model_id, _cache_input.encode(req.inputs))
         try:
             rec.item = self.model.decode(req.inputs)
             if self._size_of is not None:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KTP
 
@@ -38,6 +39,12 @@ from worker.intake import Intake
 from worker.transactions import Fenced, TransactionalCommitter
 
 log = logging.getLogger("worker.runner")
+_cache_enc = msgspec.msgpack.Encoder()
+_cache_dec = msgspec.msgpack.Decoder()
+
+
+def _attempt_key(rec: Record) -> str:
+    return f"{rec.tp.topic}:{rec.tp.partition}:{rec.offset}"
 
 
 @dataclass
@@ -51,6 +58,8 @@ class RunStats:
     batched_records: int = 0
     commits: int = 0
     started: float = field(default_factory=time.monotonic)
+    ledger_skips: int = 0
+    cache_hits: int = 0
     e2e_ms: list[float] = field(default_factory=list)  # sampled end-to-end latencies (for summaries)
     lanes: Counter[str] = field(default_factory=Counter)
 
@@ -105,6 +114,19 @@ class Runner:
         self.producer: Any = None
         self.workers: list[Any] = []
         self.ready = threading.Event()
+        # Store features: the ledger and cache follow their flags (in memory without a Redis url); attempt
+        # counters only mean something across process restarts, so they need Redis.
+        self._use_ledger = store is not None and cfg.redis.ledger and cfg.delivery.mode == "at_least_once"
+        self._use_attempts = store is not None and cfg.redis.url is not None
+        self._delivered_ids: list[str] = []
+        self._attempts_done: list[str] = []
+        self._cache_puts: list[tuple[str, bytes]] = []
+        self._broker_ok = True
+        self._next_lag_report = 0.0
+        self._done_at_last_lag = 0
+        from worker.adapters.metrics import DrainEstimator
+
+        self._drain = DrainEstimator(window_s=60.0)
 
     # ------------------------------------------------------------------ setup
     def _build_models(self) -> None:
@@ -122,6 +144,8 @@ class Runner:
             self.workers.append(DeviceWorker(engine, take=self._take, done=self._done, name=f"device-{dev}"))
         self.model = self._models[0]
         self.metrics.gauge("model_loaded", 1)
+        if self.health is not None:
+            self.health.model_loaded = True
 
     def _on_limit(self, lane: str, new_max: int) -> None:
         with self.cv:
@@ -184,8 +208,11 @@ class Runner:
         for w in self.workers:
             w.start()
         topics = self.cfg.input_topics()
+        self._check_broker()
         self.consumer.subscribe(topics, on_assign=self._on_assign, on_revoke=self._on_revoke,
                                 on_lost=self._on_lost)
+        if self.health is not None:
+            self.health.waiting_for_assignment = True
         log.info("worker started", extra={"topics": topics, "group": self.group_id,
                                           "devices": [w.name for w in self.workers]})
         self.ready.set()
@@ -207,6 +234,7 @@ class Runner:
             timeout = 0.002 if busy else self.cfg.kafka.poll_timeout_ms / 1000.0
             msgs = self.consumer.consume(self.cfg.kafka.poll_max_records, timeout)
             if msgs:
+                self._broker_ok = True
                 self._ingest(msgs)
         else:
             self.consumer.poll(0)  # heartbeats / rebalance callbacks while draining (partitions paused)
@@ -214,6 +242,9 @@ class Runner:
         self._expire()
         self.producer.poll(0)
         self.emitter.retry_failed()
+        self._after_delivery_store_updates()
+        if now >= self._next_lag_report:
+            self._report_lag(now)
         if consume:
             self._backpressure()
         if time.monotonic() - self._last_commit >= self.cfg.kafka.commit_interval_ms / 1000.0:
@@ -226,6 +257,8 @@ class Runner:
         for m in msgs:
             err = m.error()
             if err is not None:
+                if err.code() in (KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT):
+                    self._broker_ok = False
                 if err.code() == KafkaError._PARTITION_EOF:
                     if self.stop_at is not None:
                         eof_tp = TopicPartition(m.topic(), m.partition())
@@ -259,6 +292,8 @@ class Runner:
                 outcomes.append(bad)
             else:
                 admitted.append(rec)
+        if admitted and self.store is not None:
+            admitted = self._consult_store(admitted, outcomes)
         if admitted:
             lane_counts: Counter[str] = Counter()
             with self.cv:
@@ -271,6 +306,75 @@ class Runner:
                 self.metrics.records_in(lane, n)
         if outcomes:
             self._emit_all(outcomes, now)
+
+    def _consult_store(self, admitted: list[Record], outcomes: list[Outcome]) -> list[Record]:
+        """Attempt counters (crash-loop quarantine), the delivered-id ledger and the result cache; one
+        round trip each per consumed batch. On a Redis outage these answer "unknown" and nothing is lost."""
+        st = self.store
+        assert st is not None
+        max_attempts = self.cfg.delivery.max_attempts
+        if self._use_attempts:
+            keys = [_attempt_key(r) for r in admitted]
+            counts = (st.incr_attempts_many(keys) if hasattr(st, "incr_attempts_many")
+                      else [st.incr_attempts(k) for k in keys])
+            keep = []
+            for r, c in zip(admitted, counts, strict=True):
+                r.attempts = c
+                if c > max_attempts:
+                    outcomes.append(Outcome(r, "error", dlq_stage="quarantine", error=(
+                        f"quarantined: the worker process died {c - 1} times while this record was in flight "
+                        f"(delivery.max_attempts={max_attempts})")))
+                else:
+                    keep.append(r)
+            admitted = keep
+        if self._use_ledger and admitted:
+            seen = st.delivered_many([r.id for r in admitted if r.id])
+            if seen:
+                keep = []
+                for r in admitted:
+                    if r.id in seen:
+                        # Its result was delivered before (redelivery after a crash or rebalance): done.
+                        self.tracker.ack(r.tp, r.offset)
+                        self.stats.ledger_skips += 1
+                        self.metrics.event("ledger_skips")
+                    else:
+                        keep.append(r)
+                admitted = keep
+        if self.cfg.redis.cache and admitted:
+            keys = [r.cache_key for r in admitted if r.cache_key]
+            hits = (st.get_cached_many(keys) if hasattr(st, "get_cached_many")
+                    else {k: v for k in keys if (v := st.get_cached(k)) is not None})
+            if hits:
+                keep = []
+                for r in admitted:
+                    raw = hits.get(r.cache_key) if r.cache_key else None
+                    if raw is None:
+                        keep.append(r)
+                        continue
+                    try:
+                        out = _cache_dec.decode(raw)
+                    except Exception:  # a corrupt entry is a miss
+                        keep.append(r)
+                        continue
+                    outcomes.append(Outcome(r, "ok", output=out, batch_size=0, timings={"cached": 1.0}))
+                    self.stats.cache_hits += 1
+                admitted = keep
+        return admitted
+
+    def _after_delivery_store_updates(self) -> None:
+        st = self.store
+        if st is None:
+            return
+        if self._delivered_ids:
+            ids, self._delivered_ids = self._delivered_ids, []
+            st.mark_delivered(ids)
+        if self._attempts_done:
+            keys, self._attempts_done = self._attempts_done, []
+            st.clear_attempts(keys)
+        if self._cache_puts:
+            puts, self._cache_puts = self._cache_puts, []
+            for k, v in puts:
+                st.put_cached(k, v)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -307,6 +411,11 @@ class Runner:
                                         batch_size=n, timings=t))
             else:
                 outcomes.append(Outcome(rec, "ok", output=out, batch_size=n, timings=t))
+                if rec.cache_key is not None and self.store is not None:
+                    try:
+                        self._cache_puts.append((rec.cache_key, _cache_enc.encode(out)))
+                    except (TypeError, msgspec.EncodeError):
+                        pass  # not cacheable (the result itself is still produced)
         self._emit_all(outcomes, now)
 
     def _emit_all(self, outcomes: Iterable[Outcome], now: float) -> None:
@@ -339,11 +448,47 @@ class Runner:
     def _record_done(self, rec: Record) -> None:
         if self.epochs[rec.tp] == rec.epoch:
             self.tracker.ack(rec.tp, rec.offset)
+        if self._use_ledger and rec.id:
+            self._delivered_ids.append(rec.id)
+        if self._use_attempts:
+            self._attempts_done.append(_attempt_key(rec))
 
     def _record_failed(self, rec: Record, err: str) -> None:
         if self.epochs[rec.tp] == rec.epoch:
             self.tracker.nack(rec.tp, rec.offset)
         self._fatal = f"giving up delivering the result of {rec.tp.topic}[{rec.tp.partition}]@{rec.offset}: {err}"
+
+    def _check_broker(self) -> None:
+        try:
+            self.consumer.list_topics(timeout=10)
+            ok = True
+        except KafkaException as e:
+            log.warning("broker not reachable: %s", e)
+            ok = False
+        if self.health is not None:
+            self.health.broker_reachable = ok
+
+    def _report_lag(self, now: float) -> None:
+        """Consumer lag per partition (high watermark - committed) and the drain-time signal."""
+        self._next_lag_report = now + self.cfg.metrics.lag_interval_s
+        done = self.stats.results_ok + self.stats.results_error + self.stats.results_expired
+        self._drain.record(done - self._done_at_last_lag, now)
+        self._done_at_last_lag = done
+        total = 0
+        for tp in list(self.assigned):
+            try:
+                _lo, hi = self.consumer.get_watermark_offsets(KTP(tp.topic, tp.partition), cached=True)
+            except KafkaException:
+                continue
+            if hi is None or hi < 0:
+                continue
+            base = self.committed.get(tp, self.position.get(tp, hi))
+            lag = max(hi - base, 0)
+            total += lag
+            self.metrics.gauge("consumer_lag", lag, topic=tp.topic, partition=str(tp.partition))
+        self.metrics.gauge("drain_seconds", self._drain.estimate(total, now))
+        if self.health is not None:
+            self.health.broker_reachable = self._broker_ok
 
     # ------------------------------------------------------------------ backpressure
     def _backpressure(self) -> None:
@@ -399,6 +544,7 @@ class Runner:
         self.tracker.mark_committed(offsets)
         self.committed.update(offsets)
         self.stats.commits += 1
+        self._broker_ok = True
         self.metrics.gauge("commit_seconds", time.monotonic() - t0)
 
     def _checkpoint_transaction(self) -> None:
@@ -445,6 +591,8 @@ class Runner:
                 self.epochs[tp] += 1
                 self.assigned.add(tp)
             self.metrics.event("rebalances", kind="assign")
+            if self.health is not None:
+                self.health.assigned = bool(self.assigned)
             log.info("partitions assigned", extra={"partitions": [f"{p.topic}[{p.partition}]" for p in partitions]})
             if self._on_assign_offsets is not None:
                 self._on_assign_offsets(consumer, partitions)

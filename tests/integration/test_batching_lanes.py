@@ -6,7 +6,14 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from tests.support.kafka_io import WorkerProcess, create_topics, decode, produce_values, read_all, worker_config
+from tests.support.kafka_io import (
+    WorkerProcess,
+    create_topics,
+    decode,
+    produce_values,
+    read_all,
+    worker_config,
+)
 
 pytestmark = pytest.mark.integration
 

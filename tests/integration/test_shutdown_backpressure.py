@@ -9,7 +9,14 @@ import msgspec
 import pytest
 
 from tests.support.kafka_io import (
-    WorkerProcess, committed_offsets, create_topics, decode, produce_values, read_all, wait_for, worker_config,
+    WorkerProcess,
+    committed_offsets,
+    create_topics,
+    decode,
+    produce_values,
+    read_all,
+    wait_for,
+    worker_config,
 )
 
 pytestmark = pytest.mark.integration

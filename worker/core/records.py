@@ -36,6 +36,7 @@ class Record:
     produced_at_ms: int | None = None  # Kafka record timestamp (CreateTime), for end-to-end latency
     attempts: int = 0
     epoch: int = 0  # the partition's assignment epoch at receive; acks from an older epoch are ignored
+    cache_key: str | None = None  # result-cache key (model, version, inputs), when the cache is on
 
 
 @dataclass(slots=True, eq=False)
