@@ -494,6 +494,10 @@ def test_every_record_comes_out_exactly_once(ops: list[tuple[str, object, int, f
         else:
             s.flush(now)
         assert len(s) == sum(s.queued(ln) for ln in LANES)
+        for lane in s._lanes.values():  # the O(1) counters agree with the structures
+            assert lane.n == len(lane.batcher) + lane.ready_n
+            assert lane.ready_n == sum(len(x.records) for x in lane.ready)
+            assert all(x.records for x in lane.ready)
         w = s.next_wakeup(now)
         assert w is None or w == w  # never NaN
     # drain: everything left comes out

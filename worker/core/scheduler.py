@@ -85,7 +85,7 @@ MIN_HOLD_S = 1e-4  # an adaptive wait shorter than this is not worth a wake-up
 
 class _Lane:
     __slots__ = (
-        "name", "index", "priority", "weight", "queue_bound", "max_batch", "batcher", "ready", "ready_n",
+        "name", "index", "priority", "weight", "queue_bound", "max_batch", "batcher", "ready", "ready_n", "n",
         "heap", "live", "vservice", "served_records", "served_batches", "expired", "revoked", "arrivals",
         "rate", "rate_t", "rate_mark", "rate_num", "rate_den", "model", "hold_until", "cfg_max_batch",
     )
@@ -103,6 +103,7 @@ class _Lane:
         self.batcher = MicroBatcher(cfg.name, cfg.max_batch_size, cfg.max_wait_ms / 1000.0, bucket_width)
         self.ready: deque[Batch] = deque()
         self.ready_n = 0  # records in ready batches
+        self.n = 0  # records queued: ready batches + open windows (the rest, n - ready_n, are open)
         self.heap: list[tuple[float, int, Record]] = []  # (deadline, seq, record), lazy deletion
         self.live: set[int] = set()  # id() of queued records that have a deadline
         self.vservice = 0.0
@@ -120,7 +121,7 @@ class _Lane:
         self.hold_until: float | None = None
 
     def queued(self) -> int:
-        return len(self.batcher) + self.ready_n
+        return self.n
 
     def earliest_deadline(self) -> float | None:
         """Earliest deadline among queued records (drops stale heap tops on the way)."""
@@ -198,7 +199,7 @@ class PriorityScheduler:
         if d is not None and d <= now:
             lane.expired += 1
             return [record]
-        if lane.ready_n == 0 and len(lane.batcher) == 0:
+        if lane.n == 0:
             self._becomes_backlogged(lane, now)
         closed = lane.batcher.add(record, now)
         if closed:
@@ -207,6 +208,7 @@ class PriorityScheduler:
             self._seq += 1
             heapq.heappush(lane.heap, (d, self._seq, record))
             lane.live.add(id(record))
+        lane.n += 1
         self._total += 1
         lane.arrivals += 1
         return []
@@ -218,7 +220,7 @@ class PriorityScheduler:
             for ln in self._order:  # nobody backlogged: start a fresh fairness epoch
                 ln.vservice = 0.0
             return
-        others = [ln.vservice for ln in self._order if ln is not lane and (ln.ready_n or len(ln.batcher))]
+        others = [ln.vservice for ln in self._order if ln is not lane and ln.n]
         if others:
             lane.vservice = max(lane.vservice, min(others))
 
@@ -239,7 +241,7 @@ class PriorityScheduler:
             return None
         adaptive = self._adaptive
         for lane in self._order:
-            if len(lane.batcher):
+            if lane.n > lane.ready_n:  # open windows
                 closed = lane.batcher.poll(now)
                 if closed:
                     self._push_ready(lane, closed)
@@ -257,7 +259,7 @@ class PriorityScheduler:
         return None
 
     def _select(self, now: float, idle: bool) -> Batch | None:
-        cands = [ln for ln in self._order if ln.ready_n or (idle and len(ln.batcher))]
+        cands = [ln for ln in self._order if ln.ready_n or (idle and ln.n)]
         if not cands:
             return None
         limit = min(ln.vservice for ln in cands) + self._lag
@@ -313,6 +315,7 @@ class PriorityScheduler:
                 batch.records = recs
         n = len(recs)
         self._total -= n  # (dropped records were accounted for in _drop_misses)
+        lane.n -= n
         if live:
             for r in recs:
                 if r.deadline is not None:
@@ -353,6 +356,7 @@ class PriorityScheduler:
                 lane.live.discard(id(r))
                 lane.expired += 1
                 self._total -= 1
+                lane.n -= 1
                 self._pending_expired.append(r)
         return kept
 
@@ -454,6 +458,7 @@ class PriorityScheduler:
                 self._remove_queued(lane, dead)
                 lane.expired += len(dead)
                 self._total -= len(dead)
+                lane.n -= len(dead)
                 self._pending_expired.extend(dead.values())
 
     def _remove_queued(self, lane: _Lane, dead: dict[int, Record]) -> None:
@@ -498,6 +503,7 @@ class PriorityScheduler:
                 lane.live.discard(id(r))
             lane.revoked += len(removed)
             self._total -= len(removed)
+            lane.n -= len(removed)
             out.extend(removed)
         if self._pending_expired:
             out.extend(r for r in self._pending_expired if r.tp in tps)
