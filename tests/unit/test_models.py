@@ -1,0 +1,288 @@
+"""Built-in handlers, the registry and the user-model loaders (factory, TorchScript, torch.export, ONNX,
+state dicts), on CPU with tiny models written to tmp_path."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+
+from schemas import Request
+from worker.config import ConfigError, ModelConfig
+from worker.core.ports import Model
+from worker.models.registry import builtin_input_types, load_model
+
+torch.set_num_threads(1)
+
+
+def run(model: Any, inputs: list[Any]) -> list[Any]:
+    items = [model.decode(x) for x in inputs]
+    return model.split(model.forward(model.collate(items)), len(items))
+
+
+def decode_request(model: Any, raw: bytes) -> Any:
+    return msgspec.json.decode(raw, type=Request[model.input_type])
+
+
+# ---------------------------------------------------------------------------------------------- built-ins
+
+
+def test_builtin_input_types_cover_builtins_and_export_schemas() -> None:
+    types = builtin_input_types()
+    assert set(types) == {"identity", "minilm", "synthetic", "tiny"}
+    for t in types.values():
+        msgspec.json.schema(Request[t])  # type: ignore[valid-type]  # exportable
+
+
+@pytest.mark.parametrize("name", ["identity", "tiny", "synthetic"])
+def test_builtins_implement_the_protocol_and_run(name: str) -> None:
+    m: Any = load_model(ModelConfig(name=name))
+    implements = isinstance(m, Model)  # (an assert isinstance would narrow m for mypy)
+    assert implements
+    m.setup("cpu")
+    ex = m.example_inputs()
+    out = run(m, ex)
+    assert len(out) == len(ex)
+    msgspec.json.encode(out)  # JSON-encodable
+
+
+def test_identity_echoes_any_json() -> None:
+    m = load_model(ModelConfig(name="identity"))
+    req = decode_request(m, b'{"id": "1", "inputs": {"a": [1, "x", null]}}')
+    assert run(m, [req.inputs, 3, "s"]) == [{"a": [1, "x", None]}, 3, "s"]
+
+
+def test_tiny_is_deterministic_and_validates_dim() -> None:
+    a, b = load_model(ModelConfig(name="tiny")), load_model(ModelConfig(name="tiny"))
+    a.setup("cpu")
+    b.setup("cpu")
+    x = [[0.1] * 16, [0.5] * 16]
+    oa, ob = run(a, x), run(b, x)
+    assert oa == ob and len(oa[0]) == 4 and abs(sum(oa[0]) - 1) < 1e-5
+    decode_request(a, msgspec.json.encode({"id": "1", "inputs": [0.0] * 16}))
+    with pytest.raises(msgspec.ValidationError, match="length"):
+        decode_request(a, msgspec.json.encode({"id": "1", "inputs": [0.0] * 15}))
+
+
+def test_synthetic_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
+    m: Any = load_model(ModelConfig(name="synthetic", options={"a_ms": 0, "b_ms": 0, "fail_on": "BAD",
+                                                                "oom_above": 2, "crash_on": "DIE"}))
+    assert run(m, [{"x": 1}, "ok"]) == [{"x": 1}, "ok"]
+    with pytest.raises(ValueError, match="poison"):
+        run(m, [{"x": "BAD"}])
+    with pytest.raises(RuntimeError, match="out of memory") as ei:
+        run(m, [1, 2, 3])
+    assert isinstance(ei.value, torch.cuda.OutOfMemoryError)
+    exits: list[int] = []
+    monkeypatch.setattr("os._exit", lambda code: exits.append(code))
+    run(m, ["DIE"])
+    assert exits == [137]
+
+
+def test_synthetic_cost_model_sleeps_a_plus_b_n() -> None:
+    m: Any = load_model(ModelConfig(name="synthetic", options={"a_ms": 1, "b_ms": 0.5}))
+    import time
+
+    t = time.perf_counter()
+    run(m, list(range(20)))
+    assert time.perf_counter() - t >= 0.011
+
+
+@pytest.mark.parametrize(
+    ("cfg", "match"),
+    [
+        (ModelConfig(name="nope"), r"\$\.model\.name: unknown model 'nope'; expected a built-in"),
+        (ModelConfig(name="missing.onnx"), r"\$\.model\.name: file 'missing.onnx' not found"),
+        (ModelConfig(name="no_such_module_xyz:f"), r"\$\.model\.name: cannot import 'no_such_module_xyz'"),
+        (ModelConfig(name="os.path:nope"), r"\$\.model\.name: module 'os.path' has no attribute 'nope'"),
+        (ModelConfig(name="synthetic", options={"bogus": 1}), r"\$\.model\.options\.bogus: unknown option"),
+        (ModelConfig(name="synthetic", options={"a_ms": "x"}), r"\$\.model\.options\.a_ms: Expected `float"),
+        (ModelConfig(name="identity", options={"x": 1}), r"\$\.model\.options\.x: unknown option"),
+    ],
+)
+def test_clear_errors(cfg: ModelConfig, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_model(cfg)
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_version_override() -> None:
+    assert load_model(ModelConfig(name="tiny", version="v7")).version == "v7"
+
+
+# -------------------------------------------------------------------------------------------- user models
+
+
+class Doubler(torch.nn.Module):
+    def __init__(self, dim: int = 3) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(dim, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * 2
+
+
+@pytest.fixture
+def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    (tmp_path / "my_models.py").write_text(textwrap.dedent('''
+        import torch
+        from typing import Any
+
+        class Lin(torch.nn.Module):
+            def __init__(self, dim: int = 3):
+                super().__init__()
+                self.lin = torch.nn.Linear(dim, 2)
+            def forward(self, x):
+                return self.lin(x)
+
+        def build(dim: int = 3):
+            torch.manual_seed(0)
+            return Lin(dim)
+
+        class Upper:
+            name = "upper"
+            version = "1"
+            input_type = str
+            output_type = str
+            def setup(self, device): pass
+            def decode(self, inputs): return inputs
+            def collate(self, items): return list(items)
+            def forward(self, batch): return [s.upper() for s in batch]
+            def split(self, output, n): return output
+
+        def not_a_model():
+            return 42
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "my_models"
+    sys.modules.pop("my_models", None)
+
+
+def test_factory_returning_a_handler(user_module: str) -> None:
+    m = load_model(ModelConfig(name=f"{user_module}:Upper"))
+    assert m.name == "upper" and run(m, ["a", "b"]) == ["A", "B"]
+
+
+def test_factory_returning_a_module_is_wrapped(user_module: str) -> None:
+    m: Any = load_model(ModelConfig(name=f"{user_module}:build", options={"dim": 4, "input_shape": [4]}))
+    m.setup("cpu")
+    out = run(m, [[1, 2, 3, 4], [0, 0, 0, 0]])
+    assert len(out) == 2 and len(out[0]) == 2
+    with pytest.raises(ValueError, match=r"shape \[4\], got \[3\]"):
+        m.decode([1, 2, 3])
+    with pytest.raises(ValueError, match=r"\(nested\) list of numbers"):
+        m.decode(["x"])
+    assert m.example_inputs() == [[0.0] * 4]
+
+
+def test_factory_errors(user_module: str) -> None:
+    with pytest.raises(ConfigError, match="expected a torch.nn.Module or a handler"):
+        load_model(ModelConfig(name=f"{user_module}:not_a_model"))
+    with pytest.raises(ConfigError, match=r"\$\.model\.options: factory .* rejected options \['nope'\]"):
+        load_model(ModelConfig(name=f"{user_module}:build", options={"nope": 1}))
+
+
+def test_state_dict_with_factory(user_module: str, tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    ref = Doubler(3)
+    sd_path = tmp_path / "w.pt"
+    inner = {"lin.weight": ref.lin.weight.detach().clone(), "lin.bias": ref.lin.bias.detach().clone()}
+    torch.save(inner, sd_path)
+    m: Any = load_model(ModelConfig(name=f"{user_module}:build", options={"state_dict": str(sd_path)}))
+    m.setup("cpu")
+    x = [[1.0, 2.0, 3.0]]
+    assert torch.allclose(torch.tensor(run(m, x)), ref.lin(torch.tensor(x)), atol=1e-6)
+    assert len(m.version) == 12  # content hash of the weights
+    # the same weights via name=<file> + options.factory
+    m2: Any = load_model(ModelConfig(name=str(sd_path), options={"factory": f"{user_module}:build"}))
+    m2.setup("cpu")
+    assert run(m2, x) == run(m, x)
+    # weights_only=True: a pickled object that is not plain tensors is refused
+    torch.save({"lin.weight": Doubler(3)}, tmp_path / "evil.pt")
+    with pytest.raises(Exception, match="(?i)weights_only|unsupported|global"):
+        load_model(ModelConfig(name=f"{user_module}:build", options={"state_dict": str(tmp_path / "evil.pt")}))
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_torchscript_file(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    mod = Doubler(3).eval()
+    path = tmp_path / "m.ts"
+    torch.jit.save(torch.jit.trace(mod, torch.zeros(1, 3)), str(path))
+    m: Any = load_model(ModelConfig(name=str(path)))
+    m.setup("cpu")
+    x = [[1.0, 2.0, 3.0], [0.0, 1.0, 0.0]]
+    assert torch.allclose(torch.tensor(run(m, x)), mod(torch.tensor(x)), atol=1e-6)
+    assert m.name == "m.ts"
+
+
+def test_not_torchscript_is_a_clear_error(tmp_path: Path) -> None:
+    p = tmp_path / "weights.pt"
+    torch.save({"w": torch.zeros(1)}, p)
+    with pytest.raises(ConfigError, match="not a TorchScript file.*options.factory"):
+        load_model(ModelConfig(name=str(p)))
+
+
+def test_torch_export_file(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    mod = Doubler(3).eval()
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    ep = torch.export.export(mod, (torch.zeros(2, 3),), dynamic_shapes=({0: batch},))
+    path = tmp_path / "m.pt2"
+    torch.export.save(ep, str(path))
+    m: Any = load_model(ModelConfig(name=str(path), options={"input_shape": [3]}))
+    m.setup("cpu")
+    x = [[1.0, 2.0, 3.0], [0.0, 1.0, 0.0], [4.0, 4.0, 4.0]]
+    assert torch.allclose(torch.tensor(run(m, x)), mod(torch.tensor(x)), atol=1e-6)
+
+
+def _onnx_linear(path: Path, w: list[list[float]], b: list[float]) -> None:
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "W", "B"], ["y"])],
+        "lin",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2])],
+        [numpy_helper.from_array(np.asarray(w, dtype=np.float32), "W"),
+         numpy_helper.from_array(np.asarray(b, dtype=np.float32), "B")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+
+
+def test_onnx_file(tmp_path: Path) -> None:
+    pytest.importorskip("onnxruntime")
+    path = tmp_path / "lin.onnx"
+    _onnx_linear(path, [[1, 0], [0, 1], [1, 1]], [0.5, -0.5])
+    m: Any = load_model(ModelConfig(name=str(path)))
+    m.setup("cpu")
+    out = run(m, [[1, 2, 3], [0, 0, 0]])
+    assert out == [[4.5, 4.5], [0.5, -0.5]]
+    assert m.example_inputs() == [[0.0, 0.0, 0.0]]
+    with pytest.raises(ValueError, match=r"shape \[3\]"):
+        m.decode([1, 2])
+
+
+def test_onnx_missing_runtime_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "lin.onnx"
+    path.write_bytes(b"not really onnx")
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import fails
+    with pytest.raises(ConfigError, match=r"pip install 'kafka-inference-worker\[onnx\]'"):
+        load_model(ModelConfig(name=str(path)))
+
+
+def test_unsupported_file_suffix(tmp_path: Path) -> None:
+    p = tmp_path / "m.txt"
+    p.write_text("x")
+    with pytest.raises(ConfigError, match=r"\$\.model\.name: unknown model"):
+        load_model(ModelConfig(name=str(p)))

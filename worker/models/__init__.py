@@ -1,0 +1,1 @@
+"""Built-in model handlers and the loader for user models (see ``registry.load_model``)."""

