@@ -1,0 +1,308 @@
+"""Engine (OOM split, poison isolation, output count check, dtype) and DeviceWorker (overlap, order,
+stop) on CPU with the synthetic model and small fakes. No timed asserts on absolute wall-clock."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from worker.adapters.torch_engine import (
+    DeviceWorker,
+    Engine,
+    OutputCountError,
+    configure_threads,
+    is_oom,
+    resolve_device,
+    resolve_dtype,
+)
+from worker.config import ModelConfig
+from worker.core.records import Batch, Record, TopicPartition
+from worker.models.registry import load_model
+
+torch.set_num_threads(1)
+
+
+def synthetic(**options: Any) -> Any:
+    return load_model(ModelConfig(name="synthetic", options={"a_ms": 0, "b_ms": 0, **options}))
+
+
+def make_batch(items: Sequence[Any], lane: str = "default", offset: int = 0) -> Batch:
+    recs = [Record(TopicPartition("t", 0), offset + i, b"", item=it, lane=lane) for i, it in enumerate(items)]
+    return Batch(lane=lane, records=recs, opened_at=0.0, closed_at=0.0, reason="count", max_batch_size=len(recs))
+
+
+# ------------------------------------------------------------------------------------------ devices/dtype
+
+
+def test_resolve_device() -> None:
+    assert resolve_device("cpu") == "cpu"
+    assert resolve_device("auto") in ("cpu", "mps", "cuda:0")
+    with pytest.raises(ValueError, match=r"\$\.model\.device"):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            resolve_device("cuda:1")
+
+
+def test_resolve_dtype_on_cpu() -> None:
+    assert resolve_dtype("fp32", "cpu") is None
+    assert resolve_dtype("bf16", "cpu") is torch.bfloat16
+    with pytest.warns(RuntimeWarning, match="fp16"):
+        assert resolve_dtype("fp16", "cpu") is None
+
+
+def test_bf16_on_cpu_runs_under_autocast() -> None:
+    seen: list[torch.dtype] = []
+
+    class Probe:
+        name, version, input_type, output_type = "probe", "1", list[float], list[float]
+
+        def setup(self, device: str) -> None:
+            self.lin = torch.nn.Linear(4, 2).to(device)
+
+        def decode(self, x: Any) -> Any:
+            return x
+
+        def collate(self, items: Sequence[Any]) -> torch.Tensor:
+            return torch.tensor(items)
+
+        def forward(self, b: torch.Tensor) -> torch.Tensor:
+            y = self.lin(b)
+            seen.append(y.dtype)
+            return y.float()
+
+        def split(self, out: torch.Tensor, n: int) -> list[Any]:
+            return out.tolist()
+
+    eng = Engine(Probe(), "cpu", dtype="bf16", warmup=False, threads=1)
+    eng.setup()
+    out = eng.infer([[1.0, 2.0, 3.0, 4.0]] * 3)
+    assert len(out) == 3 and seen == [torch.bfloat16]
+    tiny = Engine(load_model(ModelConfig(name="tiny")), "cpu", dtype="bf16", threads=1)
+    tiny.setup()  # warm-up from example_inputs()
+    res: list[Any] = tiny.infer(tiny.example_items(5))
+    assert len(res) == 5 and all(abs(sum(r) - 1) < 1e-2 for r in res)
+
+
+def test_configure_threads_respects_explicit_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = torch.get_num_threads()
+    try:
+        assert configure_threads("cpu", 1) == 1
+        monkeypatch.setenv("WORKER_TORCH_THREADS", "1")
+        assert configure_threads("cpu") == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+# --------------------------------------------------------------------------------------- OOM and poison
+
+
+def test_oom_splits_lowers_the_lane_limit_and_raises_it_back() -> None:
+    m = synthetic(oom_above=8)
+    limits: list[tuple[str, int]] = []
+    eng = Engine(m, "cpu", on_limit=lambda lane, n: limits.append((lane, n)), grow_after=5, warmup=False)
+    eng.setup()
+    items = [m.decode({"i": i}) for i in range(32)]
+    out = eng.infer(items, "hi")
+    assert out == [{"i": i} for i in range(32)]  # every record, in order
+    assert eng.effective_max("hi") == 8
+    assert limits == [("hi", 16), ("hi", 8)]
+    assert eng.effective_max("other") is None  # per lane
+    assert eng.stats.oom == 2
+    # Memory frees up: after grow_after good batches per step the limit climbs back and is lifted at 32.
+    m.opts.oom_above = None
+    for _ in range(40):
+        assert eng.infer(items, "hi") == [{"i": i} for i in range(32)]
+        if eng.effective_max("hi") is None:
+            break
+    assert eng.effective_max("hi") is None
+    assert [n for _, n in limits[2:]] == sorted(n for _, n in limits[2:])  # only upwards
+    assert limits[-1] == ("hi", 32)
+
+
+def test_oom_with_a_record_that_does_not_fit_alone() -> None:
+    m = synthetic(oom_above=0)
+    eng = Engine(m, "cpu", warmup=False)
+    eng.setup()
+    out = eng.infer([m.decode(x) for x in (1, 2, 3)])
+    assert all(is_oom(e) for e in out)
+    assert eng.effective_max("default") == 1
+
+
+def test_poison_record_is_isolated_at_its_index() -> None:
+    m = synthetic(fail_on="POISON")
+    eng = Engine(m, "cpu", warmup=False)
+    eng.setup()
+    inputs: list[Any] = [{"i": i} for i in range(64)]
+    inputs[37] = {"i": "POISON"}
+    out = eng.infer([m.decode(x) for x in inputs])
+    errors = [i for i, o in enumerate(out) if isinstance(o, BaseException)]
+    assert errors == [37] and isinstance(out[37], ValueError)
+    assert [o for i, o in enumerate(out) if i != 37] == [x for i, x in enumerate(inputs) if i != 37]
+    assert eng.stats.poison == 1
+    assert m.calls <= 1 + 2 * 6  # bisection: O(log n) forwards
+
+
+def test_poison_and_oom_together() -> None:
+    m = synthetic(fail_on="P", oom_above=4)
+    eng = Engine(m, "cpu", warmup=False)
+    eng.setup()
+    inputs = ["a", "P", "b", "c", "d", "e", "f", "P", "g", "h"]
+    out = eng.infer([m.decode(x) for x in inputs])
+    assert [isinstance(o, ValueError) for o in out] == [x == "P" for x in inputs]
+    assert [o for o in out if not isinstance(o, BaseException)] == [x for x in inputs if x != "P"]
+
+
+class Fake:
+    """A fake handler whose collate and forward sleep (like a GPU wait: the GIL is released)."""
+
+    name, version, input_type, output_type = "fake", "1", Any, Any
+    uses_torch = False
+
+    def __init__(self, collate_s: float = 0.0, forward_s: float = 0.0, extra: int = 0) -> None:
+        self.collate_s, self.forward_s, self.extra = collate_s, forward_s, extra
+        self.log: list[tuple[str, int, float, float]] = []  # (stage, first item, start, end)
+        self.lock = threading.Lock()
+
+    def setup(self, device: str) -> None:
+        pass
+
+    def decode(self, x: Any) -> Any:
+        return x
+
+    def collate(self, items: Sequence[Any]) -> list[Any]:
+        t = time.perf_counter()
+        time.sleep(self.collate_s)
+        with self.lock:
+            self.log.append(("collate", items[0], t, time.perf_counter()))
+        return list(items)
+
+    def forward(self, batch: list[Any]) -> list[Any]:
+        t = time.perf_counter()
+        time.sleep(self.forward_s)
+        with self.lock:
+            self.log.append(("forward", batch[0], t, time.perf_counter()))
+        return [x * 10 for x in batch]
+
+    def split(self, out: list[Any], n: int) -> list[Any]:
+        return out + [0] * self.extra
+
+
+def test_split_count_mismatch_is_a_clear_error() -> None:
+    eng = Engine(Fake(extra=1), "cpu", warmup=False)
+    eng.setup()
+    with pytest.raises(OutputCountError, match=r"split\(\) returned 3 outputs for a batch of 2"):
+        eng.infer([1, 2])
+
+
+# ------------------------------------------------------------------------------------------ DeviceWorker
+
+
+class Feeder:
+    """A thread-safe take(): hands out the given batches, then None."""
+
+    def __init__(self, batches: list[Batch]) -> None:
+        self.batches = list(batches)
+        self.lock = threading.Lock()
+        self.results: dict[int, tuple[Batch, list[Any], dict[str, float]]] = {}
+        self.all_done = threading.Event()
+        self.expected = len(batches)
+
+    def take(self, timeout: float) -> Batch | None:
+        with self.lock:
+            if self.batches:
+                return self.batches.pop(0)
+        time.sleep(min(timeout, 0.005))
+        return None
+
+    def done(self, batch: Batch, results: list[Any], timings: dict[str, float]) -> None:
+        with self.lock:
+            self.results[batch.records[0].offset] = (batch, results, timings)
+            if len(self.results) == self.expected:
+                self.all_done.set()
+
+
+def test_device_worker_overlaps_collate_with_forward() -> None:
+    c = f = 0.03
+    n = 8
+    model = Fake(collate_s=c, forward_s=f)
+    feeder = Feeder([make_batch([i * 4 + k for k in range(4)], offset=i * 4) for i in range(n)])
+    w = DeviceWorker(Engine(model, "cpu", warmup=False), feeder.take, feeder.done, poll_s=0.01)
+    t0 = time.perf_counter()
+    w.start()
+    assert feeder.all_done.wait(30)
+    elapsed = time.perf_counter() - t0
+    assert w.stop(5)
+    # Every batch's results, in record order.
+    for i in range(n):
+        batch, results, timings = feeder.results[i * 4]
+        assert results == [10 * r.item for r in batch.records]
+        assert {"collate", "forward", "split", "infer"} <= set(timings)
+    # Structure: collate of batch k+1 ran while forward of batch k was running.
+    spans = {(stage, first): (s, e) for stage, first, s, e in model.log}
+    overlapped = sum(
+        1 for i in range(n - 1)
+        if spans[("collate", (i + 1) * 4)][0] < spans[("forward", i * 4)][1]
+        and spans[("collate", (i + 1) * 4)][1] > spans[("forward", i * 4)][0]
+    )
+    assert overlapped >= (n - 1) // 2
+    # Generous ratio: pipelined ~ n*max(c, f) vs sequential n*(c+f).
+    assert elapsed < 0.85 * n * (c + f) + 0.5
+
+
+def test_device_worker_isolates_poison_and_oom_and_reports_mismatch() -> None:
+    m = synthetic(fail_on="BAD", oom_above=4)
+    eng = Engine(m, "cpu", warmup=False)
+    inputs: list[Any] = [f"r{i}" for i in range(10)]
+    inputs[3] = "BAD"
+    feeder = Feeder([make_batch([m.decode(x) for x in inputs], lane="lo"), make_batch([m.decode("x")], offset=100)])
+    w = DeviceWorker(eng, feeder.take, feeder.done, poll_s=0.01)
+    w.start()
+    assert feeder.all_done.wait(30)
+    w.stop(5)
+    _, res, _ = feeder.results[0]
+    assert [isinstance(r, ValueError) for r in res] == [x == "BAD" for x in inputs]
+    limit = eng.effective_max("lo")
+    assert limit is not None and limit <= 4
+    assert feeder.results[100][1] == ["x"]
+
+    bad = Fake(extra=2)
+    feeder2 = Feeder([make_batch([1, 2, 3])])
+    w2 = DeviceWorker(Engine(bad, "cpu", warmup=False), feeder2.take, feeder2.done, poll_s=0.01)
+    w2.start()
+    assert feeder2.all_done.wait(30)
+    w2.stop(5)
+    res2 = feeder2.results[0][1]
+    assert len(res2) == 3 and all(isinstance(r, OutputCountError) for r in res2)
+
+
+def test_device_worker_stop_finishes_held_batches() -> None:
+    model = Fake(forward_s=0.02)
+    feeder = Feeder([make_batch([i], offset=i) for i in range(3)])
+    w = DeviceWorker(Engine(model, "cpu", warmup=False), feeder.take, feeder.done, poll_s=0.01)
+    w.start()
+    assert w.alive
+    while feeder.batches:  # all taken
+        time.sleep(0.005)
+    assert w.stop(10)
+    assert not w.alive
+    assert sorted(feeder.results) == [0, 1, 2]
+
+
+def test_several_workers_share_one_take() -> None:
+    models = [Fake(forward_s=0.01), Fake(forward_s=0.01)]
+    feeder = Feeder([make_batch([i], offset=i) for i in range(12)])
+    workers = [DeviceWorker(Engine(m, "cpu", warmup=False), feeder.take, feeder.done, poll_s=0.01, name=f"w{i}")
+               for i, m in enumerate(models)]
+    for w in workers:
+        w.start()
+    assert feeder.all_done.wait(30)
+    for w in workers:
+        assert w.stop(5)
+    assert sorted(feeder.results) == list(range(12))
+    assert all(m.log for m in models)  # both devices got work

@@ -1,0 +1,679 @@
+"""The device side: run a model handler's collate -> forward -> split on one device, safely and fast.
+
+``Engine`` owns one handler on one device: dtype (autocast), ``inference_mode``, optional
+``torch.compile``, warm-up, and the failure policy:
+
+- **Out of memory**: the lane's effective max batch size drops to the largest size known to fit, else to
+  half the failed batch (``on_limit(lane, new_max)``), and the batch is rerun in chunks of that size.
+  After ``grow_after`` successful batches in a row the limit steps up (x1.25, at least +1) until it
+  reaches the largest batch seen, where it is lifted; a step that OOMs again doubles the wait (backoff).
+- **Poison records**: a batch whose collate/forward/split raises anything else is bisected until the
+  failing records are found; they get the exception object at their position, every other record its
+  output. A split that returns the wrong number of outputs is a model bug, not a record's: it raises
+  ``OutputCountError``.
+
+``DeviceWorker`` is the per-device pipeline of three threads so the device never waits for Python:
+
+    take() -> [collate thread] collate + pinned, non_blocking H2D copy on a side CUDA stream
+           -> (one prepared batch) -> [device thread] forward, async D2H copy of the outputs
+           -> (at most two launched batches) -> [finish thread] wait for the copy, split, done()
+
+Collate of batch n+1 overlaps forward of batch n, and on CUDA the device thread queues batch n+1's
+kernels while the finish thread waits for batch n, so the GPU always has the next batch queued.
+Several devices in one process = several DeviceWorkers (one Engine each) sharing one thread-safe
+``take``: a batch goes to whichever device is free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from worker.core.records import Batch
+
+log = logging.getLogger("worker.engine")
+
+TakeFn = Callable[[float], Batch | None]
+DoneFn = Callable[[Batch, list[Any | BaseException], dict[str, float]], None]
+LimitFn = Callable[[str, int], None]
+
+THREADS_ENV = "WORKER_TORCH_THREADS"
+
+
+class OutputCountError(RuntimeError):
+    """The handler's split() returned a different number of outputs than it was given inputs."""
+
+
+# ----------------------------------------------------------------------------------------------- devices
+
+
+def resolve_device(spec: str) -> str:
+    """``auto`` -> ``cuda:0`` if available, then ``mps``, then ``cpu``. ``cuda`` -> ``cuda:0``.
+    Raises ValueError naming ``$.model.device`` when the device is absent."""
+    s = spec.strip().lower()
+    if s == "auto":
+        if torch.cuda.is_available():
+            return "cuda:0"
+        if _mps_available():
+            return "mps"
+        return "cpu"
+    if s == "cpu":
+        return "cpu"
+    if s == "mps":
+        if not _mps_available():
+            raise ValueError("$.model.device: 'mps' requested but torch.backends.mps.is_available() is False")
+        return "mps"
+    if s == "cuda" or s.startswith("cuda:"):
+        idx = int(s.split(":", 1)[1]) if ":" in s and s.split(":", 1)[1].isdigit() else (0 if s == "cuda" else -1)
+        if idx < 0:
+            raise ValueError(f"$.model.device: expected cuda or cuda:N, got {spec!r}")
+        if not torch.cuda.is_available():
+            raise ValueError(f"$.model.device: {spec!r} requested but CUDA is not available on this machine")
+        if idx >= torch.cuda.device_count():
+            raise ValueError(f"$.model.device: {spec!r} but only {torch.cuda.device_count()} CUDA device(s) exist")
+        return f"cuda:{idx}"
+    raise ValueError(f"$.model.device: expected auto, cpu, mps, cuda or cuda:N, got {spec!r}")
+
+
+def _mps_available() -> bool:
+    mps = getattr(torch.backends, "mps", None)
+    return bool(mps is not None and mps.is_available())
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype | None:
+    """The autocast dtype for ``fp32|fp16|bf16`` on ``device``; None = no autocast (fp32). fp16 on CPU and
+    bf16 on a GPU without bf16 fall back to fp32 with a warning."""
+    kind = device.split(":")[0]
+    if dtype == "fp32":
+        return None
+    if dtype == "bf16":
+        if kind == "cuda" and not torch.cuda.is_bf16_supported():
+            warnings.warn(f"bf16 is not supported on {device}; running fp32", RuntimeWarning, stacklevel=2)
+            return None
+        return torch.bfloat16
+    if dtype == "fp16":
+        if kind == "cpu":
+            warnings.warn("fp16 autocast on CPU is slow or unsupported; running fp32 (use bf16 on CPU)",
+                          RuntimeWarning, stacklevel=2)
+            return None
+        return torch.float16
+    raise ValueError(f"$.model.dtype: expected fp32, fp16 or bf16, got {dtype!r}")
+
+
+def available_cpus() -> int:
+    """CPUs this process may use: affinity, capped by a cgroup v2 quota (containers)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:
+        n = os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, n)
+
+
+def configure_threads(device: str, threads: int | None = None) -> int:
+    """Set torch's intra-op threads once per process: explicit ``threads`` > ``$WORKER_TORCH_THREADS`` >
+    ``$OMP_NUM_THREADS`` (torch already honours it) > on CPU devices all CPUs but one (the loop and
+    collate threads need a core; oversubscribing makes every batch slower). Returns the count in use."""
+    if threads is None and os.environ.get(THREADS_ENV):
+        threads = int(os.environ[THREADS_ENV])
+    if threads is None and not os.environ.get("OMP_NUM_THREADS") and device == "cpu":
+        threads = max(1, available_cpus() - 1)
+    if threads is not None and threads >= 1 and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
+def is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError | MemoryError) and "out of memory" in str(exc).lower()
+
+
+# -------------------------------------------------------------------------------------------- tree maps
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, Mapping):  # HF BatchEncoding / ModelOutput become plain dicts
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # NamedTuple
+        return type(obj)(*(_map_tensors(v, fn) for v in obj))
+    if isinstance(obj, list | tuple):
+        return type(obj)(_map_tensors(v, fn) for v in obj)
+    return obj
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            yield from _tensors(v)
+
+
+# ------------------------------------------------------------------------------------------------ engine
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A collated batch, on its way to (or already on) the device."""
+
+    items: Sequence[Any]
+    batch: Any
+    ready: Any = None  # CUDA event: the H2D copy is done
+    t0: float = 0.0  # perf_counter at prepare start
+    collate_s: float = 0.0
+
+
+@dataclass(slots=True)
+class Launched:
+    """A batch whose forward has been issued; ``output`` is valid once ``done`` has completed."""
+
+    items: Sequence[Any]
+    output: Any
+    t0: float
+    collate_s: float
+    launch_s: float  # host time in forward (device time on CPU)
+    keep: Any = None  # the device inputs, alive until the kernels that read them are done
+    started: Any = None  # CUDA timing events around forward
+    ended: Any = None
+    done: Any = None  # CUDA event after the D2H copy of the outputs
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class EngineStats:
+    batches: int = 0
+    records: int = 0
+    oom: int = 0  # out-of-memory errors caught (each one split a batch)
+    poison: int = 0  # records isolated as failing
+    limit_changes: int = 0
+
+
+class Engine:
+    """One model handler on one device. ``infer`` is the safe synchronous entry point; ``prepare`` /
+    ``launch`` / ``finish`` are the pipeline stages ``DeviceWorker`` runs on separate threads."""
+
+    def __init__(
+        self,
+        model: Any,
+        device: str = "auto",
+        dtype: str = "fp32",
+        compile: bool = False,
+        warmup: bool = True,
+        *,
+        on_limit: LimitFn | None = None,
+        grow_after: int = 100,
+        grow_factor: float = 1.25,
+        threads: int | None = None,
+        warmup_iters: int = 2,
+    ) -> None:
+        self.model = model
+        self.device = resolve_device(device)
+        self.dtype_name = dtype
+        self.amp_dtype = resolve_dtype(dtype, self.device)
+        self.compile = compile
+        self.warmup = warmup
+        self.warmup_iters = warmup_iters
+        self.on_limit = on_limit
+        self.grow_after = max(1, grow_after)
+        self.grow_factor = max(1.0, grow_factor)
+        self.threads = threads
+        self.stats = EngineStats()
+        self.uses_torch = bool(getattr(model, "uses_torch", True))
+        self.kind = self.device.split(":")[0]
+        self.is_cuda = self.kind == "cuda" and self.uses_torch
+        self._copy_stream: Any = None
+        self._lock = threading.Lock()
+        self._limits: dict[str, int] = {}
+        self._ceiling: dict[str, int] = {}  # largest batch seen per lane: where a lowered limit is lifted
+        self._ok_streak: dict[str, int] = {}
+        self._patience: dict[str, int] = {}  # successes needed before the next step up (backs off)
+        self._probing: dict[str, bool] = {}  # the current limit is a step up not yet proven
+        self._good: dict[str, int] = {}  # largest batch that ran without OOM per lane (since the last reset)
+        self.ready = False
+
+    # -- lifecycle
+
+    def setup(self) -> None:
+        configure_threads(self.kind, self.threads)
+        if self.is_cuda:
+            torch.cuda.set_device(self.device)
+            self._copy_stream = torch.cuda.Stream(self.device)
+        self.model.setup(self.device)
+        if self.compile and self.uses_torch:
+            eager = self.model.forward
+            self.model.forward = torch.compile(eager, dynamic=True)
+            try:
+                self._warm(force=True)
+            except Exception as e:
+                log.warning("torch.compile of %s failed at warm-up (%s); running eager", self.name, e)
+                self.model.forward = eager
+                self._warm()
+        else:
+            self._warm()
+        self.ready = True
+
+    @property
+    def name(self) -> str:
+        return str(getattr(self.model, "name", type(self.model).__name__))
+
+    def example_items(self, n: int) -> list[Any]:
+        """``n`` decoded items cycled from the handler's ``example_inputs()`` (empty if it has none)."""
+        ex = getattr(self.model, "example_inputs", None)
+        inputs = list(ex()) if callable(ex) else []
+        if not inputs:
+            return []
+        decoded = [self.model.decode(x) for x in inputs]
+        return [decoded[i % len(decoded)] for i in range(n)]
+
+    def _warm(self, force: bool = False) -> None:
+        if not (self.warmup or force):
+            return
+        items = self.example_items(8)
+        if not items:
+            log.info("model %s has no example_inputs(); skipping warm-up", self.name)
+            return
+        t0 = time.perf_counter()
+        for size in (1, len(items)):
+            for _ in range(self.warmup_iters):
+                try:
+                    self.run(items[:size])
+                except Exception as e:
+                    raise RuntimeError(f"warm-up of model {self.name} on {self.device} failed: {e!r}") from e
+        log.info("warmed up %s on %s in %.2fs", self.name, self.device, time.perf_counter() - t0)
+
+    # -- stages
+
+    def _ctx(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        if self.uses_torch:
+            stack.enter_context(torch.inference_mode())
+            if self.amp_dtype is not None:
+                stack.enter_context(torch.autocast(device_type=self.kind, dtype=self.amp_dtype))
+        return stack
+
+    def prepare(self, items: Sequence[Any]) -> Prepared:
+        """collate + start the copy to the device (pinned memory, non_blocking, side stream on CUDA)."""
+        t0 = time.perf_counter()
+        batch = self.model.collate(items)
+        ready = None
+        if self.uses_torch and self.kind != "cpu":
+            dev = torch.device(self.device)
+            if self.is_cuda:
+                with torch.cuda.stream(self._copy_stream):
+                    batch = _map_tensors(
+                        batch, lambda t: t.pin_memory().to(dev, non_blocking=True) if t.device.type == "cpu" else t
+                    )
+                    ready = torch.cuda.Event()
+                    ready.record(self._copy_stream)
+            else:
+                batch = _map_tensors(batch, lambda t: t.to(dev))
+        return Prepared(items, batch, ready, t0, time.perf_counter() - t0)
+
+    def launch(self, p: Prepared) -> Launched:
+        """forward (on CUDA: queued after the H2D copy) and an async copy of the outputs to the host."""
+        t = time.perf_counter()
+        started = ended = done = None
+        if self.is_cuda:
+            stream = torch.cuda.current_stream(self.device)
+            if p.ready is not None:
+                stream.wait_event(p.ready)
+            for x in _tensors(p.batch):
+                if x.is_cuda:
+                    x.record_stream(stream)  # allocated on the copy stream, read on this one
+            started = torch.cuda.Event(enable_timing=True)
+            started.record(stream)
+        with self._ctx():
+            out = self.model.forward(p.batch)
+        if self.is_cuda:
+            ended = torch.cuda.Event(enable_timing=True)
+            ended.record(stream)
+            out = _map_tensors(out, lambda x: x.to("cpu", non_blocking=True) if x.is_cuda else x)
+            done = torch.cuda.Event()
+            done.record(stream)
+        elif self.uses_torch and self.kind != "cpu":
+            out = _map_tensors(out, lambda x: x.cpu())
+        return Launched(p.items, out, p.t0, p.collate_s, time.perf_counter() - t, p.batch, started, ended, done)
+
+    def finish(self, lx: Launched) -> list[Any]:
+        """Wait for the outputs, split them per record and check the count."""
+        if lx.done is not None:
+            lx.done.synchronize()  # releases the GIL
+        forward_s = lx.launch_s
+        if lx.started is not None and lx.ended is not None:
+            forward_s = lx.started.elapsed_time(lx.ended) / 1000.0
+        lx.keep = None
+        t = time.perf_counter()
+        n = len(lx.items)
+        outs = self.model.split(lx.output, n)
+        if not isinstance(outs, list):
+            outs = list(outs) if isinstance(outs, tuple) else outs
+        if not isinstance(outs, list) or len(outs) != n:
+            got = len(outs) if hasattr(outs, "__len__") else type(outs).__name__
+            raise OutputCountError(
+                f"model {self.name}: split() returned {got} outputs for a batch of {n}; it must return a list "
+                "with exactly one output per input, in order"
+            )
+        end = time.perf_counter()
+        lx.timings.update(collate=lx.collate_s, forward=forward_s, split=end - t, infer=end - lx.t0)
+        return outs
+
+    def run(self, items: Sequence[Any]) -> list[Any]:
+        """collate -> forward -> split, synchronously, no recovery: errors raise (profiling, warm-up)."""
+        return self.finish(self.launch(self.prepare(items)))
+
+    # -- safe entry point and failure policy
+
+    def infer(self, items: Sequence[Any], lane: str = "default") -> list[Any | BaseException]:
+        """Outputs in input order; a record that fails (alone) gets its exception object instead.
+        Batches above the lane's effective max are run in chunks. Raises only OutputCountError."""
+        n = len(items)
+        if n == 0:
+            return []
+        self._seen(lane, n)
+        out: list[Any | BaseException] = []
+        i = 0
+        while i < n:
+            limit = self.effective_max(lane) or n
+            chunk = items[i : i + limit]
+            out.extend(self._infer_chunk(chunk, lane))
+            i += len(chunk)
+        return out
+
+    def _infer_chunk(self, items: Sequence[Any], lane: str) -> list[Any | BaseException]:
+        try:
+            outs = self.run(items)
+        except OutputCountError:
+            raise
+        except Exception as e:
+            return self.recover(items, lane, e)
+        self.note_success(lane, len(items))
+        return outs
+
+    def recover(self, items: Sequence[Any], lane: str, exc: BaseException) -> list[Any | BaseException]:
+        """``exc`` was raised by a batch of ``items``: split it (OOM) or bisect it (poison)."""
+        if isinstance(exc, OutputCountError):
+            raise exc
+        n = len(items)
+        self._seen(lane, n)
+        oom = is_oom(exc)
+        if n == 1:
+            exc.__traceback__ = None  # its frames would pin the batch's (device) tensors
+            with self._lock:
+                self.stats.oom += oom
+                self.stats.poison += not oom
+            log.warning("model %s: record failed alone in lane %s: %r", self.name, lane, exc)
+            return [exc]
+        del exc
+        if oom:
+            with self._lock:
+                self.stats.oom += 1
+                good = self._good.get(lane, 0)
+                if good >= n:  # it fitted before; memory got tighter (longer inputs, fragmentation)
+                    good = self._good[lane] = 0
+                if self._probing.pop(lane, False):  # a step up failed: wait twice as long before the next
+                    self._patience[lane] = min(self._patience.get(lane, self.grow_after) * 2, self.grow_after * 64)
+            self._release_memory()
+            # Back to the largest size known to fit, else half; infer() then runs the batch in chunks.
+            self._set_limit(lane, max(1, n // 2, good), grow=False)
+            return self.infer(items, lane)
+        log.info("model %s: batch of %d failed; bisecting to isolate the failing records", self.name, n)
+        h = n // 2
+        return self.infer(items[:h], lane) + self.infer(items[h:], lane)
+
+    def _release_memory(self) -> None:
+        if self.is_cuda:
+            torch.cuda.empty_cache()
+
+    def effective_max(self, lane: str) -> int | None:
+        """The engine's max batch size for ``lane`` after OOMs; None = no limit (the configured max applies)."""
+        return self._limits.get(lane)
+
+    def _seen(self, lane: str, n: int) -> None:
+        if n > self._ceiling.get(lane, 0):
+            with self._lock:
+                self._ceiling[lane] = max(n, self._ceiling.get(lane, 0))
+
+    def note_success(self, lane: str, n: int) -> None:
+        """Count a successful batch; after ``grow_after`` in a row the lane's lowered limit goes up a step."""
+        self._seen(lane, n)
+        with self._lock:
+            self.stats.batches += 1
+            self.stats.records += n
+            if n > self._good.get(lane, 0):
+                self._good[lane] = n
+            limit = self._limits.get(lane)
+            if limit is None:
+                return
+            streak = self._ok_streak.get(lane, 0) + 1
+            self._ok_streak[lane] = streak
+            if streak < self._patience.get(lane, self.grow_after):
+                return
+        self._set_limit(lane, max(limit + 1, int(limit * self.grow_factor)), grow=True)
+
+    def _set_limit(self, lane: str, new: int, grow: bool) -> None:
+        with self._lock:
+            old = self._limits.get(lane)
+            ceiling = self._ceiling.get(lane, new)
+            self._ok_streak[lane] = 0
+            if grow and old is None:
+                return
+            if not grow and old is not None and new >= old:
+                return  # a concurrent split already lowered it further
+            if grow and new >= ceiling:
+                self._limits.pop(lane, None)
+                self._patience.pop(lane, None)
+                new = ceiling
+            else:
+                self._limits[lane] = new
+                self._probing[lane] = grow
+            self.stats.limit_changes += 1
+        log.warning("model %s lane %s: max batch size %s -> %d%s", self.name, lane, old or ceiling, new,
+                    " (limit lifted)" if grow and lane not in self._limits else "")
+        if self.on_limit is not None:
+            try:
+                self.on_limit(lane, new)
+            except Exception:
+                log.exception("on_limit callback failed")
+
+
+# ------------------------------------------------------------------------------------------ device worker
+
+_STOP = object()
+
+
+@dataclass(slots=True)
+class _Job:
+    batch: Batch
+    prepared: Prepared | None = None
+    error: BaseException | None = None  # prepare failed: recover on the device thread
+    t_take: float = 0.0
+
+
+@dataclass(slots=True)
+class _Done:
+    batch: Batch
+    results: list[Any | BaseException] | None
+    launched: Launched | None
+    timings: dict[str, float]
+
+
+class DeviceWorker:
+    """One device's pipeline (see the module docstring). ``take(timeout_s)`` blocks up to ``timeout_s`` and
+    returns the next Batch or None; it must be thread-safe when several workers share it. ``done(batch,
+    results, timings)`` gets one output or exception per record, in order, and timings in seconds
+    (``collate``, ``wait`` (prepared -> launched), ``forward`` (device time on CUDA), ``split``,
+    ``infer`` (taken -> results)); it is called from this worker's finish thread."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        take: TakeFn,
+        done: DoneFn,
+        *,
+        name: str | None = None,
+        poll_s: float = 0.05,
+        max_launched: int = 2,
+    ) -> None:
+        self.engine = engine
+        self.take = take
+        self.done = done
+        self.name = name or f"device-{engine.device}"
+        self.poll_s = poll_s
+        self._stopping = threading.Event()
+        self._slot = threading.Semaphore(1)  # one prepared batch waiting for the device, at most
+        self._launched = threading.Semaphore(max(1, max_launched))  # batches issued but not finished
+        self._prepared: queue.Queue[Any] = queue.Queue()
+        self._finishing: queue.Queue[Any] = queue.Queue()
+        self._threads: list[threading.Thread] = []
+        self.error: BaseException | None = None  # set if a stage thread died
+        self.batches = 0
+
+    def start(self) -> None:
+        if self._threads:
+            raise RuntimeError(f"{self.name} already started")
+        if not self.engine.ready:
+            self.engine.setup()
+        for target, suffix in ((self._collate_loop, "-collate"), (self._device_loop, ""),
+                               (self._finish_loop, "-finish")):
+            t = threading.Thread(target=self._guard, args=(target,), name=self.name + suffix, daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """Stop taking batches, finish those already taken (done() is called for each), then exit.
+        Returns True when every thread has exited within ``timeout``."""
+        self._stopping.set()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in self._threads:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._threads) and all(t.is_alive() for t in self._threads) and not self._stopping.is_set()
+
+    def _guard(self, target: Callable[[], None]) -> None:
+        if self.engine.is_cuda:
+            torch.cuda.set_device(self.engine.device)  # per thread: libraries that say "cuda" get ours
+        try:
+            target()
+        except BaseException as e:
+            self.error = e
+            log.exception("%s: %s died", self.name, threading.current_thread().name)
+            self._stopping.set()
+            # Unblock the neighbours so stop() returns.
+            self._prepared.put(_STOP)
+            self._finishing.put(_STOP)
+            self._slot.release()
+            self._launched.release()
+            raise
+
+    def _collate_loop(self) -> None:
+        eng = self.engine
+        while not self._stopping.is_set():
+            if not self._slot.acquire(timeout=self.poll_s):
+                continue
+            try:
+                batch = self.take(self.poll_s)
+            except Exception:
+                log.exception("%s: take() failed", self.name)
+                batch = None
+                time.sleep(self.poll_s)
+            if batch is None or not batch.records:
+                self._slot.release()
+                continue
+            job = _Job(batch, t_take=time.perf_counter())
+            limit = eng.effective_max(batch.lane)
+            if limit is None or len(batch.records) <= limit:
+                try:
+                    job.prepared = eng.prepare([r.item for r in batch.records])
+                except Exception as e:
+                    job.error = e
+            self._prepared.put(job)
+        self._prepared.put(_STOP)
+
+    def _device_loop(self) -> None:
+        eng = self.engine
+        while True:
+            job = self._prepared.get()
+            self._slot.release()
+            if job is _STOP:
+                break
+            self._launched.acquire()
+            batch, lane = job.batch, job.batch.lane
+            items = [r.item for r in batch.records]
+            t = time.perf_counter()
+            if job.prepared is None:  # over the lowered limit, or collate failed: the safe path
+                err = job.error
+                if err is None:
+                    results = self._safe(eng.infer, items, lane)
+                else:
+                    results = self._safe(eng.recover, items, lane, err)
+                self._finishing.put(_Done(batch, results, None, {"infer": time.perf_counter() - job.t_take}))
+                continue
+            try:
+                launched = eng.launch(job.prepared)
+            except Exception as e:
+                job.prepared = None
+                results = self._safe(eng.recover, items, lane, e)
+                self._finishing.put(_Done(batch, results, None, {"infer": time.perf_counter() - job.t_take}))
+                continue
+            launched.timings["wait"] = t - (job.prepared.t0 + job.prepared.collate_s)
+            launched.t0 = job.t_take
+            job.prepared = None
+            self._finishing.put(_Done(batch, None, launched, launched.timings))
+        self._finishing.put(_STOP)
+
+    def _finish_loop(self) -> None:
+        eng = self.engine
+        while True:
+            d = self._finishing.get()
+            if d is _STOP:
+                break
+            if d.launched is not None:
+                lx = d.launched
+                lane = d.batch.lane
+                try:
+                    d.results = eng.finish(lx)
+                    eng.note_success(lane, len(lx.items))
+                except Exception as e:
+                    d.results = self._safe(eng.recover, lx.items, lane, e)
+                    d.timings["infer"] = time.perf_counter() - lx.t0
+                d.launched = None
+            self._launched.release()
+            self.batches += 1
+            try:
+                self.done(d.batch, d.results or [], d.timings)
+            except Exception:
+                log.exception("%s: done() failed", self.name)
+
+    @staticmethod
+    def _safe(fn: Callable[..., list[Any | BaseException]], items: Sequence[Any], *args: Any) -> list[Any | BaseException]:
+        try:
+            return fn(items, *args)
+        except Exception as e:  # OutputCountError, or a bug: every record of the batch fails with it
+            log.error("batch of %d failed: %r", len(items), e)
+            return [e] * len(items)
