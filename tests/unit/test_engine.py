@@ -121,8 +121,22 @@ def test_oom_splits_lowers_the_lane_limit_and_raises_it_back() -> None:
         if eng.effective_max("hi") is None:
             break
     assert eng.effective_max("hi") is None
+    assert eng.stats.limit_changes == len(limits)
     assert [n for _, n in limits[2:]] == sorted(n for _, n in limits[2:])  # only upwards
     assert limits[-1] == ("hi", 32)
+
+
+def test_limit_is_lifted_to_the_configured_lane_max() -> None:
+    m = synthetic(oom_above=4)
+    limits: list[tuple[str, int]] = []
+    eng = Engine(m, "cpu", on_limit=lambda lane, n: limits.append((lane, n)), grow_after=1, warmup=False,
+                 max_batch_sizes={"a": 64})
+    eng.infer([m.decode(i) for i in range(8)], "a")  # batches of 8 so far, but the lane may take 64
+    assert limits[0] == ("a", 4)
+    m.opts.oom_above = None
+    for _ in range(30):
+        eng.infer([m.decode(i) for i in range(8)], "a")
+    assert eng.effective_max("a") is None and limits[-1] == ("a", 64)
 
 
 def test_oom_with_a_record_that_does_not_fit_alone() -> None:
@@ -242,7 +256,8 @@ def test_device_worker_overlaps_collate_with_forward() -> None:
     for i in range(n):
         batch, results, timings = feeder.results[i * 4]
         assert results == [10 * r.item for r in batch.records]
-        assert {"collate", "forward", "split", "infer"} <= set(timings)
+        assert {"collate", "forward", "split", "infer", "wait", "pipeline"} <= set(timings)
+        assert timings["infer"] <= timings["pipeline"] + 1e-6
     # Structure: collate of batch k+1 ran while forward of batch k was running.
     spans = {(stage, first): (s, e) for stage, first, s, e in model.log}
     overlapped = sum(

@@ -213,7 +213,15 @@ class EngineStats:
 
 class Engine:
     """One model handler on one device. ``infer`` is the safe synchronous entry point; ``prepare`` /
-    ``launch`` / ``finish`` are the pipeline stages ``DeviceWorker`` runs on separate threads."""
+    ``launch`` / ``finish`` are the pipeline stages ``DeviceWorker`` runs on separate threads.
+
+    ``device``: auto|cpu|mps|cuda|cuda:N. ``dtype``: fp32|fp16|bf16 (autocast). ``compile``: wrap the
+    handler's forward in ``torch.compile(dynamic=True)``; falls back to eager (warning) if it fails at
+    warm-up. ``warmup``: run the handler's ``example_inputs()`` at batch 1 and 8 in ``setup()``.
+    ``on_limit(lane, new_max)``: called (from a device thread) whenever a lane's max batch size changes
+    after OOM, down or back up; ``max_batch_sizes`` (lane -> configured max) is where it is lifted to.
+    ``threads``: torch intra-op threads (see ``configure_threads``).
+    """
 
     def __init__(
         self,
@@ -228,6 +236,7 @@ class Engine:
         grow_factor: float = 1.25,
         threads: int | None = None,
         warmup_iters: int = 2,
+        max_batch_sizes: Mapping[str, int] | None = None,
     ) -> None:
         self.model = model
         self.device = resolve_device(device)
@@ -247,7 +256,9 @@ class Engine:
         self._copy_stream: Any = None
         self._lock = threading.Lock()
         self._limits: dict[str, int] = {}
-        self._ceiling: dict[str, int] = {}  # largest batch seen per lane: where a lowered limit is lifted
+        # Where a lowered limit is lifted: the lane's configured max, else the largest batch seen.
+        self._configured = dict(max_batch_sizes or {})
+        self._ceiling: dict[str, int] = dict(self._configured)
         self._ok_streak: dict[str, int] = {}
         self._patience: dict[str, int] = {}  # successes needed before the next step up (backs off)
         self._probing: dict[str, bool] = {}  # the current limit is a step up not yet proven
@@ -377,7 +388,8 @@ class Engine:
                 "with exactly one output per input, in order"
             )
         end = time.perf_counter()
-        lx.timings.update(collate=lx.collate_s, forward=forward_s, split=end - t, infer=end - lx.t0)
+        lx.timings.update(collate=lx.collate_s, forward=forward_s, split=end - t,
+                          infer=lx.collate_s + forward_s + (end - t), pipeline=end - lx.t0)
         return outs
 
     def run(self, items: Sequence[Any]) -> list[Any]:
@@ -452,7 +464,7 @@ class Engine:
         return self._limits.get(lane)
 
     def _seen(self, lane: str, n: int) -> None:
-        if n > self._ceiling.get(lane, 0):
+        if n > self._ceiling.get(lane, 0) and lane not in self._configured:
             with self._lock:
                 self._ceiling[lane] = max(n, self._ceiling.get(lane, 0))
 
@@ -523,9 +535,12 @@ class _Done:
 class DeviceWorker:
     """One device's pipeline (see the module docstring). ``take(timeout_s)`` blocks up to ``timeout_s`` and
     returns the next Batch or None; it must be thread-safe when several workers share it. ``done(batch,
-    results, timings)`` gets one output or exception per record, in order, and timings in seconds
-    (``collate``, ``wait`` (prepared -> launched), ``forward`` (device time on CUDA), ``split``,
-    ``infer`` (taken -> results)); it is called from this worker's finish thread."""
+    results, timings)`` gets one output or exception per record, in order, and timings in seconds:
+    ``collate``, ``forward`` (device time on CUDA, from events), ``split``, ``infer`` (the batch's service
+    time: collate + forward + split, what a latency model should learn), ``wait`` (prepared, waiting for
+    the device) and ``pipeline`` (taken -> results, waits included). A batch that went through OOM or
+    poison recovery has only ``infer`` and ``pipeline`` (both wall time). ``done`` runs on this worker's
+    finish thread and must not block for long."""
 
     def __init__(
         self,
@@ -632,14 +647,16 @@ class DeviceWorker:
                     results = self._safe(eng.infer, items, lane)
                 else:
                     results = self._safe(eng.recover, items, lane, err)
-                self._finishing.put(_Done(batch, results, None, {"infer": time.perf_counter() - job.t_take}))
+                took = time.perf_counter() - job.t_take
+                self._finishing.put(_Done(batch, results, None, {"infer": took, "pipeline": took}))
                 continue
             try:
                 launched = eng.launch(job.prepared)
             except Exception as e:
                 job.prepared = None
                 results = self._safe(eng.recover, items, lane, e)
-                self._finishing.put(_Done(batch, results, None, {"infer": time.perf_counter() - job.t_take}))
+                took = time.perf_counter() - job.t_take
+                self._finishing.put(_Done(batch, results, None, {"infer": took, "pipeline": took}))
                 continue
             launched.timings["wait"] = t - (job.prepared.t0 + job.prepared.collate_s)
             launched.t0 = job.t_take
@@ -661,7 +678,7 @@ class DeviceWorker:
                     eng.note_success(lane, len(lx.items))
                 except Exception as e:
                     d.results = self._safe(eng.recover, lx.items, lane, e)
-                    d.timings["infer"] = time.perf_counter() - lx.t0
+                    d.timings["infer"] = d.timings["pipeline"] = time.perf_counter() - lx.t0
                 d.launched = None
             self._launched.release()
             self.batches += 1
