@@ -312,6 +312,10 @@ class Engine:
                 try:
                     self.run(items[:size])
                 except Exception as e:
+                    if size > 1 and is_oom(e):  # a small device; the OOM policy handles it in service
+                        log.warning("warm-up of %s: batch of %d does not fit on %s", self.name, size, self.device)
+                        self._release_memory()
+                        break
                     raise RuntimeError(f"warm-up of model {self.name} on {self.device} failed: {e!r}") from e
         log.info("warmed up %s on %s in %.2fs", self.name, self.device, time.perf_counter() - t0)
 
