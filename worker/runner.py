@@ -138,7 +138,8 @@ class Runner:
         for i, dev in enumerate(devices):
             model = self._model_arg if (i == 0 and self._model_arg is not None) else load_model(self.cfg.model)
             engine = Engine(model, dev, dtype=self.cfg.model.dtype, compile=self.cfg.model.compile,
-                            warmup=self.cfg.model.warmup, on_limit=self._on_limit)
+                            warmup=self.cfg.model.warmup, on_limit=self._on_limit,
+                            max_batch_sizes={lane.name: lane.max_batch_size for lane in self.cfg.batching.lanes})
             engine.setup()
             self._models.append(model)
             self.workers.append(DeviceWorker(engine, take=self._take, done=self._done, name=f"device-{dev}"))

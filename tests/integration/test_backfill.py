@@ -40,18 +40,16 @@ def test_backfill_killed_halfway_resumes(kafka, topic_names, tmp_path):
     bs, n = kafka.bootstrap, 20_000
     create_topics(bs, {topic_names["in"]: 4, topic_names["out"]: 4, topic_names["dlq"]: 1})
     produce(bs, topic_names["in"], requests(n, "synthetic", id_prefix="k"))
-    cfg = worker_config(bs, topic_names, model={"name": "synthetic", "options": {"a_ms": 5, "b_ms": 0.05}},
-                        batching={"lanes": [{"name": "default", "max_batch_size": 128, "max_wait_ms": 5}]})
-    w = WorkerProcess(cfg, tmp_path, command="backfill", name="killed").start()
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if len(read_all(bs, topic_names["out"], timeout=5, idle=0.5)) >= n // 2:
-            break
-        time.sleep(0.5)
+    # ~64 records per 33 ms: about 10 s for the topic; the kill lands 4 s after the assignment.
+    cfg = worker_config(bs, topic_names, model={"name": "synthetic", "options": {"a_ms": 20, "b_ms": 0.2}},
+                        batching={"lanes": [{"name": "default", "max_batch_size": 64, "max_wait_ms": 5}]})
+    w = WorkerProcess(cfg, tmp_path, command="backfill", name="killed", extra_args=["--verbose"]).start()
+    w.wait_assigned()
+    time.sleep(4)
     w.signal(signal.SIGKILL)
     w.wait(30)
     partial = len(read_all(bs, topic_names["out"], timeout=10, idle=1))
-    assert partial < n, "the backfill finished before the kill; nothing was tested"
+    assert 0 < partial < n, "the kill did not land mid-backfill; nothing was tested"
     w2 = WorkerProcess(cfg, tmp_path, command="backfill", name="rerun").start()
     assert w2.wait(300) == 0, w2.log()[-3000:]
     results = decode(read_all(bs, topic_names["out"], want=n, timeout=60))
