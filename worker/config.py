@@ -301,4 +301,4 @@ def redact(props: dict[str, Any]) -> dict[str, Any]:
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
-    return msgspec.to_builtins(cfg)  # type: ignore[no-any-return]
+    return msgspec.to_builtins(cfg)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 class Clock(Protocol):
@@ -29,10 +29,15 @@ class Model(Protocol):
     result and in the cache key).
     """
 
-    name: ClassVar[str] | str
-    version: ClassVar[str] | str
-    input_type: ClassVar[Any] | Any
-    output_type: ClassVar[Any] | Any
+    # Read-only properties, so a handler may declare them as class attributes or instance attributes.
+    @property
+    def name(self) -> str: ...
+    @property
+    def version(self) -> str: ...
+    @property
+    def input_type(self) -> Any: ...
+    @property
+    def output_type(self) -> Any: ...
 
     def setup(self, device: str) -> None: ...
     def decode(self, inputs: Any) -> Any: ...

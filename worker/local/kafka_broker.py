@@ -128,7 +128,7 @@ class LocalKafka:
         props.update(self.extra_props)
         return "".join(f"{k}={v}\n" for k, v in props.items())
 
-    def _java(self, libs: Path, main: str, *args: str, **kw):  # type: ignore[no-untyped-def]
+    def _java(self, libs: Path, main: str, *args: str) -> list[str]:
         java = os.environ.get("JAVA_HOME") and str(Path(os.environ["JAVA_HOME"]) / "bin" / "java") or "java"
         cmd = [java, "-Xms256m", "-Xmx768m", "-XX:+UseG1GC", "-XX:TieredStopAtLevel=1", "-Xshare:auto",
                f"-Dlog4j2.configurationFile={self.workdir / 'log4j2.xml'}",
