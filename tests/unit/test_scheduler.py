@@ -197,11 +197,20 @@ def test_expired_records_are_never_dispatched() -> None:
     feed(s, soon + later, 1.0)  # one full batch [soon x3, later0] + one open window
     assert s.next_wakeup(1.0) == pytest.approx(1.010)
     b = s.next_batch(2.0, idle=True)
-    assert b is not None and ids(b.records) == ids(later[:1])
+    # the expired records are dropped and the batch is topped up from the (now time-closed) window
+    assert b is not None and b.records == later
     assert ids(s.expire(2.0)) == ids(soon)
-    b = s.next_batch(2.0)
-    assert b is not None and b.records == later[1:]
-    assert s.expire(2.0) == [] and len(s) == 0
+    assert s.next_batch(2.0) is None and s.expire(2.0) == [] and len(s) == 0
+
+
+def test_expiry_under_overload_still_runs_full_batches() -> None:
+    s = two_lanes(batch=4, wait_ms=1000)
+    rs = [rec("lo", deadline=1.5 if i % 3 == 0 else 9.0) for i in range(24)]  # a third will expire
+    feed(s, rs, 1.0)
+    out = drain(s, 2.0, idle=False)
+    assert [len(b) for b in out] == [4, 4, 4, 4]
+    assert ids(r for b in out for r in b.records) == ids(r for r in rs if r.deadline == 9.0)
+    assert len(s.expire(2.0)) == 8
 
 
 def test_expire_without_dispatch_and_wakeup_at_deadline() -> None:
@@ -260,9 +269,10 @@ def test_oom_lowering_cuts_queued_batches_and_windows() -> None:
     s.set_max_batch_size("lo", 3)
     assert s.max_batch_size("lo") == 3
     out = drain(s, 0.0, idle=False)
-    assert [len(b) for b in out] == [3, 3, 2, 3, 3]  # the ready 8 cut down; the window split on poll
+    # the ready 8 is cut down and the window split on poll; short pieces are topped up from behind
+    assert [len(b) for b in out] == [3, 3, 3, 3, 2]
     assert all(b.max_batch_size == 3 for b in out)
-    assert ids(out[0].records + out[1].records + out[2].records) == ids(full)
+    assert ids(out[0].records + out[1].records + out[2].records[:2]) == ids(full)
     s.set_max_batch_size("lo", 8)  # raised back
     feed(s, recs(8, "lo"), 1.0)
     b = s.next_batch(1.0, idle=False)
@@ -495,7 +505,7 @@ def test_every_record_comes_out_exactly_once(ops: list[tuple[str, object, int, f
             s.flush(now)
         assert len(s) == sum(s.queued(ln) for ln in LANES)
         for lane in s._lanes.values():  # the O(1) counters agree with the structures
-            assert lane.n == len(lane.batcher) + lane.ready_n
+            assert lane.n == len(lane.batcher) + lane.ready_n - len(lane.dead)
             assert lane.ready_n == sum(len(x.records) for x in lane.ready)
             assert all(x.records for x in lane.ready)
         w = s.next_wakeup(now)

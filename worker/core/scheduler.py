@@ -5,7 +5,10 @@ work must never starve, records past their deadline must never reach the model, 
 not sit waiting for a window to fill when waiting cannot pay off.
 
 Structure: one ``MicroBatcher`` per lane (open windows) plus a FIFO of closed ("ready") batches per lane.
-The runner ``add``s records, and each time a device is free it asks ``next_batch(now, idle=...)``.
+The runner ``add``s records, and each time a device is free it asks ``next_batch(now, idle=...)``. A
+dispatched batch is the next up-to-``max_batch_size`` live records at the front of the lane's ready FIFO
+(one size bucket): a batch shrunk by expiry, closed by time or cut after an OOM is topped up from the
+batches behind it, so a backlogged lane always runs full batches.
 
 Choosing a lane (both policies)
 -------------------------------
@@ -30,9 +33,12 @@ the device under overload; ``weight: 1`` everywhere splits the device evenly).
 Deadlines (both policies)
 -------------------------
 A record whose ``deadline`` is ``<= now`` is expired: ``add`` hands it straight back, ``expire(now)``
-removes and returns queued ones (a per-lane min-heap on deadline with lazy deletion, O(log n) per record),
-and ``next_batch`` expires first, so no expired record is ever returned in a batch. Records expired by
-``next_batch`` itself are handed out by the next ``expire`` call.
+returns queued ones (found through a per-lane min-heap on deadline, O(log n) per record), and
+``next_batch`` expires first, so no expired record is ever returned in a batch. Records expired by
+``next_batch`` itself are handed out by the next ``expire`` call. An expired record leaves the counts at
+once but stays in its window or ready batch as a tombstone until it reaches the front (O(1) to drop
+there, instead of an O(queue) search now); tombstones are purged in one pass once they outnumber the live
+records of their lane, which bounds the memory they hold.
 
 Policy "fixed"
 --------------
@@ -50,7 +56,7 @@ pooled model stands in for lanes without enough observations) and an arrival-rat
   full (``(B - k) / lam``), capped by the window's ``max_wait`` and by every queued record's deadline
   (the lane's earliest deadline must still be met after the wait plus the batch; other lanes' earliest
   deadlines after that plus their own batch); otherwise it dispatches now (reason ``"adaptive"``). While
-  holding, a lower lane's batch that is predicted to finish before the hold ends is served in the gap.
+  holding, another lane's batch that is predicted to finish before the hold ends is served in the gap.
 - *Expire early*: a record whose deadline falls before ``now + a + b`` cannot make it even alone and is
   expired now; at dispatch the batch keeps the largest set of records that all meet
   ``deadline >= now + a + b * n_kept`` (records without deadline always stay), the rest are expired
@@ -60,8 +66,8 @@ Until a model has ``min_obs`` observations, "adaptive" behaves exactly like "fix
 
 Pure: ``now`` is passed in (monotonic seconds, non-decreasing); no clocks, threads or I/O. Not
 thread-safe: the runner serializes calls. Costs: ``add`` O(1) (+ O(log n) with a deadline), ``next_batch``
-O(lanes + batch size). Removing expired records scans a lane's queue from the front and stops once it found
-them all (cheap when deadlines follow arrival order, the usual case); ``revoke`` is O(records queued).
+O(lanes + batch size), expiry O(log n) amortised per record, ``revoke`` O(records queued). Measured at
+about 1-3 us per record for add + dispatch (batches of 32, CPython 3.11, a busy shared VM).
 """
 
 from __future__ import annotations
@@ -85,7 +91,7 @@ MIN_HOLD_S = 1e-4  # an adaptive wait shorter than this is not worth a wake-up
 
 class _Lane:
     __slots__ = (
-        "name", "index", "priority", "weight", "queue_bound", "max_batch", "batcher", "ready", "ready_n", "n",
+        "name", "index", "priority", "weight", "queue_bound", "max_batch", "batcher", "ready", "ready_n", "n", "dead",
         "heap", "live", "vservice", "served_records", "served_batches", "expired", "revoked", "arrivals",
         "rate", "rate_t", "rate_mark", "rate_num", "rate_den", "model", "hold_until", "cfg_max_batch",
     )
@@ -102,8 +108,11 @@ class _Lane:
         self.cfg_max_batch = cfg.max_batch_size
         self.batcher = MicroBatcher(cfg.name, cfg.max_batch_size, cfg.max_wait_ms / 1000.0, bucket_width)
         self.ready: deque[Batch] = deque()
-        self.ready_n = 0  # records in ready batches
-        self.n = 0  # records queued: ready batches + open windows (the rest, n - ready_n, are open)
+        self.ready_n = 0  # records physically in ready batches (expired ones included until dropped)
+        self.n = 0  # live records queued (ready batches + open windows), expired ones not counted
+        # id() of expired records already handed out but still physically in a ready batch or window:
+        # dropped when they reach the front (O(1) each) instead of searched for now (O(queue)).
+        self.dead: set[int] = set()
         self.heap: list[tuple[float, int, Record]] = []  # (deadline, seq, record), lazy deletion
         self.live: set[int] = set()  # id() of queued records that have a deadline
         self.vservice = 0.0
@@ -199,6 +208,8 @@ class PriorityScheduler:
         if d is not None and d <= now:
             lane.expired += 1
             return [record]
+        if lane.dead and id(record) in lane.dead:  # the same object is back while its tombstone is queued
+            self._purge_dead(lane)
         if lane.n == 0:
             self._becomes_backlogged(lane, now)
         closed = lane.batcher.add(record, now)
@@ -241,7 +252,7 @@ class PriorityScheduler:
             return None
         adaptive = self._adaptive
         for lane in self._order:
-            if lane.n > lane.ready_n:  # open windows
+            if len(lane.batcher):
                 closed = lane.batcher.poll(now)
                 if closed:
                     self._push_ready(lane, closed)
@@ -291,22 +302,54 @@ class PriorityScheduler:
         return None
 
     def _pop_ready(self, lane: _Lane) -> Batch:
-        b = lane.ready[0]
+        """The next up-to-max live records from the front of the lane's ready batches (same size bucket):
+        expired records are dropped on the way, and a short batch (shrunk by expiry, closed by time, or
+        cut after an OOM) is topped up from the batches behind it, so a backlogged lane runs full batches.
+        May return an empty batch (everything at the front had expired)."""
         m = lane.max_batch
-        if len(b.records) > m:  # closed before the max was lowered (OOM): cut it down
-            out = Batch(lane.name, b.records[:m], b.opened_at, b.closed_at, b.reason, m)
-            del b.records[:m]
-            b.max_batch_size = m
-        else:
-            out = lane.ready.popleft()
-        lane.ready_n -= len(out.records)
-        return out
+        ready, dead = lane.ready, lane.dead
+        first = ready[0]
+        batcher = lane.batcher
+        bw = batcher.bucket_width
+        bucket = batcher.bucket_of(first.records[0]) if bw else 0
+        out: list[Record] = []
+        taken = 0
+        while ready and len(out) < m:
+            b = ready[0]
+            recs = b.records
+            if bw and b is not first and batcher.bucket_of(recs[0]) != bucket:
+                break
+            j = 0
+            for r in recs:
+                if len(out) >= m:
+                    break
+                j += 1
+                if dead and id(r) in dead:
+                    dead.discard(id(r))
+                else:
+                    out.append(r)
+            taken += j
+            if j == len(recs):
+                ready.popleft()
+            else:
+                del recs[:j]
+        lane.ready_n -= taken
+        return Batch(lane.name, out, first.opened_at, first.closed_at, first.reason, m)
 
     def _finalize(self, batch: Batch, now: float) -> Batch | None:
         """Account for a batch leaving the queue; adaptive: drop records predicted to miss their deadline.
         Returns None when nothing is left to send."""
         lane = self._lanes[batch.lane]
         recs = batch.records
+        dead = lane.dead
+        if dead:  # tombstones in a window taken early
+            kept = []
+            for r in recs:
+                if id(r) in dead:
+                    dead.discard(id(r))
+                else:
+                    kept.append(r)
+            recs = batch.records = kept
         live = lane.live
         if self._adaptive and live:
             model = self._model(lane)
@@ -455,56 +498,57 @@ class PriorityScheduler:
                     live.discard(rid)
                     dead[rid] = r
             if dead:
-                self._remove_queued(lane, dead)
+                lane.dead.update(dead)
                 lane.expired += len(dead)
                 self._total -= len(dead)
                 lane.n -= len(dead)
                 self._pending_expired.extend(dead.values())
+                # bound the memory tombstones hold; an all-dead lane is cleared at once (no spurious wake-ups)
+                if lane.n == 0 or (len(lane.dead) > 1024 and len(lane.dead) > lane.n):
+                    self._purge_dead(lane)
 
-    def _remove_queued(self, lane: _Lane, dead: dict[int, Record]) -> None:
-        """Physically remove ``dead`` records from the lane's ready batches and windows, oldest first,
-        stopping as soon as all are found."""
-        left = len(dead)
-        emptied = False
-        for b in lane.ready:
-            kept = [r for r in b.records if id(r) not in dead]
-            gone = len(b.records) - len(kept)
-            if gone:
-                b.records = kept
-                lane.ready_n -= gone
-                left -= gone
-                emptied = emptied or not kept
-                if left == 0:
-                    break
-        if emptied:
+    def _purge_dead(self, lane: _Lane) -> None:
+        """Physically drop every tombstoned record of the lane (O(records held); amortised O(1) per
+        expired record because it runs only once tombstones outnumber live records)."""
+        dead = lane.dead
+        if lane.ready_n:
+            for b in lane.ready:
+                b.records = [r for r in b.records if id(r) not in dead]
             lane.ready = deque(b for b in lane.ready if b.records)
-        if left:
-            lane.batcher.remove(lambda r: id(r) in dead, limit=left)
+            lane.ready_n = sum(len(b.records) for b in lane.ready)
+        if len(lane.batcher):
+            lane.batcher.remove(lambda r: id(r) in dead)
+        dead.clear()
 
     # ------------------------------------------------------------------ control
     def revoke(self, tps: set[TopicPartition] | Iterable[TopicPartition]) -> list[Record]:
         """Remove and return the queued (not yet dispatched) records of these partitions, including any
-        expired records not yet handed out by ``expire``."""
+        expired records not yet handed out by ``expire``. O(records queued)."""
         tps = set(tps)
         out: list[Record] = []
         for lane in self._order:
             removed: list[Record] = []
             if lane.ready_n:
                 for b in lane.ready:
-                    kept = [r for r in b.records if r.tp not in tps]
-                    if len(kept) != len(b.records):
+                    if any(r.tp in tps for r in b.records):
                         removed.extend(r for r in b.records if r.tp in tps)
-                        b.records = kept
+                        b.records = [r for r in b.records if r.tp not in tps]
                 lane.ready = deque(b for b in lane.ready if b.records)
                 lane.ready_n = sum(len(b.records) for b in lane.ready)
             if len(lane.batcher):
                 removed.extend(lane.batcher.remove(lambda r: r.tp in tps))
+            n = 0
             for r in removed:
-                lane.live.discard(id(r))
-            lane.revoked += len(removed)
-            self._total -= len(removed)
-            lane.n -= len(removed)
-            out.extend(removed)
+                rid = id(r)
+                if rid in lane.dead:  # expired and already handed out
+                    lane.dead.discard(rid)
+                    continue
+                lane.live.discard(rid)
+                out.append(r)
+                n += 1
+            lane.revoked += n
+            lane.n -= n
+            self._total -= n
         if self._pending_expired:
             out.extend(r for r in self._pending_expired if r.tp in tps)
             self._pending_expired = [r for r in self._pending_expired if r.tp not in tps]
