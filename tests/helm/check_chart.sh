@@ -1,0 +1,195 @@
+#!/usr/bin/env bash
+# Chart checks for helm/kafka-inference-worker, all offline:
+#   1. helm lint --strict (default values, everything on, the HPA variant)
+#   2. helm template for a matrix of values; each rendering is validated against the Kubernetes JSON
+#      schemas bundled by the kubernetes-validate package (strict, two Kubernetes versions), custom
+#      resources (KEDA, ServiceMonitor) structurally, plus chart invariants (validate_manifests.py)
+#   3. the worker config inside each rendered ConfigMap passes `worker check-config` (exit 0)
+#   4. negative cases: bad values fail at render time with the right message, and a config value the
+#      worker rejects makes `worker check-config` exit 2
+#
+# Usage: tests/helm/check_chart.sh   (PY: a python with the package's deps and kubernetes-validate;
+#        default: python3). Helm is built once from the Go module proxy into
+#        ~/.cache/kafka-inference-worker/tools/helm-$HELM_VERSION and reused; HELM=/path/helm skips that.
+# Exit 0 when everything passes; non-zero otherwise. A missing tool (go, python module) is a failure.
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+root=$(cd "$here/../.." && pwd)
+chart="$root/helm/kafka-inference-worker"
+PY=${PY:-python3}
+HELM_VERSION=${HELM_VERSION:-v3.19.0}
+# The Kubernetes version helm renders for, and the versions the manifests are validated against: the
+# chart's kubeVersion floor and the newest schema set kubernetes-validate bundles.
+KUBE_VERSION=${KUBE_VERSION:-1.30.0}
+VALIDATE_VERSIONS=${VALIDATE_VERSIONS:-1.25.0 1.37.0}
+tools=${KIW_TOOLS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kafka-inference-worker/tools}
+
+failures=0
+checks=0
+pass() { checks=$((checks + 1)); printf '  ok    %s\n' "$1"; }
+fail() { checks=$((checks + 1)); failures=$((failures + 1)); printf '  FAIL  %s\n' "$1"; [ -n "${2:-}" ] && printf '%s\n' "$2" | sed 's/^/        /'; return 0; }
+die() { printf 'check_chart: %s\n' "$1" >&2; exit 2; }
+
+# ------------------------------------------------------------------------------------------ tools
+ensure_helm() {
+  if [ -n "${HELM:-}" ]; then
+    [ -x "$HELM" ] || die "HELM=$HELM is not executable"
+    return
+  fi
+  HELM="$tools/helm-$HELM_VERSION/helm"
+  [ -x "$HELM" ] && return
+  command -v go >/dev/null || die "go is needed to build helm $HELM_VERSION (or set HELM=/path/to/helm)"
+  mkdir -p "$tools"
+  # One build at a time (pytest and a manual run may race); build aside, then move into place.
+  exec 9>"$tools/.helm-$HELM_VERSION.lock"
+  command -v flock >/dev/null && flock 9
+  if [ ! -x "$HELM" ]; then
+    echo "building helm $HELM_VERSION from the Go module proxy (once; cached in $tools)"
+    local tmp k8s_minor=34
+    tmp=$(mktemp -d "$tools/.helm-build.XXXXXX")
+    # The ldflags mirror helm's Makefile: a real version string and Kubernetes 1.$k8s_minor as the
+    # default capabilities (helm v3.19 is built against client-go v0.34).
+    GOBIN="$tmp" GOFLAGS="${GOFLAGS:-} -trimpath" go install -ldflags "-s -w \
+      -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION \
+      -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=$k8s_minor \
+      -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$k8s_minor" \
+      "helm.sh/helm/v3/cmd/helm@$HELM_VERSION" || { rm -rf "$tmp"; die "building helm failed"; }
+    mkdir -p "$(dirname "$HELM")"
+    mv "$tmp/helm" "$HELM"
+    rm -rf "$tmp"
+  fi
+  exec 9>&-
+}
+
+ensure_helm
+"$PY" -c "import kubernetes_validate, jsonschema, yaml" 2>/dev/null \
+  || die "$PY lacks kubernetes-validate (offline Kubernetes schemas): pip install kubernetes-validate"
+
+# `worker check-config` is the contract; before the CLI had it, config.load was the same check.
+if grep -q '"check-config"' "$root/worker/cli.py" 2>/dev/null; then
+  check_config() { PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m worker check-config --config "$1"; }
+else
+  check_config() {
+    PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c '
+import sys, worker.config as c
+try:
+    c.load(sys.argv[1])
+except c.ConfigError as e:
+    print(f"config error: {e}", file=sys.stderr); sys.exit(2)
+print(sys.argv[1] + ": OK")' "$1"
+  }
+fi
+# The ${env:...} secret references the chart writes must resolve when the config is checked.
+export KIW_SASL_USERNAME=check-user KIW_SASL_PASSWORD=check-password KIW_REDIS_PASSWORD=check-redis
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+validate_args=()
+for v in $VALIDATE_VERSIONS; do validate_args+=(--kube-version "$v"); done
+
+render() {  # render NAME [helm args...] -> $work/NAME.yaml
+  local name=$1; shift
+  "$HELM" template kiw "$chart" --namespace inference --kube-version "$KUBE_VERSION" "$@" \
+    >"$work/$name.yaml" 2>"$work/$name.err"
+}
+
+echo "helm: $("$HELM" version --short 2>/dev/null || echo "$HELM")  chart: $chart"
+
+# ------------------------------------------------------------------------------------------ 1. lint
+echo "lint"
+lint_case() {
+  local name=$1; shift
+  if out=$("$HELM" lint --strict --kube-version "$KUBE_VERSION" "$chart" "$@" 2>&1); then
+    pass "helm lint --strict ($name)"
+  else
+    fail "helm lint --strict ($name)" "$out"
+  fi
+}
+lint_case default
+lint_case all-on -f "$here/values-all-on.yaml"
+lint_case all-on+hpa -f "$here/values-all-on.yaml" -f "$here/values-hpa.yaml"
+
+# ----------------------------------------------------------- 2+3. render, validate, check-config
+echo "render + validate + check-config"
+good_case() {
+  local name=$1; shift
+  if ! render "$name" "$@"; then
+    fail "$name: helm template" "$(cat "$work/$name.err")"; return
+  fi
+  if out=$("$PY" "$here/validate_manifests.py" "${validate_args[@]}" \
+             --extract-config "$work/$name.config.yaml" "$work/$name.yaml" 2>&1); then
+    pass "$name: ${out#valid }"
+  else
+    fail "$name: manifests" "$out"; return
+  fi
+  if out=$(check_config "$work/$name.config.yaml" 2>&1); then
+    pass "$name: worker check-config exit 0"
+  else
+    fail "$name: worker check-config exit $? on the rendered config" "$out"
+  fi
+}
+good_case default
+good_case all-on-keda -f "$here/values-all-on.yaml"
+good_case all-on-hpa -f "$here/values-all-on.yaml" -f "$here/values-hpa.yaml"
+good_case keda-plain --set autoscaling.enabled=true
+good_case hpa-pods --set autoscaling.enabled=true --set autoscaling.kind=hpa
+good_case gpu-only --set gpu.enabled=true --set config.model.device=cuda --set lifecycle.preStopSleepSeconds=0
+
+# The KEDA variant renders no HPA and the HPA variant no ScaledObject (they are exclusive).
+if grep -q '^kind: HorizontalPodAutoscaler' "$work/all-on-keda.yaml" || ! grep -q '^kind: ScaledObject' "$work/all-on-keda.yaml" \
+   || grep -q '^kind: ScaledObject' "$work/all-on-hpa.yaml" || ! grep -q '^kind: HorizontalPodAutoscaler' "$work/all-on-hpa.yaml"; then
+  fail "KEDA and HPA variants are exclusive"
+else
+  pass "KEDA and HPA variants are exclusive"
+fi
+# A config change changes the pod template (checksum/config), so the pods roll.
+render checksum-a && render checksum-b --set config.logging.level=DEBUG
+if [ "$(grep checksum/config "$work/checksum-a.yaml")" != "$(grep checksum/config "$work/checksum-b.yaml")" ]; then
+  pass "config change changes checksum/config"
+else
+  fail "config change changes checksum/config"
+fi
+
+# ------------------------------------------------------------------------------- 4. negative cases
+echo "negative cases"
+bad_render() {  # bad_render NAME EXPECTED-SUBSTRING [helm args...]
+  local name=$1 expect=$2; shift 2
+  if render "$name" "$@"; then
+    fail "$name: rendered, expected a failure mentioning '$expect'"
+  elif grep -qF -- "$expect" "$work/$name.err"; then
+    pass "$name: helm template fails ($expect)"
+  else
+    fail "$name: failed without mentioning '$expect'" "$(cat "$work/$name.err")"
+  fi
+}
+bad_render replicas-over-partitions "exceeds autoscaling.partitions" \
+  --set autoscaling.enabled=true --set autoscaling.partitions=4 --set autoscaling.maxReplicas=8
+bad_render hpa-over-partitions "exceeds autoscaling.partitions" \
+  --set autoscaling.enabled=true --set autoscaling.kind=hpa --set autoscaling.partitions=2 --set autoscaling.maxReplicas=3
+bad_render grace-below-shutdown "must be larger than config.delivery.shutdown_timeout_s" \
+  --set terminationGracePeriodSeconds=30
+bad_render unknown-config-section "batchng" --set config.batchng.max_in_flight=1
+bad_render bad-autoscaling-kind "autoscaling/kind" --set autoscaling.kind=vpa
+bad_render sasl-without-secret "secrets.kafkaSasl.secretName" --set secrets.kafkaSasl.enabled=true
+bad_render hpa-to-zero "minReplicas >= 1" \
+  --set autoscaling.enabled=true --set autoscaling.kind=hpa --set autoscaling.minReplicas=0
+bad_render probes-without-metrics "config.metrics.enabled=false" --set config.metrics.enabled=false
+bad_render no-input-topics "no input topics" --set 'config.kafka.input_topics=null'
+
+# A value the chart cannot judge but the worker rejects: check-config must exit 2 naming the key.
+name=worker-rejects
+if render "$name" --set config.batching.resume_ratio=1.5 \
+   && "$PY" "$here/validate_manifests.py" --extract-config "$work/$name.config.yaml" "$work/$name.yaml" >/dev/null; then
+  set +e; out=$(check_config "$work/$name.config.yaml" 2>&1); rc=$?; set -e
+  if [ "$rc" = 2 ] && grep -qF '$.batching.resume_ratio' <<<"$out"; then
+    pass "$name: worker check-config exit 2 ($out)"
+  else
+    fail "$name: worker check-config exit $rc, expected 2 naming \$.batching.resume_ratio" "$out"
+  fi
+else
+  fail "$name: did not render" "$(cat "$work/$name.err")"
+fi
+
+echo "$((checks - failures)) passed, $failures failed"
+[ "$failures" = 0 ]
