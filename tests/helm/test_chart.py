@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# slow: the first run builds helm (minutes on 2 cores); the timeout leaves room for that build.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "check_chart.sh"
