@@ -1,8 +1,8 @@
 """``worker profile``: batch size vs. latency, throughput and memory for one model on one device.
 
 For each batch size it runs ``iters`` synchronous batches (collate -> copy -> forward -> copy back -> split,
-after ``warmup`` untimed ones) on inputs from the handler's ``example_inputs()`` (built-in sample
-sentences of varied length for text models), and reports p50/p99 batch latency, throughput (items/s)
+after ``warmup`` untimed ones) drawn in turn from the handler's ``example_inputs()`` (built-in sample
+sentences of varied length for text models, so padding and length variance show in p99), and reports p50/p99 batch latency, throughput (items/s)
 and peak memory (CUDA max allocated, or the process's peak RSS). The recommended ``max_batch_size`` is
 the size with the highest throughput whose p99 fits ``--latency-budget-ms`` (the highest throughput
 overall without a budget). Sizes past the first out-of-memory are skipped.
@@ -135,17 +135,24 @@ def profile_engine(engine: Any, sizes: list[int], iters: int = 20, warmup: int =
     from worker.adapters.torch_engine import is_oom
 
     rows: list[Row] = []
-    if not engine.example_items(1):
+    ex = getattr(engine.model, "example_inputs", None)
+    pool = engine.example_items(len(ex()) if callable(ex) else 0)
+    if not pool:
         raise ValueError(f"model {engine.name} has no example_inputs(); cannot build profiling batches")
+
+    def batch(k: int, bs: int) -> list[Any]:
+        # Batch k starts further along the pool, so varied input lengths show up in p50/p99.
+        return [pool[(k * bs + j) % len(pool)] for j in range(bs)]
+
     for bs in sizes:
-        items = engine.example_items(bs)
         row = Row(bs)
         try:
-            for _ in range(warmup):
-                engine.run(items)
+            for k in range(warmup):
+                engine.run(batch(k, bs))
             _reset_peak(engine.device)
             lat = []
-            for _ in range(max(1, iters)):
+            for k in range(max(1, iters)):
+                items = batch(k, bs)
                 t = time.perf_counter()
                 engine.run(items)
                 lat.append(time.perf_counter() - t)
@@ -190,6 +197,7 @@ def plot(rows: list[Row], path: str, title: str, budget_ms: float | None = None,
     fig, ax1 = plt.subplots(figsize=(7, 4.2))
     ax1.plot(xs, [r.throughput for r in ok], "o-", color="tab:blue", label="throughput")
     ax1.set_xscale("log", base=2)
+    ax1.set_xticks(xs, [str(x) for x in xs])
     ax1.set_xlabel("batch size")
     ax1.set_ylabel("items/s", color="tab:blue")
     ax2 = ax1.twinx()
