@@ -114,6 +114,16 @@ def test_batched_ops_are_one_round_trip_each(local_redis: LocalRedis) -> None:
         assert _calls(raw, "del") == del0 + 3  # 2,800 keys in DELs of <= 1,000, one pipeline
         assert raw.keys(f"{c.key_prefix}attempts:*") == []
         assert store.incr_attempts_many(["t:0:7"]) == [1]
+
+        mget0 = _calls(raw, "mget")
+        assert store.get_attempts_many(["t:0:7", "t:9:9"]) == [1, 0]
+        assert store.get_attempts_many(["t:0:7"]) == [1]  # reading does not count
+        assert _calls(raw, "mget") == mget0 + 2
+        set0 = _calls(raw, "set")
+        store.put_cached_many([(f"c{i}", f"v{i}".encode()) for i in range(200)])
+        assert _calls(raw, "set") == set0 + 200
+        assert store.get_cached_many(["c0", "c199"]) == {"c0": b"v0", "c199": b"v199"}
+        assert 0 < raw.ttl(f"{c.key_prefix}cache:c7") <= c.cache_ttl_s
     finally:
         store.close()
         raw.close()
@@ -130,9 +140,13 @@ def test_batched_ops_return_misses_on_outage(local_redis: LocalRedis) -> None:
         assert store.breaker.state == "open"
         assert store.get_cached_many(["a", "b"]) == {}
         store.clear_attempts(["k1"])
+        assert store.get_attempts_many(["k1", "k2"]) == [0, 0]
+        store.put_cached_many([("a", b"2")])
         assert store.incr_attempts_many([]) == [] and store.get_cached_many([]) == {}  # no call at all
+        assert store.get_attempts_many([]) == []
         assert errors(m, "incr_attempts_many") == 1 and errors(m, "get_cached_many") == 1
         assert errors(m, "clear_attempts") == 1
+        assert errors(m, "get_attempts_many") == 1 and errors(m, "put_cached_many") == 1
     finally:
         store.close()
 

@@ -206,3 +206,20 @@ def test_incr_attempts_many_equals_sequential_incr(batches: list[list[str]]) -> 
     one, _ = store()
     for keys in batches:
         assert many.incr_attempts_many(keys) == [one.incr_attempts(k) for k in keys]
+
+
+def test_put_cached_many_and_get_attempts_many() -> None:
+    s, clock = store(cache_ttl_s=10)
+    s.put_cached_many([])
+    s.put_cached_many([("a", b"1"), ("b", bytearray(b"2"))])
+    assert s.get_cached_many(["a", "b"]) == {"a": b"1", "b": b"2"}
+    clock.advance(10)
+    assert s.get_cached_many(["a", "b"]) == {}
+    off, _ = store(cache=False)
+    off.put_cached_many([("a", b"1")])
+    assert off.get_cached_many(["a"]) == {}
+
+    assert s.get_attempts_many([]) == []
+    s.incr_attempts_many(["x", "x", "y"])
+    assert s.get_attempts_many(["x", "y", "z"]) == [2, 1, 0]
+    assert s.get_attempts_many(["x"]) == [2]  # reading does not count

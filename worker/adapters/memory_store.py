@@ -148,6 +148,15 @@ class MemoryStore:
         with self._lock:
             self._cache.put(key, bytes(value), self._now() + self.cache_ttl_s)
 
+    def put_cached_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """``put_cached`` for each (key, value), in one lock round."""
+        if not self.cache_enabled or not items:
+            return
+        with self._lock:
+            expires = self._now() + self.cache_ttl_s
+            for key, value in items:
+                self._cache.put(key, bytes(value), expires)
+
     # -- delivered-id ledger ------------------------------------------------------------------------
     def was_delivered(self, record_id: str) -> bool:
         if not self.ledger_enabled:
@@ -179,6 +188,14 @@ class MemoryStore:
             # Like INCR + EXPIRE: each attempt pushes the expiry out again.
             self._attempts.put(attempt_key, n, now + self.attempts_ttl_s)
             return n
+
+    def get_attempts_many(self, attempt_keys: Sequence[str]) -> list[int]:
+        """The current count of each key, in order, without counting (0 when there is none)."""
+        if not attempt_keys:
+            return []
+        with self._lock:
+            now = self._now()
+            return [self._attempts.get(k, now) or 0 for k in attempt_keys]
 
     def incr_attempts_many(self, attempt_keys: Sequence[str]) -> list[int]:
         """``incr_attempts`` for each key, in order (a key listed twice counts twice), in one lock round."""

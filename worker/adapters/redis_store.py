@@ -6,9 +6,10 @@ Keys (``key_prefix`` defaults to ``kiw:``)::
     <prefix>delivered:<id>       "1"                   SET EX ledger_ttl_s  (only when redis.ledger is true)
     <prefix>attempts:<key>       integer               INCR + EXPIRE attempts_ttl_s, in one MULTI
 
-Batched forms for the hot path, one round trip each: ``get_cached_many`` (one MGET), ``delivered_many``
-(one MGET), ``mark_delivered`` (one pipeline of SETs), ``incr_attempts_many`` (one MULTI of INCR+EXPIRE per
-key), ``clear_attempts`` (one pipeline of DELs).
+Batched forms for the hot path, one round trip each: ``get_cached_many`` (one MGET), ``put_cached_many``
+(one pipeline of SET EX), ``delivered_many`` (one MGET), ``mark_delivered`` (one pipeline of SETs),
+``get_attempts_many`` (one MGET, read only), ``incr_attempts_many`` (one MULTI of INCR+EXPIRE per key),
+``clear_attempts`` (one pipeline of DELs).
 
 Redis is an optimisation, never a dependency of the pipeline: every call has a short socket timeout
 (``timeout_ms``), no client-side retries, and goes through a :class:`CircuitBreaker`. After
@@ -280,6 +281,19 @@ class RedisStore:
             return
         self._run("put_cached", None, lambda c: c.set(self._k("cache", key), value, ex=self._cfg.cache_ttl_s))
 
+    def put_cached_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """``put_cached`` for each (key, value), in one pipeline of SET EX (one round trip)."""
+        if not self.cache_enabled or not items:
+            return
+
+        def pipelined(c: redis.Redis) -> None:
+            pipe = c.pipeline(transaction=False)
+            for key, value in items:
+                pipe.set(self._k("cache", key), value, ex=self._cfg.cache_ttl_s)
+            pipe.execute()
+
+        self._run("put_cached_many", None, pipelined)
+
     # -- delivered-id ledger ------------------------------------------------------------------------
     def was_delivered(self, record_id: str) -> bool:
         if not self.ledger_enabled:
@@ -325,6 +339,18 @@ class RedisStore:
             return int(n)
 
         return self._run("incr_attempts", 0, incr)
+
+    def get_attempts_many(self, attempt_keys: Sequence[str]) -> list[int]:
+        """The current count of each key, in order, in one MGET, without counting. 0 = none, or unknown
+        (Redis unavailable)."""
+        keys = list(attempt_keys)
+        if not keys:
+            return []
+
+        def mget(c: redis.Redis) -> list[int]:
+            return [int(v) if v is not None else 0 for v in c.mget([self._k("attempts", k) for k in keys])]
+
+        return self._run("get_attempts_many", [0] * len(keys), mget)
 
     def incr_attempts_many(self, attempt_keys: Sequence[str]) -> list[int]:
         """``incr_attempts`` for each key, in order, in one MULTI pipeline (INCR + EXPIRE per key; a key
