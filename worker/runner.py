@@ -159,7 +159,11 @@ class Runner:
         with self.cv:
             while True:
                 now = time.monotonic()
-                batch = self.scheduler.next_batch(now, idle=True)
+                # The collate stage asks for batch n+1 while batch n is on the device: then the device is
+                # busy and open windows must be left to fill (only closed ones go). A free device takes
+                # an open window at once (work-conserving).
+                idle = self._device_busy < len(self.workers)
+                batch = self.scheduler.next_batch(now, idle=idle)
                 if batch is not None:
                     self._device_busy += 1
                     batch.closed_at = now  # dispatch time: queue wait is measured up to here
@@ -174,6 +178,7 @@ class Runner:
         with self.cv:
             self._device_busy -= 1
             self.scheduler.observe(batch.lane, len(batch.records), timings.get("infer", 0.0))
+            self.cv.notify_all()  # a device became free: a waiting collate stage may take an open window
         self._completions.put((batch, outputs, timings))
 
     _stop_devices = False
@@ -195,7 +200,11 @@ class Runner:
         self.txn: TransactionalCommitter | None = None
         if self.cfg.delivery.mode == "exactly_once":
             tid = self.cfg.delivery.transactional_id or f"{self.group_id}-{socket.gethostname()}"
-            self.producer = make_producer(self.cfg, **{"transactional.id": tid})
+            extra: dict[str, Any] = {"transactional.id": tid}
+            if "message.timeout.ms" not in self.cfg.kafka.producer:
+                # librdkafka requires message.timeout.ms <= transaction.timeout.ms (default 60 s).
+                extra["message.timeout.ms"] = int(self.cfg.kafka.producer.get("transaction.timeout.ms", 60000))
+            self.producer = make_producer(self.cfg, **extra)
             self.txn = TransactionalCommitter(self.producer, self.consumer)
             self.txn.init()
             log.info("exactly-once mode", extra={"transactional_id": tid})

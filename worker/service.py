@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 from worker.config import Config, redact
 
@@ -31,6 +33,14 @@ def run_service(cfg: Config, metrics_port: int | None = None) -> int:
                                 "model": cfg.model.name, "delivery": cfg.delivery.mode})
     store = make_store(cfg.redis, metrics)
     runner = Runner(cfg, metrics=metrics, store=store, install_signals=True, health=state)
+    if state is not None:
+        # Loading and warming a large model can take minutes; the process is alive meanwhile (readiness,
+        # not liveness, says it cannot take traffic yet). The loop thread beats once it runs.
+        def beat_while_starting() -> None:
+            while not runner.ready.wait(5.0):
+                state.heartbeat = time.monotonic()
+
+        threading.Thread(target=beat_while_starting, name="startup-heartbeat", daemon=True).start()
     try:
         return runner.run()
     finally:
