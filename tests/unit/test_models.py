@@ -286,3 +286,29 @@ def test_unsupported_file_suffix(tmp_path: Path) -> None:
     p.write_text("x")
     with pytest.raises(ConfigError, match=r"\$\.model\.name: unknown model"):
         load_model(ModelConfig(name=str(p)))
+
+
+def test_docs_custom_model_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The handler example and YAML block in docs/fragments/models.md load and run as written."""
+    import re
+
+    import yaml
+
+    from worker.adapters.torch_engine import Engine
+
+    doc = (Path(__file__).parents[2] / "docs" / "fragments" / "models.md").read_text()
+    code = re.search(r"```python\n(.*?)```", doc, re.S)
+    block = re.search(r"```yaml\n(.*?)```", doc, re.S)
+    assert code and block
+    (tmp_path / "my_models.py").write_text(code.group(1))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        cfg = msgspec.convert(yaml.safe_load(block.group(1))["model"], ModelConfig)
+        m: Any = load_model(cfg)
+        eng = Engine(m, "cpu", dtype=cfg.dtype, threads=1)
+        eng.setup()
+        req = decode_request(m, b'{"id": "1", "inputs": {"values": [1, 2, 3, 4, 5, 6, 7, 8]}}')
+        out = eng.infer([m.decode(req.inputs)] * 3)
+        assert len(out) == 3 and all(isinstance(o, float) for o in out)
+    finally:
+        sys.modules.pop("my_models", None)
