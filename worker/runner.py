@@ -383,8 +383,11 @@ class Runner:
             st.clear_attempts(keys)
         if self._cache_puts:
             puts, self._cache_puts = self._cache_puts, []
-            for k, v in puts:
-                st.put_cached(k, v)
+            if hasattr(st, "put_cached_many"):
+                st.put_cached_many(puts)
+            else:
+                for k, v in puts:
+                    st.put_cached(k, v)
 
     def _expire(self) -> None:
         now = time.monotonic()
