@@ -321,3 +321,77 @@ def test_several_workers_share_one_take() -> None:
         assert w.stop(5)
     assert sorted(feeder.results) == list(range(12))
     assert all(m.log for m in models)  # both devices got work
+
+
+class CollatePoison(Fake):
+    def collate(self, items: Sequence[Any]) -> list[Any]:
+        if "X" in items:
+            raise TypeError("cannot collate X")
+        return list(items)
+
+    def forward(self, batch: list[Any]) -> list[Any]:
+        return [f"{x}!" for x in batch]
+
+
+def test_device_worker_collate_failure_is_bisected() -> None:
+    feeder = Feeder([make_batch(["a", "X", "b", "c"])])
+    w = DeviceWorker(Engine(CollatePoison(), "cpu", warmup=False), feeder.take, feeder.done, poll_s=0.01)
+    w.start()
+    assert feeder.all_done.wait(30)
+    w.stop(5)
+    res = feeder.results[0][1]
+    assert res[0] == "a!" and isinstance(res[1], TypeError) and res[2:] == ["b!", "c!"]
+    assert {"infer", "pipeline"} <= set(feeder.results[0][2])
+
+
+def test_compile_wraps_forward_and_falls_back_to_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    compiled: list[Any] = []
+
+    def fake_compile(fn: Any, **kw: Any) -> Any:
+        compiled.append(kw)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    eng = Engine(load_model(ModelConfig(name="tiny")), "cpu", compile=True, warmup=False, threads=1)
+    eng.setup()
+    assert compiled == [{"dynamic": True}]
+    assert len(eng.infer(eng.example_items(2))) == 2
+
+    def broken_compile(fn: Any, **kw: Any) -> Any:
+        def f(*a: Any) -> Any:
+            raise RuntimeError("inductor: no compiler")
+        return f
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    eng2 = Engine(load_model(ModelConfig(name="tiny")), "cpu", compile=True, threads=1)
+    eng2.setup()  # warns and runs eager
+    assert len(eng2.infer(eng2.example_items(3))) == 3
+
+
+def test_failed_forward_frames_are_released_before_the_retry() -> None:
+    """An OOM's traceback keeps the failed forward's locals (its activations) alive; the retry must not
+    run while they are pinned."""
+    import gc
+    import weakref
+
+    refs: list[Any] = []
+
+    class Big:
+        pass
+
+    class Leaky(Fake):
+        def forward(self, batch: list[Any]) -> list[Any]:
+            activations = Big()  # stands in for the device tensors of a failed forward
+            refs.append(weakref.ref(activations))
+            if len(batch) > 2:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+            alive = sum(r() is not None for r in refs[:-1])
+            assert alive == 0, f"{alive} failed forwards still pinned"
+            return [x * 10 for x in batch]
+
+    eng = Engine(Leaky(), "cpu", warmup=False)
+    gc.disable()  # only reference counting may free them, as it must on the hot path
+    try:
+        assert eng.infer([1, 2, 3, 4, 5, 6, 7, 8]) == [10, 20, 30, 40, 50, 60, 70, 80]
+    finally:
+        gc.enable()

@@ -140,6 +140,15 @@ def configure_threads(device: str, threads: int | None = None) -> int:
     return torch.get_num_threads()
 
 
+def _drop_frames(exc: BaseException) -> None:
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+
+
 def is_oom(exc: BaseException) -> bool:
     if isinstance(exc, torch.cuda.OutOfMemoryError):
         return True
@@ -435,8 +444,10 @@ class Engine:
         n = len(items)
         self._seen(lane, n)
         oom = is_oom(exc)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("model %s: batch of %d failed", self.name, n, exc_info=exc)
+        _drop_frames(exc)  # the failed forward's frames pin its (device) tensors until the exception dies
         if n == 1:
-            exc.__traceback__ = None  # its frames would pin the batch's (device) tensors
             with self._lock:
                 self.stats.oom += oom
                 self.stats.poison += not oom
