@@ -242,7 +242,13 @@ class Runner:
         if consume:
             busy = self._device_busy > 0 or not self._completions.empty()
             timeout = 0.002 if busy else self.cfg.kafka.poll_timeout_ms / 1000.0
-            msgs = self.consumer.consume(self.cfg.kafka.poll_max_records, timeout)
+            # consume(n, t) waits for all n records or the whole timeout, which would add up to
+            # poll_timeout_ms to every record at light load. poll() returns on the first record; then
+            # consume(n - 1, 0) takes what is already fetched without waiting.
+            first = self.consumer.poll(timeout)
+            msgs = [first] if first is not None else []
+            if first is not None and self.cfg.kafka.poll_max_records > 1:
+                msgs.extend(self.consumer.consume(self.cfg.kafka.poll_max_records - 1, 0))
             if msgs:
                 self._broker_ok = True
                 self._ingest(msgs)
