@@ -106,25 +106,27 @@ def pipeline_throughput(eng: Engine, items: list[Any], iters: int) -> float:
     batches = [make_batch(items, i * len(items)) for i in range(iters)]
     finished = threading.Event()
     count = [0]
+    failures: list[BaseException] = []
 
     def take(timeout: float) -> Batch | None:
         with lock:
             return batches.pop(0) if batches else None
 
     def done(batch: Batch, results: list[Any], timings: dict[str, float]) -> None:
-        if any(isinstance(r, BaseException) for r in results):
-            raise RuntimeError("pipeline batch failed")
+        failures.extend(r for r in results if isinstance(r, BaseException))
         count[0] += 1
-        if count[0] == iters:
+        if count[0] == iters or failures:
             finished.set()
 
     w = DeviceWorker(eng, take, done, name="gpu-check")
     t = time.perf_counter()
     w.start()
-    if not finished.wait(600):
+    if not finished.wait(300):
         raise TimeoutError("pipeline did not finish")
     elapsed = time.perf_counter() - t
     w.stop(30)
+    if failures:
+        raise RuntimeError(f"pipeline batch failed: {failures[0]!r}")
     return len(items) * iters / elapsed
 
 

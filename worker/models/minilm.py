@@ -91,8 +91,16 @@ class MiniLMModel:
         self.model = AutoModel.from_pretrained(str(self.dir), local_files_only=True).eval().to(device)
         self.device = device
 
-    def decode(self, inputs: TextInput) -> np.ndarray:
-        return np.asarray(self.tokenizer.encode(inputs.text).ids, dtype=np.int64)
+    def decode(self, inputs: TextInput | dict[str, Any] | str) -> np.ndarray:
+        if isinstance(inputs, TextInput):
+            text = inputs.text
+        elif isinstance(inputs, dict) and isinstance(inputs.get("text"), str):
+            text = inputs["text"]  # callers that bypass the wire decoding (scripts, tests)
+        elif isinstance(inputs, str):
+            text = inputs
+        else:
+            raise ValueError('inputs must be {"text": "..."}')
+        return np.asarray(self.tokenizer.encode(text).ids, dtype=np.int64)
 
     def size_of(self, item: np.ndarray) -> int:
         return int(item.shape[0])
