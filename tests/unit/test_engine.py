@@ -395,3 +395,19 @@ def test_failed_forward_frames_are_released_before_the_retry() -> None:
         assert eng.infer([1, 2, 3, 4, 5, 6, 7, 8]) == [10, 20, 30, 40, 50, 60, 70, 80]
     finally:
         gc.enable()
+
+
+def test_device_worker_passes_empty_batches_through() -> None:
+    feeder = Feeder([make_batch([])])
+    feeder.expected = 1
+    seen: list[Any] = []
+
+    def done(batch: Batch, results: list[Any], timings: dict[str, float]) -> None:
+        seen.append(results)
+        feeder.all_done.set()
+
+    w = DeviceWorker(Engine(Fake(), "cpu", warmup=False), feeder.take, done, poll_s=0.01)
+    w.start()
+    assert feeder.all_done.wait(10)
+    w.stop(5)
+    assert seen == [[]]

@@ -203,7 +203,7 @@ class Launched:
     output: Any
     t0: float
     collate_s: float
-    launch_s: float  # host time in forward (device time on CPU)
+    launch_s: float  # host time in forward; the device time once wait() has run on CUDA
     keep: Any = None  # the device inputs, alive until the kernels that read them are done
     started: Any = None  # CUDA timing events around forward
     ended: Any = None
@@ -381,14 +381,20 @@ class Engine:
             out = _map_tensors(out, lambda x: x.cpu())
         return Launched(p.items, out, p.t0, p.collate_s, time.perf_counter() - t, p.batch, started, ended, done)
 
+    def wait(self, lx: Launched) -> None:
+        """Block (GIL released) until the batch's forward and output copy are done on the device."""
+        if lx.done is not None:
+            lx.done.synchronize()
+            lx.done = None
+            if lx.started is not None and lx.ended is not None:
+                lx.launch_s = lx.started.elapsed_time(lx.ended) / 1000.0  # device time
+                lx.started = lx.ended = None
+        lx.keep = None
+
     def finish(self, lx: Launched) -> list[Any]:
         """Wait for the outputs, split them per record and check the count."""
-        if lx.done is not None:
-            lx.done.synchronize()  # releases the GIL
+        self.wait(lx)
         forward_s = lx.launch_s
-        if lx.started is not None and lx.ended is not None:
-            forward_s = lx.started.elapsed_time(lx.ended) / 1000.0
-        lx.keep = None
         t = time.perf_counter()
         n = len(lx.items)
         outs = self.model.split(lx.output, n)
@@ -632,12 +638,12 @@ class DeviceWorker:
                 log.exception("%s: take() failed", self.name)
                 batch = None
                 time.sleep(self.poll_s)
-            if batch is None or not batch.records:
+            if batch is None:
                 self._slot.release()
                 continue
             job = _Job(batch, t_take=time.perf_counter())
             limit = eng.effective_max(batch.lane)
-            if limit is None or len(batch.records) <= limit:
+            if batch.records and (limit is None or len(batch.records) <= limit):
                 try:
                     job.prepared = eng.prepare([r.item for r in batch.records])
                 except Exception as e:
@@ -688,14 +694,22 @@ class DeviceWorker:
             if d.launched is not None:
                 lx = d.launched
                 lane = d.batch.lane
+                released = False
                 try:
+                    eng.wait(lx)
+                    # The device is on to the next batch: let the device thread queue another while we split.
+                    self._launched.release()
+                    released = True
                     d.results = eng.finish(lx)
                     eng.note_success(lane, len(lx.items))
                 except Exception as e:
                     d.results = self._safe(eng.recover, lx.items, lane, e)
                     d.timings["infer"] = d.timings["pipeline"] = time.perf_counter() - lx.t0
                 d.launched = None
-            self._launched.release()
+                if not released:
+                    self._launched.release()
+            else:
+                self._launched.release()
             self.batches += 1
             try:
                 self.done(d.batch, d.results or [], d.timings)
