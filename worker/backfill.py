@@ -16,7 +16,7 @@ import msgspec
 from confluent_kafka import OFFSET_BEGINNING, Consumer
 from confluent_kafka import TopicPartition as KTP
 
-from worker.adapters.kafka_clients import consumer_config
+from worker.adapters.kafka_clients import consumer_config, retry_transient
 from worker.config import Config
 from worker.core.records import TopicPartition
 
@@ -34,11 +34,12 @@ def snapshot(cfg: Config, group: str) -> tuple[dict[TopicPartition, int], dict[T
             if t is None or t.error is not None:
                 raise SystemExit(f"backfill: input topic {topic!r} does not exist")
             for p in t.partitions:
-                lo, hi = c.get_watermark_offsets(KTP(topic, p), timeout=30)
+                lo, hi = retry_transient(c.get_watermark_offsets, KTP(topic, p), timeout=30)
                 low[TopicPartition(topic, p)] = lo
                 end[TopicPartition(topic, p)] = hi
         committed = {TopicPartition(k.topic, k.partition): k.offset
-                     for k in c.committed([KTP(t, p) for t, p in end], timeout=30) if k.offset >= 0}
+                     for k in retry_transient(c.committed, [KTP(t, p) for t, p in end], timeout=30)
+                     if k.offset >= 0}
         return low, end, committed
     finally:
         c.close()

@@ -14,7 +14,7 @@ from confluent_kafka import KafkaError, Producer
 from confluent_kafka import TopicPartition as KTP
 
 from schemas import DeadLetter
-from worker.adapters.kafka_clients import make_consumer, producer_config
+from worker.adapters.kafka_clients import make_consumer, producer_config, retry_transient
 from worker.config import Config
 
 
@@ -29,7 +29,7 @@ def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_
         print(f"dlq replay: topic {topic!r} does not exist")
         return 1
     parts = list(md.topics[topic].partitions)
-    end = {p: consumer.get_watermark_offsets(KTP(topic, p), timeout=30)[1] for p in parts}
+    end = {p: retry_transient(consumer.get_watermark_offsets, KTP(topic, p), timeout=30)[1] for p in parts}
     consumer.assign([KTP(topic, p) for p in parts])  # committed offsets of the replay group, else earliest
     done_parts = {p for p in parts if end[p] == 0}
     replayed = skipped = 0

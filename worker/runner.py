@@ -28,7 +28,7 @@ import msgspec
 from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KTP
 
-from worker.adapters.kafka_clients import make_consumer, make_producer
+from worker.adapters.kafka_clients import make_consumer, make_producer, retry_transient
 from worker.config import Config
 from worker.core.offsets import OffsetTracker
 from worker.core.ports import Metrics, Model, NullMetrics
@@ -597,7 +597,7 @@ class Runner:
             self.txn.drop(tps)
         for tp in tps:
             self.epochs[tp] += 1
-        committed = self.consumer.committed([KTP(t, p) for t, p in tps], timeout=30)
+        committed = retry_transient(self.consumer.committed, [KTP(t, p) for t, p in tps], timeout=30)
         for k in committed:
             self.consumer.seek(KTP(k.topic, k.partition, k.offset if k.offset >= 0 else OFFSET_BEGINNING))
         log.warning("rewound to the committed offsets after an aborted transaction", extra={"partitions": len(tps)})

@@ -16,7 +16,7 @@ import yaml
 from confluent_kafka import Consumer, Producer
 from confluent_kafka import TopicPartition as KTP
 
-from worker.adapters.kafka_clients import ensure_topics
+from worker.adapters.kafka_clients import ensure_topics, retry_transient
 
 ROOT = Path(__file__).resolve().parents[2]
 _dec = msgspec.json.Decoder()
@@ -97,7 +97,8 @@ def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"probe-{uuid.uuid4().hex[:6]}"})
     try:
         md = c.list_topics(topic, timeout=10)
-        return {p: c.get_watermark_offsets(KTP(topic, p), timeout=10)[1] for p in md.topics[topic].partitions}
+        return {p: retry_transient(c.get_watermark_offsets, KTP(topic, p), timeout=10)[1]
+                for p in md.topics[topic].partitions}
     finally:
         c.close()
 
@@ -107,7 +108,7 @@ def committed_offsets(bootstrap: str, group: str, topic: str) -> dict[int, int]:
     try:
         md = c.list_topics(topic, timeout=10)
         parts = [KTP(topic, p) for p in md.topics[topic].partitions]
-        return {k.partition: k.offset for k in c.committed(parts, timeout=10)}
+        return {k.partition: k.offset for k in retry_transient(c.committed, parts, timeout=10)}
     finally:
         c.close()
 

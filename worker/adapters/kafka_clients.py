@@ -94,3 +94,29 @@ def ensure_topics(bootstrap: str | dict[str, Any], topics: dict[str, int], timeo
         except Exception as e:  # already exists (race with another worker) is fine
             if "TOPIC_ALREADY_EXISTS" not in str(e):
                 raise RuntimeError(f"cannot create topic {topic!r}: {e}") from e
+
+
+_TRANSIENT = {"NOT_COORDINATOR", "COORDINATOR_LOAD_IN_PROGRESS", "COORDINATOR_NOT_AVAILABLE", "_TIMED_OUT",
+              "_TRANSPORT", "REQUEST_TIMED_OUT", "_WAIT_COORD", "LEADER_NOT_AVAILABLE", "NOT_LEADER_FOR_PARTITION"}
+
+
+def retry_transient(fn: Any, *args: Any, timeout: float = 60.0, **kwargs: Any) -> Any:
+    """Calls ``fn`` until it stops failing with a transient broker error (a coordinator that is still
+    loading, a leader election) or ``timeout`` passes. Other errors propagate at once."""
+    import time
+
+    from confluent_kafka import KafkaException
+
+    deadline = time.monotonic() + timeout
+    delay = 0.1
+    while True:
+        try:
+            return fn(*args, **kwargs)
+        except KafkaException as e:
+            err = e.args[0] if e.args else None
+            transient = err is not None and (err.retriable() or err.name() in _TRANSIENT)
+            if not transient or time.monotonic() + delay > deadline:
+                raise
+            log.info("transient broker error, retrying: %s", err)
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
