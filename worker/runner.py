@@ -149,9 +149,13 @@ class Runner:
             self.health.model_loaded = True
 
     def _on_limit(self, lane: str, new_max: int) -> None:
+        """The engine lowers a lane's batch limit after an out-of-memory error and raises it back later."""
         with self.cv:
+            lowered = new_max < self.scheduler.max_batch_size(lane)
             self.scheduler.set_max_batch_size(lane, new_max)
-        self.metrics.event("oom_splits", lane=lane)
+        if lowered:
+            self.metrics.event("oom_splits", lane=lane)
+        log.info("batch limit of lane %s now %d", lane, new_max, extra={"lane": lane, "max_batch_size": new_max})
 
     # ------------------------------------------------------------------ device side (device threads)
     def _take(self, timeout: float) -> Batch | None:
