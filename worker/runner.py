@@ -19,7 +19,7 @@ import signal
 import socket
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,6 +120,9 @@ class Runner:
         self._use_attempts = store is not None and cfg.redis.url is not None
         self._delivered_ids: list[str] = []
         self._attempts_done: list[str] = []
+        # Records that were on a device when an earlier process died (attempt count > 0): each one goes to the
+        # device alone, so the innocent ones clear themselves and only the killer keeps counting.
+        self._suspects: deque[Record] = deque()
         self._cache_puts: list[tuple[str, bytes]] = []
         self._broker_ok = True
         self._next_lag_report = 0.0
@@ -159,15 +162,44 @@ class Runner:
 
     # ------------------------------------------------------------------ device side (device threads)
     def _take(self, timeout: float) -> Batch | None:
+        batch = self._next_batch(timeout)
+        if batch is not None and self._use_attempts:
+            self._count_dispatch(batch)
+        return batch
+
+    def _count_dispatch(self, batch: Batch) -> None:
+        """An attempt is a dispatch to the device: count it (one MULTI round trip per batch, bounded by
+        redis.timeout_ms and the breaker) before the model can crash the process on it."""
+        assert self.store is not None
+        keys = [_attempt_key(r) for r in batch.records]
+        counts = (self.store.incr_attempts_many(keys) if hasattr(self.store, "incr_attempts_many")
+                  else [self.store.incr_attempts(k) for k in keys])
+        for r, c in zip(batch.records, counts, strict=True):
+            r.attempts = c
+
+    def _next_batch(self, timeout: float) -> Batch | None:
         deadline = time.monotonic() + timeout
         with self.cv:
             while True:
                 now = time.monotonic()
-                # The collate stage asks for batch n+1 while batch n is on the device: then the device is
-                # busy and open windows must be left to fill (only closed ones go). A free device takes
-                # an open window at once (work-conserving).
-                idle = self._device_busy < len(self.workers)
-                batch = self.scheduler.next_batch(now, idle=idle)
+                while self._suspects and self.epochs[self._suspects[0].tp] != self._suspects[0].epoch:
+                    self._suspects.popleft()  # revoked meanwhile
+                batch = None
+                if self._suspects:
+                    # A suspect runs alone on an otherwise idle device (all devices), and the next batch is
+                    # only taken after _done cleared its counter: so a count reaches 2 only for a record that
+                    # was alone on the device when the process died.
+                    if self._device_busy == 0:
+                        rec = self._suspects.popleft()
+                        self._device_busy += 1
+                        return Batch(lane=rec.lane, records=[rec], opened_at=now, closed_at=now,
+                                     reason="isolate", max_batch_size=1)
+                else:
+                    # The collate stage asks for batch n+1 while batch n is on the device: then the device is
+                    # busy and open windows must be left to fill (only closed ones go). A free device takes
+                    # an open window at once (work-conserving).
+                    idle = self._device_busy < len(self.workers)
+                    batch = self.scheduler.next_batch(now, idle=idle)
                 if batch is not None:
                     self._device_busy += 1
                     batch.closed_at = now  # dispatch time: queue wait is measured up to here
@@ -179,6 +211,11 @@ class Runner:
                 self.cv.wait(max(until - now, 0.0002))
 
     def _done(self, batch: Batch, outputs: list[Any], timings: dict[str, float]) -> None:
+        if batch.reason == "isolate" and self._use_attempts:
+            # The suspect came back from the device: it did not kill the process. Clear its counter before
+            # the next batch can be taken (bounded by redis.timeout_ms; on outage the count stays, harmless).
+            assert self.store is not None
+            self.store.clear_attempts([_attempt_key(r) for r in batch.records])
         with self.cv:
             self._device_busy -= 1
             self.scheduler.observe(batch.lane, len(batch.records), timings.get("infer", 0.0))
@@ -334,18 +371,27 @@ class Runner:
         assert st is not None
         max_attempts = self.cfg.delivery.max_attempts
         if self._use_attempts:
+            # Read only: a fetched record is not an attempt (thousands are fetched ahead of the device and
+            # would all be counted at every crash). Attempts are counted at dispatch (_count_dispatch).
             keys = [_attempt_key(r) for r in admitted]
-            counts = (st.incr_attempts_many(keys) if hasattr(st, "incr_attempts_many")
-                      else [st.incr_attempts(k) for k in keys])
+            counts = st.get_attempts_many(keys) if hasattr(st, "get_attempts_many") else [0] * len(keys)
             keep = []
+            suspects = []
             for r, c in zip(admitted, counts, strict=True):
                 r.attempts = c
-                if c > max_attempts:
+                if c >= max_attempts:
                     outcomes.append(Outcome(r, "error", dlq_stage="quarantine", error=(
-                        f"quarantined: the worker process died {c - 1} times while this record was in flight "
+                        f"quarantined: the worker process died {c} times while this record was on the device "
                         f"(delivery.max_attempts={max_attempts})")))
+                elif c > 0:
+                    suspects.append(r)
                 else:
                     keep.append(r)
+            if suspects:
+                with self.cv:
+                    self._suspects.extend(suspects)
+                    self.cv.notify_all()
+                self.metrics.event("suspects_isolated", len(suspects))
             admitted = keep
         if self._use_ledger and admitted:
             seen = st.delivered_many([r.id for r in admitted if r.id])
@@ -403,6 +449,9 @@ class Runner:
         now = time.monotonic()
         with self.cv:
             expired = self.scheduler.expire(now)
+            if self._suspects and any(r.deadline is not None and r.deadline <= now for r in self._suspects):
+                expired = list(expired) + [r for r in self._suspects if r.deadline is not None and r.deadline <= now]
+                self._suspects = deque(r for r in self._suspects if r.deadline is None or r.deadline > now)
         if expired:
             self._emit_all([Outcome(r, "expired", error="deadline passed before inference", dlq_stage="expired")
                             for r in expired], now)
@@ -473,7 +522,7 @@ class Runner:
             self.tracker.ack(rec.tp, rec.offset)
         if self._use_ledger and rec.id:
             self._delivered_ids.append(rec.id)
-        if self._use_attempts:
+        if self._use_attempts and rec.attempts > 0:  # dispatched (counted) or read with a count
             self._attempts_done.append(_attempt_key(rec))
 
     def _record_failed(self, rec: Record, err: str) -> None:
@@ -596,6 +645,7 @@ class Runner:
         tps = set(self.assigned)
         with self.cv:
             self.scheduler.revoke(tps)
+            self._suspects.clear()
         self.tracker.revoke(tps)
         if self.txn is not None:
             self.txn.drop(tps)
@@ -643,7 +693,9 @@ class Runner:
         process them); records already on a device get ``revoke_timeout_ms`` to finish and be delivered;
         what is done is committed synchronously; the rest is dropped."""
         with self.cv:
-            dropped = self.scheduler.revoke(tps)
+            dropped = list(self.scheduler.revoke(tps))
+            dropped += [r for r in self._suspects if r.tp in tps]
+            self._suspects = deque(r for r in self._suspects if r.tp not in tps)
         dropped_per: Counter[TopicPartition] = Counter(r.tp for r in dropped)
         if graceful:
             deadline = time.monotonic() + self.cfg.delivery.revoke_timeout_ms / 1000.0
