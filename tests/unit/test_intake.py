@@ -1,0 +1,210 @@
+"""Intake: consumed bytes -> a routed Record, or an Outcome for the DLQ (ARCHITECTURE section 4: bad input
+never blocks a partition). Unit tests of ``Intake.admit`` and, through the runner, of what reaches the
+output and dead-letter topics and the commit."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+import pytest
+
+from schemas import H_PRIORITY, DeadLetter
+from tests.unit.fakes_kafka import FakeModel, FakeTime, Harness, make_config, request
+from worker.core.records import Record, TopicPartition
+from worker.intake import Intake
+
+IN0 = TopicPartition("in", 0)
+
+
+class Point(msgspec.Struct, forbid_unknown_fields=True):
+    x: Annotated[float, msgspec.Meta(ge=0)]
+
+
+LANES = {"lanes": [{"name": "hi", "priority": 1, "topics": ["in-hi"]},
+                   {"name": "bulk", "deadline_ms": 500},
+                   {"name": "default"}]}
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
+    import worker.intake
+
+    c = FakeTime()
+    monkeypatch.setattr(worker.intake, "time", c)
+    return c
+
+
+def intake(handler: FakeModel | None = None, **sections: dict[str, Any]) -> Intake:
+    sections.setdefault("batching", LANES)
+    return Intake(make_config(**sections), handler or FakeModel(input_type=Point))
+
+
+def record(value: bytes | None, topic: str = "in", headers: list[tuple[str, bytes]] | None = None,
+           received_at: float = 1000.0) -> Record:
+    return Record(tp=TopicPartition(topic, 0), offset=7, value=value, headers=headers or [],  # type: ignore[arg-type]
+                  received_at=received_at)
+
+
+def test_a_valid_request_is_routed_and_decoded(clock: FakeTime) -> None:
+    rec = record(request("r1", {"x": 1.5}, meta={"trace": "t"}))
+    assert intake().admit(rec, clock.t) is None
+    assert (rec.id, rec.item, rec.lane, rec.meta, rec.deadline) == ("r1", Point(1.5), "default", {"trace": "t"}, None)
+
+
+def test_size_limit(clock: FakeTime) -> None:
+    it = intake(delivery={"max_input_bytes": 64})
+    ok = request("r", {"x": 1})
+    assert intake(delivery={"max_input_bytes": len(ok)}).admit(record(ok), clock.t) is None  # at the limit: fine
+    rec = record(request("big", {"x": 1}, meta={"pad": "x" * 100}))
+    o = it.admit(rec, clock.t)
+    assert o is not None and (o.status, o.dlq_stage) == ("error", "size")
+    assert "max_input_bytes=64" in (o.error or "")
+    assert rec.id is None  # not decoded at all: no result, the dead letter only
+
+
+@pytest.mark.parametrize("value", [b"{not json", b"\xff\xfe", b"", b'{"id": "x", "inputs"'])
+def test_undecodable(clock: FakeTime, value: bytes) -> None:
+    o = intake().admit(record(value), clock.t)
+    assert o is not None and (o.status, o.dlq_stage, o.record.id) == ("error", "decode", None)
+    assert (o.error or "").startswith("undecodable json")
+
+
+def test_undecodable_msgpack(clock: FakeTime) -> None:
+    o = intake(delivery={"format": "msgpack"}).admit(record(b"\xc1garbage"), clock.t)
+    assert o is not None and o.dlq_stage == "decode" and "msgpack" in (o.error or "")
+
+
+def test_tombstone(clock: FakeTime) -> None:
+    o = intake().admit(record(None), clock.t)
+    assert o is not None and o.dlq_stage == "decode" and "tombstone" in (o.error or "")
+
+
+@pytest.mark.parametrize(("inputs", "path"), [({"x": -1}, "$.inputs.x"), ({"x": "one"}, "$.inputs.x"),
+                                              ({"y": 1}, "$.inputs"), (3, "$.inputs")])
+def test_invalid_request_names_the_field_path_and_keeps_the_id(clock: FakeTime, inputs: Any, path: str) -> None:
+    rec = record(request("r9", inputs))
+    o = intake().admit(rec, clock.t)
+    assert o is not None and (o.status, o.dlq_stage) == ("error", "validate")
+    assert f"at `{path}" in (o.error or ""), o.error
+    assert rec.id == "r9"  # salvaged: the requester gets an error result
+
+
+@pytest.mark.parametrize("value", [request(None, {"x": 1}), b'{"id": 5, "inputs": {"x": 1}}',
+                                   b'{"id": "", "inputs": {"x": 1}}'])
+def test_invalid_request_without_a_usable_id(clock: FakeTime, value: bytes) -> None:
+    rec = record(value)
+    o = intake().admit(rec, clock.t)
+    assert o is not None and o.dlq_stage == "validate"
+    assert not rec.id  # no (usable) id: the dead letter only
+
+
+def test_lane_routing_by_topic_header_and_field(clock: FakeTime) -> None:
+    it = intake()
+    cases = [
+        (record(request("a", {"x": 1}), topic="in-hi"), "hi"),  # topic -> lane
+        (record(request("b", {"x": 1}, priority="bulk")), "bulk"),  # request field
+        (record(request("c", {"x": 1}, priority="bulk"), headers=[(H_PRIORITY, b"hi")]), "hi"),  # header first
+        (record(request("d", {"x": 1})), "default"),
+    ]
+    for rec, lane in cases:
+        assert it.admit(rec, clock.t) is None
+        assert rec.lane == lane, rec.id
+    assert it.unknown_lane_count == 0
+
+
+@pytest.mark.parametrize("where", ["header", "field"])
+def test_an_unknown_lane_goes_to_the_default_lane(clock: FakeTime, where: str) -> None:
+    it = intake()
+    if where == "header":
+        rec = record(request("a", {"x": 1}), topic="in-hi", headers=[(H_PRIORITY, b"nope")])
+    else:
+        rec = record(request("a", {"x": 1}, priority="nope"), topic="in-hi")
+    assert it.admit(rec, clock.t) is None  # not an error
+    assert rec.lane == "default" and it.unknown_lane_count == 1
+
+
+def test_deadlines(clock: FakeTime) -> None:
+    it = intake()
+    past = record(request("late", {"x": 1}, deadline_ms=clock.time_ms() - 1))
+    o = it.admit(past, clock.t)
+    assert o is not None and (o.status, o.dlq_stage) == ("expired", "expired") and past.id == "late"
+
+    future = record(request("soon", {"x": 1}, deadline_ms=clock.time_ms() + 250))
+    assert it.admit(future, clock.t) is None
+    assert future.deadline == pytest.approx(clock.t + 0.25, abs=0.002)  # wall clock -> the monotonic clock
+
+    budget = record(request("b", {"x": 1}, priority="bulk"), received_at=clock.t - 0.1)
+    assert it.admit(budget, clock.t) is None
+    assert budget.deadline == pytest.approx(clock.t - 0.1 + 0.5)  # the lane's deadline_ms from receipt
+
+    spent = record(request("s", {"x": 1}, priority="bulk"), received_at=clock.t - 0.6)
+    o = it.admit(spent, clock.t)
+    assert o is not None and o.status == "expired"  # the lane budget ran out before it was read
+
+
+def test_model_decode_failure_is_a_decode_error(clock: FakeTime) -> None:
+    rec = record(request("m", "undecodable-by-model"))
+    o = intake(FakeModel()).admit(rec, clock.t)
+    assert o is not None and o.dlq_stage == "decode" and "model decode failed: ValueError" in (o.error or "")
+    assert rec.id == "m"
+
+
+def test_cache_key_is_canonical_and_only_with_the_cache_on(clock: FakeTime) -> None:
+    a, b, c = (record(request("a", {"p": 1, "q": [1, 2]})), record(b'{"inputs": {"q": [1, 2], "p": 1}, "id": "b"}'),
+               record(request("c", {"p": 2, "q": [1, 2]})))
+    on = intake(FakeModel(), redis={"cache": True})
+    for r in (a, b, c):
+        assert on.admit(r, clock.t) is None
+    assert a.cache_key is not None and a.cache_key == b.cache_key != c.cache_key
+    other_version = intake(FakeModel(), redis={"cache": True}, model={"version": "2"})
+    d = record(request("d", {"p": 1, "q": [1, 2]}))
+    assert other_version.admit(d, clock.t) is None and d.cache_key != a.cache_key
+    off = record(request("e", {"p": 1}))
+    assert intake(FakeModel()).admit(off, clock.t) is None and off.cache_key is None
+
+
+# ------------------------------------------------------------------------------------------ through the runner
+def test_rejected_records_go_to_the_dlq_with_their_bytes_and_never_block_the_partition(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = make_config(delivery={"max_input_bytes": 200}, batching=LANES)
+    h = Harness(monkeypatch, cfg, model=FakeModel(input_type=Point)).start()
+    h.c.assign(("in", 0))
+    now_ms = h.clock.time_ms()
+    values: list[bytes | None] = [
+        request("ok-0", {"x": 1}),
+        request("big", {"x": 1}, meta={"pad": "x" * 300}),  # 1 size
+        b"\x00not json",  # 2 decode
+        request("bad", {"x": -5}),  # 3 validate (id salvaged)
+        request("late", {"x": 1}, deadline_ms=now_ms - 10),  # 4 expired
+        request("lost-lane", {"x": 2}, priority="nope"),  # 5 fine: default lane
+        None,  # 6 tombstone
+        request("ok-7", {"x": 3}),
+    ]
+    for i, v in enumerate(values):
+        h.c.append("in", 0, v, key=f"k{i}".encode(), headers=[("trace", b"t%d" % i), ("x-error", b"old")])
+    h.iterate()
+    h.device.run_all()
+    h.iterate()
+    h.commit()
+    assert h.committed() == len(values)  # nothing blocks the partition
+    assert [x for batch in h.model.forward_calls for x in batch] == [Point(1), Point(2), Point(3)]
+
+    results = {r["id"]: r for r in h.p.results()}
+    assert set(results) == {"ok-0", "bad", "late", "lost-lane", "ok-7"}
+    assert results["bad"]["status"] == "error" and "$.inputs.x" in results["bad"]["error"]
+    assert results["late"]["status"] == "expired"
+    assert results["lost-lane"]["status"] == "ok" and results["lost-lane"]["lane"] == "default"
+    assert h.runner.intake.unknown_lane_count == 1
+
+    dead = {int(p.header("x-source-offset") or -1): p for p in h.p.dead_letters()}
+    assert {o: p.header("x-error-stage") for o, p in dead.items()} == {
+        1: "size", 2: "decode", 3: "validate", 4: "expired", 6: "decode"}
+    for off, p in dead.items():
+        assert p.value == values[off] and p.key == f"k{off}".encode()  # the original bytes and key
+        assert p.header("trace") == f"t{off}"  # original headers kept ...
+        assert [k for k, _ in p.headers or []].count("x-error") == 1  # ... except stale x-error ones
+        dl = DeadLetter.from_headers(p.headers)
+        assert (dl.source_topic, dl.source_partition, dl.source_offset) == ("in", 0, off)
+    assert "$.inputs.x" in (dead[3].header("x-error") or "")
+    assert h.runner.stats.dlq == 5 and h.runner.stats.results_expired == 1

@@ -1,0 +1,112 @@
+"""Runner backpressure (ARCHITECTURE section 3): at ``max_in_flight`` every assigned partition is paused
+and the loop keeps polling; it resumes only once in flight drops to ``resume_ratio * max_in_flight``
+(hysteresis); a lane whose queue reaches its ``queue_bound`` pauses only the topics feeding that lane."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.fakes_kafka import Harness, make_config
+from worker.core.records import TopicPartition
+
+IN0, IN1 = TopicPartition("in", 0), TopicPartition("in", 1)
+HI, LO = TopicPartition("in-hi", 0), TopicPartition("in-lo", 0)
+
+
+def finish_records(h: Harness, n: int) -> None:
+    """Run batches (max_batch_size 2) until ``n`` records have been finished and delivered."""
+    done = 0
+    while done < n:
+        b = h.device.take()
+        assert b is not None, f"only {done} of {n} records were ready"
+        h.device.finish(b)
+        done += len(b.records)
+    assert done == n
+
+
+def test_pauses_all_at_max_in_flight_and_resumes_only_below_the_low_watermark(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = make_config(kafka={"poll_max_records": 4},
+                      batching={"max_in_flight": 10, "resume_ratio": 0.5,
+                                "lanes": [{"name": "default", "max_batch_size": 2, "max_wait_ms": 60_000}]})
+    h = Harness(monkeypatch, cfg).start()
+    h.c.assign(("in", 0), ("in", 1))
+    h.send(14, partition=0)
+    h.iterate(2)
+    assert h.runner.tracker.in_flight() == 8 and h.c.pause_calls == []
+    h.iterate()  # 12 in flight >= 10: everything assigned pauses, the idle partition too
+    assert h.runner.tracker.in_flight() == 12
+    assert set(h.c.pause_calls[-1]) == {IN0, IN1} and h.c.paused == {IN0, IN1}
+    polls = h.c.poll_calls
+    h.iterate(3)
+    assert h.c.poll_calls == polls + 3  # still polling (heartbeats, rebalances) while paused
+    assert h.runner.tracker.in_flight() == 12  # ... but fetching nothing
+
+    for expected_in_flight in (10, 8, 6):  # above 0.5 * 10: stays paused (hysteresis)
+        finish_records(h, 2)
+        h.iterate()
+        assert h.runner.tracker.in_flight() == expected_in_flight
+        assert h.c.paused == {IN0, IN1} and h.c.resume_calls == []
+    finish_records(h, 2)
+    h.iterate()  # 4 <= 5: resume both, and fetching continues
+    assert set(h.c.resume_calls[-1]) == {IN0, IN1} and h.c.paused == set()
+    h.iterate()
+    assert h.runner.tracker.in_flight() > 4
+
+
+def test_resume_only_touches_partitions_still_assigned(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = make_config(batching={"max_in_flight": 4, "resume_ratio": 0.5})
+    h = Harness(monkeypatch, cfg).start()
+    h.c.assign(("in", 0), ("in", 1))
+    h.send(3, partition=0)
+    h.send(3, partition=1)
+    h.iterate()
+    assert h.c.paused == {IN0, IN1}
+    h.c.revoke(("in", 1))  # its queued records are dropped: in flight falls to in/0's 3
+    h.device.run_all()
+    h.iterate()
+    assert h.c.paused == set()
+    assert all(IN1 not in call for call in h.c.resume_calls)
+    assert h.runner.paused == set()
+
+
+def test_a_full_lane_pauses_only_its_own_topics(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = make_config(kafka={"input_topics": [], "poll_max_records": 6},
+                      batching={"lanes": [{"name": "hi", "topics": ["in-hi"], "priority": 1, "queue_bound": 3,
+                                           "max_batch_size": 8},
+                                          {"name": "lo", "topics": ["in-lo"], "max_batch_size": 8}],
+                                "default_lane": "lo", "max_in_flight": 1000})
+    h = Harness(monkeypatch, cfg).start()
+    h.c.assign(("in-hi", 0), ("in-lo", 0))
+    h.send(6, topic="in-hi")
+    h.send(6, topic="in-lo")
+    h.iterate()  # 3 + 3 fetched: the hi lane holds 3 = its queue_bound
+    assert h.runner.scheduler.queued("hi") == 3
+    assert h.c.pause_calls == [[HI]] and h.c.paused == {HI}
+    h.iterate()  # lo keeps flowing, hi does not
+    assert h.runner.scheduler.queued("lo") == 6 and h.runner.scheduler.queued("hi") == 3
+    b = h.device.take()
+    assert b is not None and b.lane == "hi"  # on the device now: no longer queued
+    h.iterate()
+    assert h.c.resume_calls == [[HI]] and h.c.paused == set()
+    h.iterate()
+    assert h.runner.scheduler.queued("hi") == 3  # refilled up to the bound, paused again
+    assert h.c.paused == {HI}
+
+
+def test_records_routed_to_a_full_lane_by_field_do_not_pause_other_lanes_topics(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lane pause follows topic -> lane routing; a lane fed only by a header/field cannot be paused
+    by topic, and the global max_in_flight still bounds it."""
+    from tests.unit.fakes_kafka import request
+
+    cfg = make_config(batching={"lanes": [{"name": "hi", "priority": 1, "queue_bound": 2},
+                                          {"name": "default"}],
+                                "max_in_flight": 6})
+    h = Harness(monkeypatch, cfg).start()
+    h.c.assign(("in", 0))
+    for i in range(8):
+        h.c.append("in", 0, request(f"r{i}", i, priority="hi"))
+    h.iterate()
+    assert h.runner.scheduler.queued("hi") == 8  # the whole fetch was admitted before the check
+    assert h.c.paused == {IN0}  # by max_in_flight, not by the lane (in -> default lane)

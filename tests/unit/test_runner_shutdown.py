@@ -1,0 +1,146 @@
+"""Runner.run end to end on the fakes: graceful stop (pause, flush open windows, finish in-flight work,
+final commit, exit 0), the shutdown timeout, fatal consumer errors, and the loop's bookkeeping."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from confluent_kafka import KafkaError
+
+from tests.unit.fakes_kafka import Harness, make_config
+from worker.core.records import Batch, TopicPartition
+
+IN0, IN1 = TopicPartition("in", 0), TopicPartition("in", 1)
+OPEN_WINDOWS = {"lanes": [{"name": "default", "max_batch_size": 100, "max_wait_ms": 60_000}]}
+
+
+def test_stop_pauses_flushes_windows_finishes_in_flight_work_and_commits(monkeypatch: pytest.MonkeyPatch) -> None:
+    h = Harness(monkeypatch, make_config(batching=OPEN_WINDOWS))
+    h.send(3)
+    h.c.schedule(lambda: h.c.assign(("in", 0), ("in", 1)))
+    batches: list[Batch] = []
+    at_stop: dict[str, object] = {}
+
+    def device_takes_0_to_2() -> None:  # read in turn 1; 3 and 4 arrive while they run
+        b = h.device.take()
+        assert b is not None and len(b.records) == 3
+        batches.append(b)
+        h.send(2)
+
+    def stop() -> None:
+        assert h.runner.scheduler.queued("default") == 2  # 3, 4 in an open window: the device is busy
+        h.runner.stop()
+
+    def drain() -> None:  # the device finishes its batch, then runs the flushed window
+        if "paused" not in at_stop:
+            at_stop["paused"] = set(h.c.paused)
+            h.send(1)  # arrives while draining: never read
+        for b in batches:
+            h.device.finish(b)
+        batches.clear()
+        while (b := h.device.take()) is not None:
+            at_stop.setdefault("reason", b.reason)
+            h.device.finish(b)
+
+    h.on_polls({2: device_takes_0_to_2, 3: stop}, then=drain)
+    assert h.run() == 0
+    assert at_stop["paused"] == {IN0, IN1}
+    assert at_stop["reason"] == "flush"
+    assert [r["source"]["offset"] for r in h.p.results()] == [0, 1, 2, 3, 4]
+    assert h.committed() == 5  # everything read was finished and committed; offset 5 left for later
+    assert h.runner.stats.records_in == 5
+    assert h.c.closed and h.device.stopped and h.p.flush_calls >= 1
+    assert h.runner._fatal is None
+
+
+def test_shutdown_timeout_commits_the_done_prefix_and_still_exits_0(monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    cfg = make_config(batching={"lanes": [{"name": "default", "max_batch_size": 2}]},
+                      delivery={"shutdown_timeout_s": 3})
+    h = Harness(monkeypatch, cfg)
+    h.send(4)
+    h.c.schedule(lambda: h.c.assign(("in", 0)))
+    stuck: list[Batch] = []
+
+    def hang() -> None:
+        first = h.device.take()
+        assert first is not None
+        h.device.finish(first)  # 0, 1 done
+        second = h.device.take()
+        assert second is not None
+        stuck.append(second)  # 2, 3 never finish (a hung device)
+
+    h.on_polls({2: hang, 4: h.runner.stop})
+    t0 = h.clock.t
+    with caplog.at_level(logging.WARNING, logger="worker.runner"):
+        assert h.run() == 0
+    assert 3.0 <= h.clock.t - t0 < 10.0  # waited shutdown_timeout_s (fake time), not forever
+    assert h.committed() == 2
+    assert "shutdown timeout" in caplog.text
+    assert [r["source"]["offset"] for r in h.p.results()] == [0, 1]
+
+
+def test_stop_before_any_assignment_exits_0(monkeypatch: pytest.MonkeyPatch) -> None:
+    h = Harness(monkeypatch)
+    h.on_polls({2: h.runner.stop})
+    assert h.run() == 0
+    assert h.c.closed and h.c.commit_calls == [] and h.p.produced == []
+    assert h.c.topics == ["in"] and h.consumer.config["group.id"] == "g"
+
+
+def test_a_fatal_consumer_error_stops_with_exit_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    h = Harness(monkeypatch)
+    h.send(2)
+    h.c.schedule(lambda: h.c.assign(("in", 0)))
+    h.device.auto = True
+    h.c.hooks.append(h.device.hook)
+
+    h.on_polls({3: lambda: h.c.inject_error(KafkaError(KafkaError._FATAL, "fatal: fenced consumer", fatal=True))})
+    assert h.run() == 1
+    assert "fatal consumer error" in (h.runner._fatal or "")
+    assert h.committed() == 2  # work done before the error is still committed on the way out
+
+
+def test_transient_consume_errors_and_partition_eof_are_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    h = Harness(monkeypatch).start()
+    h.c.assign(("in", 0))
+    h.c.inject_error(KafkaError(KafkaError._PARTITION_EOF, "eof"))
+    h.c.inject_error(KafkaError(KafkaError._TRANSPORT, "broker down"))
+    h.send(1)
+    h.iterate()
+    h.device.run_all()
+    h.iterate()
+    h.commit()
+    assert h.committed() == 1 and h.runner._fatal is None
+
+
+def test_messages_of_unassigned_partitions_in_a_fetch_are_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+    h = Harness(monkeypatch).start()
+    h.c.assign(("in", 0))
+    h.send(1, partition=0)
+    h.c.schedule(lambda: h.c.revoke(("in", 0)))  # revoked inside the poll that returns its record
+    h.iterate()
+    assert h.runner.stats.records_in == 0 and h.runner.tracker.in_flight() == 0
+
+
+def test_lag_report_reads_watermarks_of_assigned_partitions(monkeypatch: pytest.MonkeyPatch) -> None:
+    gauges: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+
+    class Metrics:
+        def __getattr__(self, name: str) -> object:
+            return lambda *a, **kw: None
+
+        def gauge(self, name: str, value: float, **labels: str) -> None:
+            gauges[(name, tuple(sorted(labels.items())))] = value
+
+    h = Harness(monkeypatch, metrics=Metrics()).start()
+    h.c.assign(("in", 0))
+    h.send(5)
+    h.iterate()  # the first turn reports (lag_interval_s counts from the start)
+    h.device.run_all()
+    h.iterate()
+    h.commit()
+    h.runner._report_lag(h.clock.t)
+    assert gauges[("consumer_lag", (("partition", "0"), ("topic", "in")))] == 0
+    assert gauges[("in_flight", ())] == 0
