@@ -25,7 +25,7 @@ _msgpack = msgspec.msgpack.Encoder()
 
 
 class _Pending:
-    __slots__ = ("record", "remaining", "messages", "attempts", "round")
+    __slots__ = ("record", "remaining", "messages", "attempts", "round", "retry_at")
 
     def __init__(self, record: Record) -> None:
         self.record = record
@@ -33,12 +33,14 @@ class _Pending:
         self.messages: list[tuple[str, bytes | None, bytes, list[tuple[str, bytes]] | None]] = []
         self.attempts = 0
         self.round = 0  # callbacks of an earlier (failed) round are ignored
+        self.retry_at = 0.0  # monotonic time before which a failed record is not re-sent (backoff)
 
 
 class Emitter:
     def __init__(self, producer: Any, output_topic: str, dlq_topic: str, model_name: str, model_version: str | None,
                  fmt: str, on_done: Callable[[Record], None], on_failed: Callable[[Record, str], None],
-                 max_retries: int = 5, is_stale: Callable[[Record], bool] | None = None) -> None:
+                 max_retries: int = 5, is_stale: Callable[[Record], bool] | None = None,
+                 max_message_bytes: int = 1_000_000) -> None:
         self.producer = producer
         self.output_topic = output_topic
         self.dlq_topic = dlq_topic
@@ -48,6 +50,7 @@ class Emitter:
         self.on_done = on_done
         self.on_failed = on_failed
         self.max_retries = max_retries
+        self.max_message_bytes = max_message_bytes  # the producer's message.max.bytes (librdkafka default)
         # A record whose partition was revoked (or whose transaction aborted) is not retried: the new
         # owner, or the rewound consumer, processes it again.
         self.is_stale = is_stale or (lambda _r: False)
@@ -81,19 +84,52 @@ class Emitter:
         rec = o.record
         p = _Pending(rec)
         if rec.id is not None:
-            value = result_bytes if result_bytes is not None else self.result_bytes(o, now, now_wall_ms)
-            p.messages.append((self.output_topic, rec.key, value, None))
+            value = result_bytes
+            if value is None:
+                try:
+                    value = self.result_bytes(o, now, now_wall_ms)
+                except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as e:
+                    # An output the encoder rejects (a numpy scalar, a tensor...) is the record's error, not
+                    # the worker's: raised here it would kill the loop and crash-loop on the record.
+                    o = Outcome(rec, "error", error=f"result not encodable: {type(e).__name__}: {e}",
+                                dlq_stage="output", batch_size=o.batch_size, timings=o.timings)
+                    value = self.result_bytes(o, now, now_wall_ms)
+            if self._size(rec.key, value) > self.max_message_bytes:
+                # produce() would raise MSG_SIZE_TOO_LARGE: an error result instead (if even that is too
+                # big, e.g. a huge meta, the dead letter alone tells why).
+                o = Outcome(rec, "error", dlq_stage="output", batch_size=o.batch_size, timings=o.timings,
+                            error=f"result of {len(value)} bytes is over message.max.bytes={self.max_message_bytes}")
+                value = self.result_bytes(o, now, now_wall_ms)
+            if self._size(rec.key, value) <= self.max_message_bytes:
+                p.messages.append((self.output_topic, rec.key, value, None))
         if o.dlq_stage is not None:
-            dl = DeadLetter(error=(o.error or o.dlq_stage)[:4000], error_stage=o.dlq_stage,  # type: ignore[arg-type]
-                            source_topic=rec.tp.topic, source_partition=rec.tp.partition,
-                            source_offset=rec.offset, attempts=max(rec.attempts, 1))
-            headers = [(k, v) for k, v in rec.headers if not k.startswith("x-error") and not k.startswith("x-source")
-                       and k != "x-attempts"] + dl.headers()
-            p.messages.append((self.dlq_topic, rec.key, rec.value, headers))
+            kept = [(k, v) for k, v in rec.headers if not k.startswith("x-error") and not k.startswith("x-source")
+                    and k != "x-attempts"]
+            dl_value = rec.value
+            headers = kept + self._dead_letter(rec, o.dlq_stage, o.error or o.dlq_stage).headers()
+            if self._size(rec.key, dl_value, headers) > self.max_message_bytes:
+                # The input topic took a record bigger than this producer may write: keep key, headers and
+                # the reason, drop the original bytes (else produce() raises and the partition is stuck).
+                error = (f"original value of {len(dl_value or b'')} bytes dropped (over message.max.bytes="
+                         f"{self.max_message_bytes}): {o.error or o.dlq_stage}")
+                dl_value = b""
+                headers = kept + self._dead_letter(rec, o.dlq_stage, error).headers()
+            p.messages.append((self.dlq_topic, rec.key, dl_value, headers))
         if not p.messages:  # nothing owed (cannot happen with a DLQ stage set); done at once
             self.on_done(rec)
             return
         self._send(p)
+
+    @staticmethod
+    def _dead_letter(rec: Record, stage: str, error: str) -> DeadLetter:
+        return DeadLetter(error=error[:4000], error_stage=stage,  # type: ignore[arg-type]
+                          source_topic=rec.tp.topic, source_partition=rec.tp.partition,
+                          source_offset=rec.offset, attempts=max(rec.attempts, 1))
+
+    @staticmethod
+    def _size(key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes]] | None = None) -> int:
+        """What librdkafka compares with message.max.bytes (key + value + headers)."""
+        return len(key or b"") + len(value or b"") + sum(len(k) + len(v or b"") for k, v in headers or ())
 
     def _send(self, p: _Pending) -> None:
         p.remaining = len(p.messages)
@@ -125,6 +161,7 @@ class Emitter:
             if p.attempts <= self.max_retries:
                 # Re-send everything this record owes; duplicates of the part that did arrive are allowed
                 # by at-least-once and absorbed by the idempotent producer per message otherwise.
+                p.retry_at = time.monotonic() + min(0.05 * p.attempts, 0.5)
                 self.retry_queue.append(p)
             else:
                 self.on_failed(p.record, str(err))
@@ -135,11 +172,16 @@ class Emitter:
             self.on_done(p.record)
 
     def retry_failed(self) -> None:
+        """Re-send the failed records whose backoff has passed. Never sleeps: it runs on the loop thread,
+        and an outage fails every in-flight delivery at once."""
         if not self.retry_queue:
             return
+        now = time.monotonic()
         queue, self.retry_queue = self.retry_queue, []
         for p in queue:
             if self.is_stale(p.record):
                 continue
-            time.sleep(min(0.05 * p.attempts, 0.5))
+            if p.retry_at > now:
+                self.retry_queue.append(p)
+                continue
             self._send(p)

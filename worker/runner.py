@@ -123,6 +123,7 @@ class Runner:
         # Records that were on a device when an earlier process died (attempt count > 0): each one goes to the
         # device alone, so the innocent ones clear themselves and only the killer keeps counting.
         self._suspects: deque[Record] = deque()
+        self._isolated = 0  # suspects on a device now: nothing else is dispatched meanwhile
         self._cache_puts: list[tuple[str, bytes]] = []
         self._broker_ok = True
         self._next_lag_report = 0.0
@@ -192,9 +193,10 @@ class Runner:
                     if self._device_busy == 0:
                         rec = self._suspects.popleft()
                         self._device_busy += 1
+                        self._isolated += 1
                         return Batch(lane=rec.lane, records=[rec], opened_at=now, closed_at=now,
                                      reason="isolate", max_batch_size=1)
-                else:
+                elif self._isolated == 0:  # not beside the last suspect either (other devices, pipelining)
                     # The collate stage asks for batch n+1 while batch n is on the device: then the device is
                     # busy and open windows must be left to fill (only closed ones go). A free device takes
                     # an open window at once (work-conserving).
@@ -218,6 +220,8 @@ class Runner:
             self.store.clear_attempts([_attempt_key(r) for r in batch.records])
         with self.cv:
             self._device_busy -= 1
+            if batch.reason == "isolate":
+                self._isolated -= 1
             self.scheduler.observe(batch.lane, len(batch.records), timings.get("infer", 0.0))
             self.cv.notify_all()  # a device became free: a waiting collate stage may take an open window
         self._completions.put((batch, outputs, timings))
@@ -255,7 +259,8 @@ class Runner:
                                getattr(self.model, "name", "model"),
                                self.cfg.model.version or getattr(self.model, "version", None),
                                self.cfg.delivery.format, on_done=self._record_done, on_failed=self._record_failed,
-                               is_stale=lambda r: self.epochs[r.tp] != r.epoch)
+                               is_stale=lambda r: self.epochs[r.tp] != r.epoch,
+                               max_message_bytes=int(self.cfg.kafka.producer.get("message.max.bytes", 1_000_000)))
         for w in self.workers:
             w.start()
         topics = self.cfg.input_topics()
@@ -673,12 +678,18 @@ class Runner:
             log.exception("error in on_assign")
 
     def _on_revoke(self, consumer: Any, partitions: list[KTP]) -> None:
+        tps = {TopicPartition(p.topic, p.partition) for p in partitions}
         try:
-            tps = {TopicPartition(p.topic, p.partition) for p in partitions}
             self._release(tps, graceful=True)
             self.metrics.event("rebalances", kind="revoke")
         except Exception:
             log.exception("error in on_revoke")
+            # The partitions are gone whatever failed (waiting, flushing, committing): forget them, or their
+            # dropped records stay "in flight" for good (backpressure) and their late outputs get produced.
+            try:
+                self._release(tps, graceful=False)
+            except Exception:
+                log.exception("error releasing the revoked partitions")
 
     def _on_lost(self, consumer: Any, partitions: list[KTP]) -> None:
         try:
@@ -699,8 +710,16 @@ class Runner:
         dropped_per: Counter[TopicPartition] = Counter(r.tp for r in dropped)
         if graceful:
             deadline = time.monotonic() + self.cfg.delivery.revoke_timeout_ms / 1000.0
+            # Nothing at or after a partition's first dropped record can be committed now (nor, in exactly-once
+            # mode, produced: it waits in the reorder buffer behind it), so only the records before it count.
+            first_dropped = {tp: min(r.offset for r in dropped if r.tp == tp) for tp in dropped_per}
+
+            def settled(tp: TopicPartition) -> bool:
+                oldest = self.tracker.first_pending(tp)
+                return oldest is None or oldest >= first_dropped.get(tp, oldest + 1)
+
             while time.monotonic() < deadline:
-                if all(self.tracker.pending(tp) <= dropped_per[tp] for tp in tps):
+                if all(settled(tp) for tp in tps):
                     break
                 self._drain_completions()
                 self._expire()

@@ -151,8 +151,6 @@ class Opaque:
     """A model output msgspec cannot encode (a numpy scalar, a tensor, a custom object...)."""
 
 
-@pytest.mark.xfail(strict=True, reason="bug: an output the encoder rejects raises out of Runner._iterate (the worker "
-                                       "dies and crash-loops on the record); see docs/fragments/runner-fix-unsendable.patch")
 def test_an_unencodable_output_becomes_an_output_error_and_does_not_block(monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.unit.fakes_kafka import FakeModel
 
@@ -171,9 +169,6 @@ def test_an_unencodable_output_becomes_an_output_error_and_does_not_block(monkey
     assert dead.header("x-error-stage") == "output" and dead.header("x-source-offset") == "1"
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a dead letter or result over the producer's message.max.bytes makes "
-                                       "produce() raise KafkaException(MSG_SIZE_TOO_LARGE) out of the loop, so an "
-                                       "oversize input crash-loops the worker; see docs/fragments/runner-fix-unsendable.patch")
 def test_records_too_large_for_the_producer_do_not_block_the_partition(monkeypatch: pytest.MonkeyPatch) -> None:
     """The input topic accepts bigger records than the producer may write (librdkafka's message.max.bytes
     defaults to 1,000,000 < delivery.max_input_bytes' 1 MiB): an oversize input's dead letter, or a result

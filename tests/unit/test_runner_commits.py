@@ -232,8 +232,6 @@ def test_run_exits_1_after_max_retries_and_commits_only_below_the_record(
     assert sorted(src_offset(p) for p in h.p.delivered if p.topic == "out") == [0, 2, 3]
 
 
-@pytest.mark.xfail(strict=True, reason="bug: Emitter.retry_failed sleeps 50 ms+ per failed record on the loop "
-                   "thread (200 failures = 10 s stall); see docs/fragments/runner-fix-retry-backoff.patch")
 def test_retry_backoff_does_not_block_the_loop_for_long(monkeypatch: pytest.MonkeyPatch) -> None:
     """A broker outage fails every in-flight delivery at once; the retries must not stall the loop thread
     (heartbeats, rebalance callbacks and max.poll.interval.ms depend on it) for seconds."""

@@ -176,8 +176,6 @@ def test_revoke_commits_the_transaction_and_drops_the_partition(monkeypatch: pyt
     check_transactions(h)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: revoke waits the whole revoke_timeout for results stuck in the reorder "
-                                       "buffer behind a dropped record; see docs/fragments/runner-fix-revoke-wait.patch")
 def test_revoke_does_not_wait_for_results_that_can_never_be_produced(monkeypatch: pytest.MonkeyPatch) -> None:
     """in[0]@0 (low lane) is still queued and dropped at revoke; @1 (high lane) is finished but waits in the
     reorder buffer for @0, so it can never be produced: the rebalance callback must not sit out

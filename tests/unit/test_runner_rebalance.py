@@ -212,8 +212,6 @@ def test_on_revoke_and_on_lost_errors_never_escape(monkeypatch: pytest.MonkeyPat
     assert "error in on_revoke" in caplog.text and "error in on_lost" in caplog.text
 
 
-@pytest.mark.xfail(strict=True, reason="bug: an exception inside _release leaves the revoked partitions assigned "
-                                       "with phantom in-flight records; see docs/fragments/runner-fix-revoke-errors.patch")
 def test_an_error_during_revoke_still_releases_the_partitions(monkeypatch: pytest.MonkeyPatch) -> None:
     """Whatever fails while waiting for the device or committing, the partitions are gone when the callback
     returns: their queued records must not stay counted in flight (they never complete, so backpressure

@@ -114,9 +114,6 @@ def test_suspects_are_isolated_and_clear_their_count_when_they_come_back(monkeyp
     assert h.committed() == 4 and h.p.dead_letters() == []
 
 
-@pytest.mark.xfail(strict=True, reason="bug: once the last suspect is taken, other devices (and the pipeline's next "
-                                       "take) dispatch normal batches beside it; see "
-                                       "docs/fragments/runner-fix-suspect-alone.patch")
 @pytest.mark.parametrize("devices", [1, 2])
 def test_nothing_runs_beside_a_suspect(monkeypatch: pytest.MonkeyPatch, devices: int) -> None:
     """_next_batch promises a suspect "runs alone on an otherwise idle device (all devices)" and that "the
