@@ -531,8 +531,9 @@ class Runner:
             self._attempts_done.append(_attempt_key(rec))
 
     def _record_failed(self, rec: Record, err: str) -> None:
-        if self.epochs[rec.tp] == rec.epoch:
-            self.tracker.nack(rec.tp, rec.offset)
+        if self.epochs[rec.tp] != rec.epoch:
+            return  # its partition was revoked meanwhile: the new owner processes it again
+        self.tracker.nack(rec.tp, rec.offset)
         self._fatal = f"giving up delivering the result of {rec.tp.topic}[{rec.tp.partition}]@{rec.offset}: {err}"
 
     def _check_broker(self) -> None:
@@ -680,7 +681,8 @@ class Runner:
     def _on_revoke(self, consumer: Any, partitions: list[KTP]) -> None:
         tps = {TopicPartition(p.topic, p.partition) for p in partitions}
         try:
-            self._release(tps, graceful=True)
+            # After a fatal error nothing more will complete: do not wait out revoke_timeout for it.
+            self._release(tps, graceful=self._fatal is None)
             self.metrics.event("rebalances", kind="revoke")
         except Exception:
             log.exception("error in on_revoke")
@@ -724,6 +726,7 @@ class Runner:
                 self._drain_completions()
                 self._expire()
                 self.producer.poll(0.005)
+                self.emitter.retry_failed()
             self.producer.flush(max(0.0, deadline - time.monotonic()))
             self._commit(only=tps)
         self.tracker.revoke(tps)
