@@ -9,6 +9,7 @@ also gets an ``error`` result.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -18,6 +19,7 @@ from worker.adapters.memory_store import cache_key
 from worker.config import Config
 from worker.core.ports import Model
 from worker.core.records import Outcome, Record
+from worker.core.scheduler import PriorityScheduler
 
 
 class _IdOnly(msgspec.Struct):
@@ -38,7 +40,8 @@ def salvage_id(value: bytes, fmt: str) -> str | None:
 
 
 class Intake:
-    def __init__(self, cfg: Config, model: Model) -> None:
+    def __init__(self, cfg: Config, model: Model,
+                 route: Callable[[str, str | None, str | None, dict[str, str]], tuple[str, bool]] | None = None) -> None:
         self.cfg = cfg
         self.model = model
         self.fmt = cfg.delivery.format
@@ -54,16 +57,14 @@ class Intake:
         self.model_id = (str(getattr(model, "name", cfg.model.name)),
                          str(cfg.model.version or getattr(model, "version", "")))
         self.unknown_lane_count = 0
+        # The scheduler owns the routing rule (header > field > topic > default lane).
+        self._route = route or PriorityScheduler(cfg.batching.lanes, cfg.batching.default_lane).lane_for
 
     def lane_for(self, topic: str, header: str | None, field: str | None) -> str:
-        for wanted in (header, field):
-            if wanted:
-                if wanted in self.lanes:
-                    return wanted
-                # An unknown lane is not an error: the record is served by the default lane (counted).
-                self.unknown_lane_count += 1
-                return self.default_lane
-        return self.topic_lanes.get(topic, self.default_lane)
+        lane, unknown = self._route(topic, header, field, self.topic_lanes)
+        if unknown:  # not an error: the record is served by the default lane (counted)
+            self.unknown_lane_count += 1
+        return lane
 
     def admit(self, rec: Record, now: float) -> Outcome | None:
         """Fills rec.id/item/lane/deadline/size/meta. Returns an Outcome when the record is rejected."""

@@ -240,7 +240,7 @@ class Runner:
             signal.signal(signal.SIGTERM, self.stop)
             signal.signal(signal.SIGINT, self.stop)
         self._build_models()
-        self.intake = Intake(self.cfg, self.model)
+        self.intake = Intake(self.cfg, self.model, route=self.scheduler.lane_for)
         self.consumer = make_consumer(self.cfg, **({"group.id": self.group_id}))
         self.txn: TransactionalCommitter | None = None
         if self.cfg.delivery.mode == "exactly_once":
