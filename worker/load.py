@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -104,6 +105,14 @@ def produce(bootstrap: str, topic: str, items: Iterator[tuple[bytes, bytes]], ra
 
 def load_main(args: argparse.Namespace) -> int:
     bootstrap = args.bootstrap or os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
+    try:
+        parse_lanes(args.lanes)
+    except ValueError as e:
+        print(f"usage error: {e}", file=sys.stderr)
+        return 2
+    if args.count < 0 or args.rate < 0:
+        print("usage error: --count and --rate must be >= 0", file=sys.stderr)
+        return 2
     t0 = time.monotonic()
     n = produce(bootstrap, args.topic, requests(args.count, args.model_input, args.lanes, args.id_prefix,
                                                 args.deadline_ms), rate=args.rate)

@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import msgspec
+import pytest
+
+from worker.cli import main
+from worker.load import parse_lanes, requests
+
+
+def test_parse_lanes():
+    assert parse_lanes("high=0.1,low=0.9") == [("high", 0.1), ("low", 0.9)]
+    assert parse_lanes(None) == []
+    with pytest.raises(ValueError, match="NAME=FRACTION"):
+        parse_lanes("high=lots")
+
+
+@pytest.mark.parametrize("kind", ["tiny", "synthetic", "identity", "minilm"])
+def test_requests_are_valid_for_their_model(kind):
+    from schemas import Request
+    from worker.models.registry import builtin_input_types
+
+    dec = msgspec.json.Decoder(Request[builtin_input_types()[kind]])  # type: ignore[valid-type]
+    items = list(requests(50, kind, lanes="high=0.2,low=0.8", id_prefix="x", deadline_ms=1000))
+    assert [k for k, _ in items] == [f"x-{i}".encode() for i in range(50)]
+    reqs: list[Any] = [dec.decode(v) for _, v in items]
+    assert all(r.deadline_ms is not None for r in reqs)
+    mix = collections.Counter(r.priority for r in reqs)
+    assert set(mix) == {"high", "low"} and mix["low"] > mix["high"]
+
+
+def test_load_cli_usage_errors_exit_2(capsys):
+    assert main(["load", "--topic", "t", "--lanes", "high=x", "--count", "1"]) == 2
+    assert "NAME=FRACTION" in capsys.readouterr().err
