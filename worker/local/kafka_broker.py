@@ -11,13 +11,13 @@ from __future__ import annotations
 import base64
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import tempfile
 import time
 import uuid
 from pathlib import Path
+
+from worker.local.process import free_port, terminate
 
 KAFKA_VERSION = "4.1.1"
 POM = Path(__file__).with_name("kafka") / "pom.xml"
@@ -29,12 +29,6 @@ class BrokerStartError(RuntimeError):
 
 def cache_dir() -> Path:
     return Path(os.environ.get("KIW_CACHE", Path.home() / ".cache" / "kafka-inference-worker"))
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def ensure_jars(version: str = KAFKA_VERSION) -> Path:
@@ -187,15 +181,7 @@ class LocalKafka:
         """Controlled shutdown (SIGTERM), SIGKILL if it hangs. Data dir and ports are kept for a restart."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-            except ProcessLookupError:
-                pass
+        terminate(self.proc, timeout, group=True)
         self.proc = None
 
     def close(self) -> None:

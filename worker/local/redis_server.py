@@ -24,15 +24,11 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
+from worker.local.process import free_port, terminate
+
 
 class RedisStartError(RuntimeError):
     """redis-server is missing or did not become ready; the message carries the tail of its log."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def find_redis_server() -> str:
@@ -179,16 +175,7 @@ class LocalRedis:
         """Shut the server down (SIGTERM, or SIGKILL with ``kill=True``); the port is kept for start()."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            try:
-                os.kill(self.proc.pid, signal.SIGCONT)  # a paused server cannot handle SIGTERM
-                os.kill(self.proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
-            except ProcessLookupError:
-                pass
+        terminate(self.proc, timeout, hard=kill, wake=True)  # wake: a paused server cannot handle SIGTERM
         self.proc = None
 
     def close(self) -> None:
