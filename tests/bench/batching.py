@@ -1,0 +1,208 @@
+"""Issue 3 (saturated throughput) and issue 7.2 - batching efficiency with the synthetic model.
+
+The synthetic model costs ``a + b*n`` per batch (sleeps, releasing the GIL like a GPU wait), so the best any
+batcher can do at max batch ``B`` is ``B / (a + b*B)`` records/s ("ideal"). For each ``B`` in the sweep one
+worker process runs two phases on its own topic: a paced phase at 50% of that ideal (end-to-end latency
+p50/p99 from ``timings.e2e_ms``), then a backlog (saturated throughput). At the main ``B`` the same backlog is
+also run through the two seed batchers (``seed_batchers.py``: seed 000's ``DynamicBatcher``, seed 003's
+``BatchInferenceServer``) at the same max batch and wait.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from tests.bench.common import (
+    Ctx,
+    Proc,
+    create_topics,
+    decode_results,
+    log,
+    percentile,
+    produce_backlog,
+    produce_paced,
+    read_topic,
+    row,
+    start_worker,
+    wait_assigned,
+    wait_count,
+    window_rate,
+    worker_config,
+)
+
+A_MS, B_MS = 20.0, 1.0
+MAIN_B = 32
+WAIT_MS = 10.0
+PARTITIONS = 4
+
+
+def ideal(bs: int) -> float:
+    return bs / ((A_MS + B_MS * bs) / 1000.0)
+
+
+def requests(prefix: str, n: int) -> Any:
+    import msgspec
+
+    enc = msgspec.json.Encoder()
+    for i in range(n):
+        rid = f"{prefix}-{i}"
+        yield rid.encode(), enc.encode({"id": rid, "inputs": {"x": i}})
+
+
+def synthetic_model() -> dict[str, Any]:
+    return {"name": "synthetic", "options": {"a_ms": A_MS, "b_ms": B_MS}, "warmup": False}
+
+
+def _point(ctx: Ctx, bs: int, backlog: int, paced_s: float) -> dict[str, Any]:
+    r = f"{ctx.run}-b{bs}"
+    inp, out = f"batch-in-{r}", f"batch-out-{r}"
+    create_topics(ctx.bootstrap, {inp: PARTITIONS, out: PARTITIONS, f"batch-dlq-{r}": 1}, log_append_time=[out])
+    cfg = worker_config(ctx.bootstrap, f"batch-{r}", out, f"batch-dlq-{r}", topics=[inp],
+                        lanes=[{"name": "default", "max_batch_size": bs, "max_wait_ms": WAIT_MS}],
+                        model=synthetic_model())
+    w = start_worker(f"batch-worker-b{bs}", cfg, ctx.work)
+    try:
+        wait_assigned(w)
+        time.sleep(1.0)
+        rate = 0.5 * ideal(bs)
+        paced = produce_paced(ctx.bootstrap, ((inp, k, v) for k, v in requests("lat", 10**9)), rate, paced_s,
+                              PARTITIONS)
+        n_paced = len(paced.sent)
+        wait_count(ctx.bootstrap, out, n_paced, timeout=120, alive=w.alive)
+        produce_backlog(ctx.bootstrap, inp, requests("thr", backlog), PARTITIONS)
+        wait_count(ctx.bootstrap, out, n_paced + backlog, timeout=600, alive=w.alive)
+    finally:
+        w.stop()
+    rows = decode_results(read_topic(ctx.bootstrap, out, want=n_paced + backlog))
+    lat = [d for _, d in rows if d["id"].startswith("lat-")]
+    # Skip the first second of the paced phase (connections warming up).
+    skip = int(rate * 1.0)
+    e2e = [d["timings"]["e2e_ms"] for d in lat if int(d["id"].split("-")[1]) >= skip]
+    thr_ts = [ts for ts, d in rows if d["id"].startswith("thr-")]
+    thr_bs = [d["batch_size"] for _, d in rows if d["id"].startswith("thr-")]
+    res = {"max_batch": bs, "ideal_per_s": ideal(bs), "batch_latency_ms": A_MS + B_MS * bs,
+           "throughput_per_s": window_rate(thr_ts), "backlog": backlog,
+           "mean_batch_saturated": sum(thr_bs) / max(len(thr_bs), 1),
+           "paced_rate_per_s": rate, "paced_records": n_paced,
+           "e2e_p50_ms": percentile(e2e, 50), "e2e_p99_ms": percentile(e2e, 99),
+           "mean_batch_paced": sum(d["batch_size"] for d in lat) / max(len(lat), 1)}
+    res["efficiency"] = res["throughput_per_s"] / res["ideal_per_s"]
+    from tests.bench.latency import simulate
+
+    arrivals = sorted((t, "low") for _tp, t in paced.sent.values())
+    sim, _ = simulate(arrivals, bs=bs, order=("low",))
+    t_skip = paced.started * 1000 + 1000.0
+    kept = [x for (t, _l), x in zip(arrivals, sim["low"], strict=True) if t >= t_skip]
+    res["ideal_wc_p50_ms"], res["ideal_wc_p99_ms"] = percentile(kept, 50), percentile(kept, 99)
+    log(f"  B={bs}: {res['throughput_per_s']:.0f}/s of ideal {res['ideal_per_s']:.0f}/s "
+        f"({res['efficiency']:.3f}); at 50% load p50 {res['e2e_p50_ms']:.1f} ms, p99 {res['e2e_p99_ms']:.1f} ms "
+        f"(ideal work-conserving p99 {res['ideal_wc_p99_ms']:.1f} ms)")
+    return res
+
+
+def _light(ctx: Ctx, seconds: float) -> dict[str, Any]:
+    """One lane at 10% of the ideal rate (issue 3: work-conserving dispatch)."""
+    from tests.bench.latency import simulate
+
+    r = f"{ctx.run}-light"
+    inp, out = f"light-in-{r}", f"light-out-{r}"
+    create_topics(ctx.bootstrap, {inp: PARTITIONS, out: PARTITIONS, f"light-dlq-{r}": 1}, log_append_time=[out])
+    cfg = worker_config(ctx.bootstrap, f"light-{r}", out, f"light-dlq-{r}", topics=[inp],
+                        lanes=[{"name": "default", "max_batch_size": MAIN_B, "max_wait_ms": WAIT_MS}],
+                        model=synthetic_model())
+    w = start_worker("light-worker", cfg, ctx.work)
+    rate = 0.1 * ideal(MAIN_B)
+    try:
+        wait_assigned(w)
+        time.sleep(1.0)
+        paced = produce_paced(ctx.bootstrap, ((inp, k, v) for k, v in requests("light", 10**9)), rate, seconds,
+                              PARTITIONS)
+        wait_count(ctx.bootstrap, out, len(paced.sent), timeout=120, alive=w.alive)
+    finally:
+        w.stop()
+    rows = [d for _, d in decode_results(read_topic(ctx.bootstrap, out, want=len(paced.sent)))]
+    t_from = paced.started * 1000 + 2000.0
+    keep = [d for d in rows if paced.sent[d["id"]][1] >= t_from]
+    e2e = [d["timings"]["e2e_ms"] for d in keep]
+    arrivals = [(t, "low") for _tp, t in paced.sent.values()]
+    sim, _ = simulate(arrivals, bs=MAIN_B, order=("low",))
+    sim_kept = [x for (t, _l), x in zip(sorted(arrivals), sim["low"], strict=True) if t >= t_from]
+    # mean batch size per record in the ideal batcher: count the records completing together
+    res = {"rate_per_s": rate, "sent": len(paced.sent), "n": len(e2e), "e2e_p50_ms": percentile(e2e, 50),
+           "e2e_p99_ms": percentile(e2e, 99), "mean_batch": sum(d["batch_size"] for d in keep) / max(len(keep), 1),
+           "queue_p50_ms": percentile([d["timings"]["queue_ms"] for d in keep], 50),
+           "inference_p50_ms": percentile([d["timings"]["inference_ms"] for d in keep], 50),
+           "total_p50_ms": percentile([d["timings"]["total_ms"] for d in keep], 50),
+           "ideal_wc_p50_ms": percentile(sim_kept, 50), "ideal_wc_p99_ms": percentile(sim_kept, 99),
+           "ideal_mean_batch": _sim_mean_batch(arrivals), "e2e_ms": sorted(e2e)}
+    log(f"  10% load, one lane: p50 {res['e2e_p50_ms']:.1f} / p99 {res['e2e_p99_ms']:.1f} ms, mean batch "
+        f"{res['mean_batch']:.2f}; ideal work-conserving p50 {res['ideal_wc_p50_ms']:.1f} / p99 "
+        f"{res['ideal_wc_p99_ms']:.1f} ms, mean batch {res['ideal_mean_batch']:.2f}")
+    return res
+
+
+def _sim_mean_batch(arrivals: list[tuple[float, str]]) -> float:
+    """Record-weighted mean batch size of the ideal batcher (records finishing at the same instant)."""
+    from collections import Counter
+
+    from tests.bench.latency import simulate
+
+    _, done = simulate(arrivals, bs=MAIN_B, order=("low",))
+    sizes = Counter(done)
+    return sum(n * n for n in sizes.values()) / max(len(done), 1)
+
+
+def _seed(ctx: Ctx, seed: str, inp: str, n: int) -> dict[str, Any]:
+    out = f"seed{seed}-out-{ctx.run}"
+    create_topics(ctx.bootstrap, {out: PARTITIONS}, log_append_time=[out])
+    p = Proc(f"seed{seed}", [sys.executable, "-m", "tests.bench.seed_batchers", "--seed", seed,
+                             "--bootstrap", ctx.bootstrap, "--input", inp, "--output", out,
+                             "--group", f"seed{seed}-{ctx.run}", "--max-batch", str(MAIN_B),
+                             "--timeout-ms", str(WAIT_MS), "--a-ms", str(A_MS), "--b-ms", str(B_MS)], ctx.work)
+    try:
+        got = wait_count(ctx.bootstrap, out, n, timeout=900, alive=p.alive)
+    finally:
+        p.stop()
+    rate = window_rate([ts for ts, _ in read_topic(ctx.bootstrap, out, want=got)])
+    log(f"  seed {seed}: {got}/{n} results, {rate:.0f}/s")
+    return {"results": got, "throughput_per_s": rate}
+
+
+def run(ctx: Ctx) -> dict[str, Any]:
+    sizes = [1, 8, 32] if ctx.quick else [1, 2, 4, 8, 16, 32, 64]
+    main_backlog = 3000 if ctx.quick else 10_000
+    paced_s = 3.0 if ctx.quick else 6.0
+    sweep_s = 3.0 if ctx.quick else 6.0
+    log(f"batching: synthetic a={A_MS:g} ms, b={B_MS:g} ms; sweep {sizes}")
+    sweep = []
+    for bs in sizes:
+        backlog = main_backlog if bs == MAIN_B else max(200, int(ideal(bs) * sweep_s))
+        sweep.append(_point(ctx, bs, backlog, paced_s))
+    main = next(p for p in sweep if p["max_batch"] == MAIN_B)
+    light = _light(ctx, 8.0 if ctx.quick else 15.0)
+    # The seeds read the same kind of backlog from their own topic (their consumer groups start at 0).
+    inp = f"seed-in-{ctx.run}"
+    create_topics(ctx.bootstrap, {inp: PARTITIONS})
+    produce_backlog(ctx.bootstrap, inp, requests("thr", main_backlog), PARTITIONS)
+    seeds = {s: _seed(ctx, s, inp, main_backlog) for s in ("000", "003")}
+    wr = main["throughput_per_s"]
+    note = f"a={A_MS:g} ms, b={B_MS:g} ms, B={MAIN_B}, wait {WAIT_MS:g} ms, backlog {main_backlog}"
+    rows = [
+        row("3 / 7.2 saturated throughput", "worker records/s", wr, f"ideal B/(a+bB) = {ideal(MAIN_B):.0f}/s",
+            ideal(MAIN_B), ">=", 0.95, "rec/s", note),
+        row("7.2 batching vs seeds", "worker records/s", wr, "seed 000 DynamicBatcher", seeds["000"]["throughput_per_s"],
+            ">=", 2.0, "rec/s", note),
+        row("7.2 batching vs seeds", "worker records/s", wr, "seed 003 BatchInferenceServer",
+            seeds["003"]["throughput_per_s"], ">=", 2.0, "rec/s", note),
+        row("3 latency at 10% load", "p99 end-to-end ms", light["e2e_p99_ms"], f"a + b = {A_MS + B_MS:g} ms",
+            A_MS + B_MS, "<=", 1.5, "ms", f"one lane, B={MAIN_B}; ideal work-conserving batcher on the same "
+            f"arrivals: p99 {light['ideal_wc_p99_ms']:.1f} ms ({light['ideal_wc_p99_ms'] / (A_MS + B_MS):.2f}x); "
+            f"mean batch {light['mean_batch']:.2f} (ideal {light['ideal_mean_batch']:.2f})"),
+    ]
+    for s in ("000", "003"):
+        seeds[s]["efficiency"] = seeds[s]["throughput_per_s"] / ideal(MAIN_B)
+    return {"a_ms": A_MS, "b_ms": B_MS, "main_batch": MAIN_B, "max_wait_ms": WAIT_MS, "sweep": sweep, "seeds": seeds,
+            "light_load": light, "rows": rows}
+

@@ -1,0 +1,187 @@
+"""Issue 3 (latency at 10% load, priority under 2x overload) and issue 7.4 (p50/p99 per lane at 10/50/90/200%).
+
+One worker process, synthetic model (a=20 ms, b=1 ms), two lanes fed by two topics:
+``high`` (priority 1, weight 4) gets 10% of the traffic, ``low`` (priority 0, weight 1) 90%; both max batch 32,
+max wait 10 ms, queue_bound 2000 (the low lane's backlog pauses only the low topic). The offered load steps
+through 10%, 50%, 90% and 200% of the ideal saturated rate ``32 / (a + 32 b)``; requests are evenly spaced,
+produced with ``linger.ms=0`` (producer batching is not charged to the worker). End-to-end latency is the
+result's ``timings.e2e_ms`` (result time - the request's Kafka timestamp). The first seconds of each step
+are discarded.
+
+For context each step also reports the p99 an ideal work-conserving batcher would get on the very same
+arrival times (one server, one queue with the lanes mixed, takes up to 32 queued records whenever it is free,
+service ``a + b*n``, no Kafka at all): what batching alone allows at that load.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+
+from tests.bench.batching import A_MS, B_MS, ideal, synthetic_model
+from tests.bench.common import (
+    Ctx,
+    create_topics,
+    decode_results,
+    log,
+    percentile,
+    produce_paced,
+    read_topic,
+    row,
+    start_worker,
+    wait_assigned,
+    wait_count,
+    worker_config,
+)
+
+MAX_B = 32
+PARTITIONS = 4
+HIGH_SHARE = 0.1
+W_HIGH, W_LOW = 4.0, 1.0
+LOADS = (10, 50, 90, 200)
+
+
+def plan(topics: dict[str, str], prefix: str, seed: int = 11) -> Iterator[tuple[str, bytes, bytes]]:
+    rng = random.Random(seed)
+    enc = msgspec.json.Encoder()
+    i = 0
+    while True:
+        lane = "high" if rng.random() < HIGH_SHARE else "low"
+        rid = f"{prefix}-{lane}-{i}"
+        yield topics[lane], rid.encode(), enc.encode({"id": rid, "inputs": {"x": i}})
+        i += 1
+
+
+def simulate(arrivals: list[tuple[float, str]], bs: int = MAX_B,
+             order: tuple[str, ...] = ("high", "low")) -> tuple[dict[str, list[float]], list[float]]:
+    """An ideal work-conserving batcher on the given (arrival ms, lane) list: one server; whenever it is free it
+    takes up to ``bs`` queued records of the first lane in ``order`` that has any (batches never mix lanes,
+    strict priority), service ``a + b*n``; no Kafka, no threads. Returns latencies per lane and the
+    completion time of every record."""
+    arr = sorted(arrivals)
+    queues: dict[str, list[float]] = {lane: [] for lane in order}
+    heads = dict.fromkeys(order, 0)
+    lat: dict[str, list[float]] = {lane: [] for lane in order}
+    done: list[float] = []
+    t = 0.0
+    i = 0
+    while i < len(arr) or any(heads[ln] < len(queues[ln]) for ln in order):
+        if all(heads[ln] >= len(queues[ln]) for ln in order):
+            t = max(t, arr[i][0])  # idle until the next arrival
+        while i < len(arr) and arr[i][0] <= t:
+            queues[arr[i][1]].append(arr[i][0])
+            i += 1
+        lane = next(ln for ln in order if heads[ln] < len(queues[ln]))
+        q, h = queues[lane], heads[lane]
+        batch = q[h:h + bs]
+        heads[lane] = h + len(batch)
+        t += A_MS + B_MS * len(batch)
+        lat[lane].extend(t - a for a in batch)
+        done.extend([t] * len(batch))
+    return lat, done
+
+
+def run(ctx: Ctx) -> dict[str, Any]:
+    durations = {10: 10.0, 50: 4.0, 90: 5.0, 200: 8.0} if ctx.quick else {10: 30.0, 50: 10.0, 90: 12.0, 200: 20.0}
+    warm = 2.0
+    r = ctx.run
+    topics = {"high": f"lat-high-{r}", "low": f"lat-low-{r}"}
+    out = f"lat-out-{r}"
+    create_topics(ctx.bootstrap, {topics["high"]: PARTITIONS, topics["low"]: PARTITIONS, out: PARTITIONS,
+                                  f"lat-dlq-{r}": 1}, log_append_time=[out])
+    lanes = [
+        {"name": "high", "topics": [topics["high"]], "priority": 1, "weight": W_HIGH, "max_batch_size": MAX_B,
+         "max_wait_ms": 10, "queue_bound": 2000},
+        {"name": "low", "topics": [topics["low"]], "priority": 0, "weight": W_LOW, "max_batch_size": MAX_B,
+         "max_wait_ms": 10, "queue_bound": 2000},
+    ]
+    cfg = worker_config(ctx.bootstrap, f"lat-{r}", out, f"lat-dlq-{r}", lanes=lanes, model=synthetic_model(),
+                        batching={"default_lane": "low"})
+    cap = ideal(MAX_B)
+    log(f"latency: two lanes (high {HIGH_SHARE:.0%} of traffic), capacity {cap:.0f}/s, loads {LOADS}%")
+    w = start_worker("lat-worker", cfg, ctx.work)
+    sent: dict[int, Any] = {}
+    total = 0
+    try:
+        wait_assigned(w)
+        time.sleep(2.0)
+        for load in LOADS:
+            rate = cap * load / 100.0
+            p = produce_paced(ctx.bootstrap, plan(topics, f"L{load}", seed=load), rate, durations[load], PARTITIONS)
+            sent[load] = p
+            total += len(p.sent)
+            if load < 100:
+                wait_count(ctx.bootstrap, out, total, timeout=120, alive=w.alive)
+            log(f"  {load}%: sent {len(p.sent)} at {rate:.0f}/s (producer behind by {p.behind_s * 1000:.0f} ms max)")
+        time.sleep(1.0)
+    finally:
+        w.stop(timeout=20)
+    rows = decode_results(read_topic(ctx.bootstrap, out))
+    by_load: dict[int, list[tuple[int, dict[str, Any]]]] = {load: [] for load in LOADS}
+    for ts, d in rows:
+        load = int(d["id"].split("-")[0][1:])
+        by_load[load].append((ts, d))
+    steps = []
+    for load in LOADS:
+        p = sent[load]
+        t_from = p.started * 1000 + warm * 1000
+        keep = [(ts, d) for ts, d in by_load[load] if p.sent[d["id"]][1] >= t_from]
+        step: dict[str, Any] = {"load_pct": load, "rate_per_s": cap * load / 100.0, "sent": len(p.sent),
+                                "results": len(by_load[load]), "duration_s": durations[load]}
+        for lane in ("high", "low", "all"):
+            ds = [d for _, d in keep if lane == "all" or d["lane"] == lane]
+            e2e = [d["timings"]["e2e_ms"] for d in ds]
+            sent_lane = sum(1 for rid, (_t, _w) in p.sent.items() if (lane == "all" or f"-{lane}-" in rid)
+                            and _w >= t_from)
+            step[lane] = {"n": len(e2e), "sent_in_window": sent_lane,
+                          "p50_ms": percentile(e2e, 50), "p99_ms": percentile(e2e, 99),
+                          "queue_p99_ms": percentile([d["timings"]["queue_ms"] for d in ds], 99),
+                          "inference_p50_ms": percentile([d["timings"]["inference_ms"] for d in ds], 50),
+                          # Kafka in + out: request timestamp -> received, plus produce of the result
+                          "outside_worker_p50_ms": percentile([d["timings"]["e2e_ms"] - d["timings"]["total_ms"]
+                                                               for d in ds], 50),
+                          "mean_batch": sum(d["batch_size"] for d in ds) / max(len(ds), 1),
+                          "e2e_ms": sorted(e2e)}
+        # One queue (lanes mixed): what batching alone allows on these arrivals. Strict lane priority is no
+        # reference here: with a = 20 ms a 10% high stream served in small batches can fill the device.
+        arrivals = sorted((t, "low") for _tp, t in p.sent.values())
+        sim_lat, _ = simulate(arrivals, order=("low",))
+        ideal_lat = [x for (t, _ln), x in zip(arrivals, sim_lat["low"], strict=True) if t >= t_from]
+        step["ideal_wc_p99_ms"] = percentile(ideal_lat, 99)
+        step["ideal_wc_p50_ms"] = percentile(ideal_lat, 50)
+        if load > 100:
+            # Shares while both lanes are backlogged: results appended during the overload step.
+            lo, hi = p.started * 1000 + warm * 1000, p.ended * 1000
+            in_win = [d for ts, d in rows if lo <= ts <= hi]
+            n_low = sum(1 for d in in_win if d["lane"] == "low")
+            step["window_results"] = len(in_win)
+            step["served_per_s"] = len(in_win) / max((hi - lo) / 1000.0, 1e-9)
+            step["low_share"] = n_low / max(len(in_win), 1)
+            step["low_min_share"] = W_LOW / (W_LOW + W_HIGH)
+        a = step["all"]
+        log(f"  {load}%: p50 {a['p50_ms']:.1f} / p99 {a['p99_ms']:.1f} ms (high p99 {step['high']['p99_ms']:.1f}, "
+            f"low p99 {step['low']['p99_ms']:.1f}); ideal work-conserving p99 {step['ideal_wc_p99_ms']:.1f} ms; "
+            f"mean batch {a['mean_batch']:.1f}")
+        steps.append(step)
+    s10 = steps[0]
+    s200 = steps[-1]
+    rows_out = [
+        row("7.4 two lanes, 10% load", "p99 end-to-end ms (both lanes)", s10["all"]["p99_ms"],
+            "ideal one-queue work-conserving batcher, same arrivals", s10["ideal_wc_p99_ms"], "info", 0, "ms",
+            f"mean batch {s10['all']['mean_batch']:.2f}"),
+        row("3 priority under 2x overload", "high-lane p99 ms at 200%", s200["high"]["p99_ms"],
+            "high-lane p99 at 10% load", s10["high"]["p99_ms"], "<=", 2.0, "ms",
+            f"high results {s200['high']['n']}/{s200['high']['sent_in_window']} in window"),
+        row("3 fairness under 2x overload", "low-lane share of served records", s200.get("low_share", float("nan")),
+            f"configured minimum w_low/(w_low+w_high) = {W_LOW / (W_LOW + W_HIGH):.2f}", W_LOW / (W_LOW + W_HIGH),
+            ">=", 1.0, ""),
+        row("7.4 two lanes, 200% load", "served records/s (both lanes)", s200.get("served_per_s", float("nan")),
+            "capacity at full batches 32/(a+32b)", cap, "info", 0, "rec/s",
+            f"high mean batch {s200['high']['mean_batch']:.1f}, low {s200['low']['mean_batch']:.1f}"),
+    ]
+    return {"capacity_per_s": cap, "high_share": HIGH_SHARE, "weights": {"high": W_HIGH, "low": W_LOW},
+            "lanes": lanes, "steps": steps, "rows": rows_out}

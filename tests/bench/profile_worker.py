@@ -1,0 +1,124 @@
+"""Where the worker's CPU goes: the Runner in-process on a backlog, profiled across all its threads.
+
+``python -m tests.bench.profile_worker [--model identity|synthetic] [--records N] [--max-batch B]
+[--top 30] [--metrics]`` prints per-thread CPU seconds and the functions with the most own CPU time (yappi,
+CPU clock, so time spent waiting for the GIL or in sleep does not count), plus the records/s reached while
+profiled. Needs ``yappi`` (``pip install yappi``; not a project dependency). Uses $KAFKA_BOOTSTRAP_SERVERS
+or starts a local broker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from typing import Any
+
+from tests.bench.common import Broker, create_topics, produce_backlog, uid
+from tests.bench.pipeline import requests
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="identity")
+    ap.add_argument("--records", type=int, default=30_000)
+    ap.add_argument("--max-batch", type=int, default=256)
+    ap.add_argument("--max-wait-ms", type=float, default=5.0)
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--metrics", action="store_true", help="with the Prometheus metrics adapter (as `worker run`)")
+    ap.add_argument("--clock", default="cpu", choices=["cpu", "wall"])
+    ap.add_argument("--tool", default="yappi", choices=["yappi", "pyinstrument"],
+                    help="yappi: every thread, CPU clock, deterministic (slow); pyinstrument: the loop thread only, "
+                         "sampling (low overhead, truer proportions)")
+    args = ap.parse_args()
+
+    from worker.config import from_dict
+    from worker.runner import Runner
+
+    with Broker() as b:
+        r = uid()
+        inp, out = f"prof-in-{r}", f"prof-out-{r}"
+        create_topics(b.bootstrap, {inp: 4, out: 4, f"prof-dlq-{r}": 1})
+        produce_backlog(b.bootstrap, inp, requests(args.records), 4)
+        model: dict[str, Any] = {"name": args.model, "device": "cpu", "warmup": False}
+        if args.model == "synthetic":
+            model["options"] = {"a_ms": 20, "b_ms": 1}
+        cfg = from_dict({
+            "kafka": {"bootstrap_servers": b.bootstrap, "group_id": f"prof-{r}", "input_topics": [inp],
+                      "output_topic": out, "dlq_topic": f"prof-dlq-{r}"},
+            "model": model,
+            "batching": {"lanes": [{"name": "default", "max_batch_size": args.max_batch,
+                                    "max_wait_ms": args.max_wait_ms}]},
+            "metrics": {"enabled": False},
+            "logging": {"level": "WARNING", "format": "text"},
+        }, environ={})
+        metrics = None
+        if args.metrics:
+            from worker.adapters.metrics import PrometheusMetrics
+
+            metrics = PrometheusMetrics()
+        runner = Runner(cfg, metrics=metrics)
+        if args.tool == "pyinstrument":
+            return _pyinstrument(runner, args.records)
+        import yappi
+
+        yappi.set_clock_type(args.clock)
+        yappi.start(builtins=True, profile_threads=True)
+        t = threading.Thread(target=runner.run, name="worker-loop", daemon=True)
+        t.start()
+        runner.ready.wait(120)
+        st = runner.stats
+        while st.records_in == 0:
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        while st.results_ok < args.records and t.is_alive():
+            time.sleep(0.05)
+        dt = time.monotonic() - t0
+        yappi.stop()
+        runner.stop()
+        t.join(30)
+        print(f"\n{st.results_ok} results in {dt:.2f}s = {st.results_ok / dt:,.0f} records/s (profiled, "
+              f"mean batch {st.mean_batch:.1f})\n")
+        print("CPU seconds per thread:")
+        for th in sorted(yappi.get_thread_stats(), key=lambda x: -x.ttot):
+            print(f"  {th.name:<28} {th.ttot:8.3f}")
+        stats = yappi.get_func_stats()
+        stats.sort("tsub", "desc")
+        print(f"\ntop {args.top} functions by own time (tsub), all threads:")
+        print(f"  {'ncall':>9} {'tsub':>8} {'ttot':>8}  function")
+        for s in list(stats)[: args.top]:
+            print(f"  {s.ncall:>9} {s.tsub:8.3f} {s.ttot:8.3f}  {s.module.split('site-packages/')[-1]}:{s.lineno} {s.name}")
+    return 0
+
+
+def _pyinstrument(runner: Any, records: int) -> int:
+    """The loop thread (where the Kafka calls, decode, routing and result encoding run) is the caller of
+    ``run``: profile it in the main thread, stop it from a watcher thread."""
+    from pyinstrument import Profiler
+
+    times: dict[str, float] = {}
+
+    def watch() -> None:
+        st = runner.stats
+        while st.records_in == 0:
+            time.sleep(0.01)
+        times["t0"] = time.monotonic()
+        while st.results_ok < records:
+            time.sleep(0.05)
+        times["t1"] = time.monotonic()
+        runner.stop()
+
+    threading.Thread(target=watch, daemon=True).start()
+    prof = Profiler(interval=0.0005)
+    prof.start()
+    runner.run()
+    prof.stop()
+    dt = times["t1"] - times["t0"]
+    print(f"\n{runner.stats.results_ok} results in {dt:.2f}s = {runner.stats.results_ok / dt:,.0f} records/s "
+          f"(profiled, mean batch {runner.stats.mean_batch:.1f})\n")
+    print(prof.output_text(unicode=False, color=False, show_all=False))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

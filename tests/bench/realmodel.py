@@ -1,0 +1,114 @@
+"""Issue 7.3 - a real model end to end: ``minilm`` (all-MiniLM-L6-v2 on CPU) in the worker against the offline
+best-batch throughput of the same handler on the same texts, measured in the same run
+(``offline_minilm.py``, a separate process with the same torch thread count as the worker; run before and
+after the worker, the better pass is the baseline since the machine is shared).
+
+The texts are generated (fixed seed) with a spread of lengths (70% of 4-12 words, 25% of 13-30, 5% of
+31-48) so that padding matters while a pass stays short on a CPU; the worker runs at the offline best batch size, once without and once with length
+bucketing (``batching.bucket_width: 8`` tokens). Figure: results/s over the 5-95% window (see ``common``).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from typing import Any
+
+import msgspec
+
+from tests.bench.common import (
+    Ctx,
+    create_topics,
+    log,
+    produce_backlog,
+    read_topic,
+    row,
+    start_worker,
+    wait_assigned,
+    wait_count,
+    window_rate,
+    worker_config,
+)
+
+PARTITIONS = 4
+BUCKET = 8
+_VOCAB = ("kafka stream batch model latency throughput request result offset partition consumer producer "
+          "worker lane priority deadline embedding vector sentence token device memory queue window commit "
+          "delivery broker topic record service scale group cluster cache ledger retry error the a of and to in "
+          "is that for on with as it be at by this from or an are was were not but all can has had which one")
+WORDS = tuple(w for w in _VOCAB.split(" ") if w)
+
+
+def texts(n: int, seed: int = 3) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        u = rng.random()
+        words = rng.randint(4, 12) if u < 0.7 else rng.randint(13, 30) if u < 0.95 else rng.randint(31, 48)
+        out.append(" ".join(rng.choice(WORDS) for _ in range(words)).capitalize() + ".")
+    return out
+
+
+def _worker(ctx: Ctx, corpus: list[str], bs: int, bucket: int) -> dict[str, Any]:
+    r = f"{ctx.run}-k{bucket}"
+    inp, out = f"minilm-in-{r}", f"minilm-out-{r}"
+    create_topics(ctx.bootstrap, {inp: PARTITIONS, out: PARTITIONS, f"minilm-dlq-{r}": 1}, log_append_time=[out])
+    cfg = worker_config(ctx.bootstrap, f"minilm-{r}", out, f"minilm-dlq-{r}", topics=[inp],
+                        lanes=[{"name": "default", "max_batch_size": bs, "max_wait_ms": 10}],
+                        model={"name": "minilm", "warmup": True}, batching={"bucket_width": bucket})
+    w = start_worker(f"minilm-worker-k{bucket}", cfg, ctx.work)
+    enc = msgspec.json.Encoder()
+    try:
+        wait_assigned(w, timeout=300)
+        produce_backlog(ctx.bootstrap, inp, ((f"t-{i}".encode(), enc.encode({"id": f"t-{i}", "inputs": {"text": t}}))
+                                             for i, t in enumerate(corpus)), PARTITIONS)
+        got = wait_count(ctx.bootstrap, out, len(corpus), timeout=900, alive=w.alive)
+    finally:
+        w.stop()
+    rows = read_topic(ctx.bootstrap, out, want=got)
+    dec = msgspec.json.Decoder()
+    sizes = [dec.decode(v).get("batch_size", 0) for _, v in rows]
+    rate = window_rate([ts for ts, _ in rows])
+    log(f"  worker bucket_width={bucket}: {got}/{len(corpus)} results, {rate:.1f}/s, "
+        f"mean batch {sum(sizes) / max(len(sizes), 1):.1f}")
+    return {"bucket_width": bucket, "results": got, "throughput_per_s": rate,
+            "mean_batch": sum(sizes) / max(len(sizes), 1)}
+
+
+def run(ctx: Ctx) -> dict[str, Any]:
+    from tests.bench.common import Proc
+
+    n = 200 if ctx.quick else 1000
+    sizes = "32" if ctx.quick else "16,32,64"
+    corpus = texts(n)
+    path = ctx.work / "minilm-texts.json"
+    path.write_text(json.dumps(corpus))
+    log(f"real model: minilm on {n} texts; offline sweep {sizes}")
+    off = Proc("offline-minilm", [sys.executable, "-m", "tests.bench.offline_minilm", "--texts", str(path),
+                                  "--batch-sizes", sizes], ctx.work)
+    off.proc.wait(1200)
+    offline = json.loads(off.log().strip().splitlines()[-1])
+    offline["rates"] = {int(k): v for k, v in offline["rates"].items()}
+    best = int(offline["best_batch"])
+    base = offline["rates"][best]
+    log(f"  offline: {', '.join(f'B={k}: {v:.1f}/s' for k, v in offline['rates'].items())}; sorted by length at "
+        f"B={best}: {offline['sorted_rate']:.1f}/s; torch threads {offline['threads']}")
+    plain = _worker(ctx, corpus, best, 0)
+    bucketed = _worker(ctx, corpus, best, BUCKET)
+    # Offline again at the best size after the worker runs (shared machine): the baseline is the better pass.
+    again = Proc("offline-minilm-2", [sys.executable, "-m", "tests.bench.offline_minilm", "--texts", str(path),
+                                      "--batch-sizes", str(best), "--no-sorted"], ctx.work)
+    again.proc.wait(1200)
+    second = json.loads(again.log().strip().splitlines()[-1])["rates"][str(best)]
+    offline["best_rate_runs"] = [base, second]
+    base = max(base, second)
+    log(f"  offline again at B={best}: {second:.1f}/s; baseline {base:.1f}/s")
+    note = f"{n} texts, B={best}, torch threads {offline['threads']}"
+    return {"texts": n, "offline": offline, "plain": plain, "bucketed": bucketed, "rows": [
+        row("7.3 real model (minilm)", "worker texts/s, no bucketing", plain["throughput_per_s"],
+            f"offline best batch (B={best}), same texts", base, ">=", 0.9, "texts/s", note),
+        row("7.3 real model (minilm)", f"worker texts/s, bucket_width {BUCKET}", bucketed["throughput_per_s"],
+            f"offline best batch (B={best}), same texts", base, ">=", 0.9, "texts/s",
+            f"offline sorted by length: {offline['sorted_rate']:.1f}/s"),
+    ]}

@@ -1,0 +1,225 @@
+"""``make bench`` = ``python -m tests.bench.run_all [--only NAME[,NAME]] [--quick] [--out DIR]``.
+
+Runs the benchmark scenarios against one Kafka broker ($KAFKA_BOOTSTRAP_SERVERS, else a local one it starts),
+prints one table (scenario, figure, baseline, ratio, target, verdict) and writes ``results.json`` and PNG plots
+to ``docs/bench/`` (``--quick``: smaller counts, written to /tmp/kiw-bench-quick unless --out is given). A full
+run also rewrites ``docs/fragments/benchmarks.md`` (the README section), keeping whatever follows its
+``<!-- notes -->`` marker. Every figure is a ratio against a baseline measured in the same run; nothing here
+asserts on time.
+
+Scenarios: pipeline (7.1), batching (3, 7.2: sweep, seeds, 10% load), realmodel (7.3), latency (3, 7.4),
+scaleout (7.5), memory (7.6).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from tests.bench import batching, latency, memory, pipeline, plots, realmodel, scaleout
+from tests.bench.common import ROOT, Broker, Ctx, log, percentile, workdir
+
+SCENARIOS = {"pipeline": pipeline, "batching": batching, "realmodel": realmodel, "latency": latency,
+             "scaleout": scaleout, "memory": memory}
+DATE = "2026-11-29"
+MACHINE = "2-core shared VM, CPU only"
+FRAGMENT = ROOT / "docs" / "fragments" / "benchmarks.md"
+NOTES_MARK = "<!-- notes -->"
+
+
+def _fmt(x: Any) -> str:
+    if isinstance(x, float):
+        if x != x:
+            return "n/a"
+        return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}" if abs(x) < 10 else f"{x:.1f}"
+    return str(x)
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    head = ["scenario", "figure", "value", "baseline", "baseline value", "ratio", "target", "verdict"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        out.append("| " + " | ".join([r["scenario"], r["figure"], _fmt(r["value"]), r["baseline"],
+                                      _fmt(r["baseline_value"]), f"{r['ratio']:.2f}" if r["ratio"] == r["ratio"]
+                                      else "n/a", r["target"], r["verdict"]]) + " |")
+    return out
+
+
+def lane_table(lat: dict[str, Any]) -> list[str]:
+    out = ["| load | offered/s | high p50 | high p99 | low p50 | low p99 | all p99 | ideal p99 | mean batch |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for st in lat["steps"]:
+        out.append(f"| {st['load_pct']}% | {st['rate_per_s']:.0f} | {st['high']['p50_ms']:.0f} ms | "
+                   f"{st['high']['p99_ms']:.0f} ms | {st['low']['p50_ms']:.0f} ms | {st['low']['p99_ms']:.0f} ms | "
+                   f"{st['all']['p99_ms']:.0f} ms | {st['ideal_wc_p99_ms']:.0f} ms | {st['all']['mean_batch']:.1f} |")
+    return out
+
+
+def _strip_samples(res: dict[str, Any]) -> None:
+    """Keep the JSON small: per-record latency lists become 101 quantiles."""
+    for key in ("latency", "batching"):
+        sc = res.get(key)
+        if not isinstance(sc, dict):
+            continue
+        holders = [st[lane] for st in sc.get("steps", []) for lane in ("high", "low", "all")]
+        if "light_load" in sc:
+            holders.append(sc["light_load"])
+        for h in holders:
+            xs = h.pop("e2e_ms", None)
+            if xs:
+                h["e2e_quantiles_ms"] = [round(percentile(xs, q), 2) for q in range(101)]
+
+
+def write_fragment(results: dict[str, Any]) -> None:
+    notes = ""
+    if FRAGMENT.exists():
+        text = FRAGMENT.read_text()
+        if NOTES_MARK in text:
+            notes = text.split(NOTES_MARK, 1)[1]
+    sc = results["scenarios"]
+    lines = [
+        "### Results",
+        "",
+        f"Measured {DATE} on a {MACHINE} (other jobs running; figures are noisy, so every one is a ratio against",
+        "a baseline measured in the same run), with a local single-node Kafka broker. Command:",
+        f"`{results['command']}` ({results['runtime_s'] / 60:.1f} min).",
+        "",
+        *table(results["table"]),
+        "",
+        "Targets are from the performance issues; `info` rows have none. Synthetic model: `a + b*n` per batch with",
+        "a = 20 ms, b = 1 ms (it sleeps, releasing the GIL as a GPU wait does), so the ideal saturated rate at",
+        "max batch 32 is 32 / 52 ms = 615 records/s. End-to-end latency is the result's `timings.e2e_ms` (result",
+        "time - request Kafka timestamp). \"Ideal\" latency figures come from simulating a perfect work-conserving",
+        "batcher (one queue, lanes mixed, takes up to 32 queued records whenever it is free, service a + b*n, no",
+        "Kafka) on the very same arrival times: what batching alone allows at that load.",
+        "",
+    ]
+    if "latency" in sc and "steps" in sc["latency"]:
+        lines += ["Latency per lane (two lanes: `high` 10% of traffic, priority 1, weight 4; `low` weight 1):", "",
+                  *lane_table(sc["latency"]), ""]
+    lines += [
+        "Plots: [throughput and latency vs batch size](docs/bench/batch_size.png),",
+        "[latency CDF per lane](docs/bench/latency_cdf.png),",
+        "[overload timeline](docs/bench/overload_timeline.png) (in-flight records, paused partitions, results/s and",
+        "RSS under 10x overload); every figure in `docs/bench/results.json`.",
+        "",
+        "### Running the benchmarks",
+        "",
+        "```bash",
+        "make bench                                            # everything, ~20 min on 2 cores",
+        "PYTHONPATH=. python -m tests.bench.run_all --quick    # smaller counts, ~5 min (output in /tmp)",
+        "PYTHONPATH=. python -m tests.bench.run_all --only latency,memory",
+        "PYTHONPATH=. python -m tests.bench.run_all --rerender # table, plots, this section from results.json",
+        "PYTHONPATH=. python -m tests.bench.profile_worker --tool pyinstrument   # where the loop thread's time goes",
+        "PYTHONPATH=. python -m tests.bench.stage_costs       # CPU per record of each loop-thread step",
+        "```",
+        "",
+        "They start their own Kafka broker unless `KAFKA_BOOTSTRAP_SERVERS` is set. Baselines: a plain",
+        "confluent-kafka consume -> produce -> commit loop (`tests/bench/raw_loop.py`), a Quix Streams application",
+        "(`tests/bench/quix_app.py`), the batchers of the two design articles re-implemented as written",
+        "(`tests/bench/seed_batchers.py`), and the `minilm` handler run offline on the same texts",
+        "(`tests/bench/offline_minilm.py`).",
+        "",
+        NOTES_MARK,
+    ]
+    FRAGMENT.parent.mkdir(parents=True, exist_ok=True)
+    FRAGMENT.write_text("\n".join(lines) + (notes if notes else "\n"))
+
+
+def draw(name: str, res: dict[str, Any], out: Path) -> None:
+    try:
+        if name == "batching" and "sweep" in res:
+            plots.batch_size(res, out)
+        elif name == "latency" and "steps" in res:
+            plots.latency_cdf(res, out)
+        elif name == "memory" and "timeline" in res:
+            plots.overload_timeline(res, out)
+    except Exception:
+        traceback.print_exc()
+
+
+def rerender(out: Path, fragment: bool) -> int:
+    """Same measurements, summaries recomputed by the current code (scenarios with a ``summarize``)."""
+    path = out / "results.json"
+    results = json.loads(path.read_text())
+    for name, res in results["scenarios"].items():
+        summarize = getattr(SCENARIOS[name], "summarize", None)
+        if summarize is not None and "error" not in res:
+            summarize(res)
+        draw(name, res, out)
+    results["table"] = [r for n in SCENARIOS if n in results["scenarios"] for r in results["scenarios"][n].get("rows", [])]
+    path.write_text(json.dumps(results, indent=1, sort_keys=True, default=str))
+    print("\n".join(table(results["table"])))
+    if fragment and out == ROOT / "docs" / "bench":
+        write_fragment(results)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.bench.run_all", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(SCENARIOS)}")
+    ap.add_argument("--quick", action="store_true", help="smaller counts (about 5 minutes)")
+    ap.add_argument("--out", default=None, help="output folder (default docs/bench, or /tmp/kiw-bench-quick)")
+    ap.add_argument("--no-fragment", action="store_true", help="do not rewrite docs/fragments/benchmarks.md")
+    ap.add_argument("--rerender", action="store_true",
+                    help="measure nothing: rebuild the table, plots and README section from the stored results.json")
+    args = ap.parse_args(argv)
+    if args.rerender:
+        return rerender(Path(args.out) if args.out else ROOT / "docs" / "bench", not args.no_fragment)
+    names = list(SCENARIOS) if not args.only else [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        ap.error(f"unknown scenario(s) {unknown}; choose from {list(SCENARIOS)}")
+    out = Path(args.out) if args.out else (Path("/tmp/kiw-bench-quick") if args.quick else ROOT / "docs" / "bench")
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / "results.json"
+    results: dict[str, Any] = {"scenarios": {}}
+    if args.only and results_path.exists():
+        results = json.loads(results_path.read_text())  # update the scenarios run now, keep the others
+    t0 = time.monotonic()
+    work = workdir()
+    log(f"benchmarks {names} ({'quick' if args.quick else 'full'}); logs in {work}; output in {out}")
+    with Broker() as broker:
+        ctx = Ctx(broker.bootstrap, work, args.quick)
+        for name in names:
+            t = time.monotonic()
+            try:
+                res = SCENARIOS[name].run(ctx)
+            except Exception as e:  # one broken scenario must not lose the others
+                traceback.print_exc()
+                res = {"error": f"{type(e).__name__}: {e}", "rows": []}
+            res["seconds"] = round(time.monotonic() - t, 1)
+            log(f"{name} done in {res['seconds']:.0f}s")
+            draw(name, res, out)
+            results["scenarios"][name] = res
+            _strip_samples(results["scenarios"])
+    runtime = time.monotonic() - t0
+    order = list(SCENARIOS)
+    rows = [r for n in order if n in results["scenarios"] for r in results["scenarios"][n].get("rows", [])]
+    cmd = "make bench" if not args.only and not args.quick else "python -m tests.bench.run_all " + " ".join(
+        (["--quick"] if args.quick else []) + ([f"--only {args.only}"] if args.only else []))
+    results.update({"date": DATE, "machine": MACHINE, "python": sys.version.split()[0], "platform": platform.platform(),
+                    "quick": args.quick, "command": cmd, "runtime_s": round(runtime, 1), "table": rows,
+                    "last_run_scenarios": names})
+    results_path.write_text(json.dumps(results, indent=1, sort_keys=True, default=str))
+    print()
+    print("\n".join(table(rows)))
+    errors = {n: results["scenarios"][n]["error"] for n in names if "error" in results["scenarios"][n]}
+    for n, msg in errors.items():
+        print(f"\n{n}: ERROR {msg}")
+    print(f"\ntotal {runtime / 60:.1f} min; results in {results_path}")
+    if not args.quick and not args.no_fragment and out == ROOT / "docs" / "bench":
+        write_fragment(results)
+        print(f"README section written to {FRAGMENT}")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

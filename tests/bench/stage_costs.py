@@ -1,0 +1,181 @@
+"""Per-record CPU cost of each step the worker's loop thread runs, next to the raw loop's, without Kafka.
+
+``python -m tests.bench.stage_costs [--records N]`` times each step over N identity requests of 100 bytes
+(the pipeline benchmark's) in one thread, unprofiled, and prints microseconds per record. The producer is a
+real confluent-kafka Producer pointed at a closed port: ``produce`` only enqueues, as it does against a
+broker. The worker's steps are called through its own classes (Intake, PriorityScheduler, OffsetTracker,
+Emitter, Runner._record_done's work), so the numbers follow the code as it changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from confluent_kafka import Producer
+
+from tests.bench.pipeline import requests
+
+
+class _FakeMsg:
+    __slots__ = ("_v", "_k", "_p", "_o")
+
+    def __init__(self, v: bytes, k: bytes, p: int, o: int) -> None:
+        self._v, self._k, self._p, self._o = v, k, p, o
+
+    def value(self) -> bytes:
+        return self._v
+
+    def key(self) -> bytes:
+        return self._k
+
+    def topic(self) -> str:
+        return "in"
+
+    def partition(self) -> int:
+        return self._p
+
+    def offset(self) -> int:
+        return self._o
+
+    def timestamp(self) -> tuple[int, int]:
+        return 1, 1795990000000
+
+    def headers(self) -> list[tuple[str, bytes]] | None:
+        return None
+
+    def error(self) -> None:
+        return None
+
+
+def timed(n: int, fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--records", type=int, default=50_000)
+    args = ap.parse_args()
+    n = args.records
+    from worker.adapters.kafka_clients import PRODUCER_DEFAULTS
+    from worker.config import from_dict
+    from worker.core.offsets import OffsetTracker
+    from worker.core.records import Outcome, Record, TopicPartition
+    from worker.core.scheduler import PriorityScheduler
+    from worker.emit import Emitter
+    from worker.intake import Intake
+    from worker.models.identity import IdentityModel
+
+    msgs = [_FakeMsg(v, k, i % 4, i // 4) for i, (k, v) in enumerate(requests(n))]
+    conf = {**PRODUCER_DEFAULTS, "bootstrap.servers": "127.0.0.1:1", "queue.buffering.max.messages": 2_000_000,
+            "queue.buffering.max.kbytes": 2_097_151, "log_level": 0}
+    rows: list[tuple[str, float]] = []
+
+    # ---- the raw loop's whole per-record job
+    dec, enc = msgspec.json.Decoder(), msgspec.json.Encoder()
+    p_raw = Producer(conf)
+
+    def raw() -> None:
+        for m in msgs:
+            req = dec.decode(m.value())
+            value = enc.encode({"id": req["id"], "status": "ok", "outputs": req.get("inputs"), "model": "identity",
+                                "source": {"topic": m.topic(), "partition": m.partition(), "offset": m.offset()}})
+            p_raw.produce("out", value=value, key=m.key())
+
+    raw_us = timed(n, raw)
+
+    # ---- the worker's steps, in the order the loop thread runs them
+    cfg = from_dict({"kafka": {"input_topics": ["in"]}, "model": {"name": "identity"},
+                     "batching": {"lanes": [{"name": "default", "max_batch_size": 256, "max_wait_ms": 5}]}},
+                    environ={})
+    model = IdentityModel()
+    intake = Intake(cfg, model)
+    sched = PriorityScheduler(cfg.batching.lanes, "default", "fixed", 0)
+    tracker = OffsetTracker()
+    cv = threading.Condition()
+    recs: list[Record] = []
+    now = time.monotonic()
+
+    def make_records() -> None:
+        for m in msgs:
+            tp = TopicPartition(m.topic(), m.partition())
+            offset = m.offset()
+            tracker.track(tp, offset)
+            ts_type, ts = m.timestamp()
+            recs.append(Record(tp=tp, offset=offset, value=m.value(), key=m.key(), headers=m.headers() or [],
+                               received_at=now, produced_at_ms=ts if ts_type else None, epoch=0))
+
+    rows.append(("consume side: Record + OffsetTracker.track", timed(n, make_records)))
+    rows.append(("Intake.admit (validate Request, route, model.decode)",
+                 timed(n, lambda: [intake.admit(r, now) for r in recs] and None)))
+
+    def schedule() -> None:
+        with cv:
+            for r in recs:
+                sched.add(r, now)
+            cv.notify_all()
+
+    rows.append(("PriorityScheduler.add (under the lock)", timed(n, schedule)))
+
+    batches: list[Any] = []
+
+    def take() -> None:
+        while True:
+            b = sched.next_batch(now + 1.0, idle=True)
+            if b is None:
+                return
+            batches.append(b)
+
+    rows.append(("next_batch (per record, batches of 256)", timed(n, take)))
+    outcomes = [Outcome(r, "ok", output=r.item, batch_size=256, timings={"queue": 0.001, "infer": 0.0001})
+                for b in batches for r in b.records]
+    done: list[Record] = []
+    p_w = Producer(conf)
+    em = Emitter(p_w, "out", "dlq", "identity", "1", "json", on_done=done.append, on_failed=lambda r, e: None)
+    wall = time.time() * 1000
+    values: list[bytes] = []
+    rows.append(("Emitter.result_bytes (Result/Source/Timings structs, 4 x round)",
+                 timed(n, lambda: values.extend(em.result_bytes(o, now, wall) for o in outcomes))))
+    cbs: list[Any] = []
+    real_produce = p_w.produce
+
+    def produce_keep_cb(topic: str, value: bytes, key: Any, headers: Any, on_delivery: Any) -> None:
+        real_produce(topic, value=value, key=key, headers=headers, on_delivery=on_delivery)
+        cbs.append(on_delivery)
+
+    em.producer = type("P", (), {"produce": staticmethod(produce_keep_cb), "poll": p_w.poll})()
+
+    def emit() -> None:
+        for o, v in zip(outcomes, values, strict=True):
+            em.emit(o, now, wall, result_bytes=v)
+
+    rows.append(("Emitter.emit -> produce with a per-record on_delivery closure", timed(n, emit)))
+
+    def delivered() -> None:
+        for cb in cbs:
+            cb(None, None)
+        for r in done:
+            tracker.ack(r.tp, r.offset)
+
+    rows.append(("delivery report: closure -> _delivered -> on_done -> OffsetTracker.ack", timed(n, delivered)))
+    total = sum(us for _, us in rows)
+    print(f"\nper-record CPU, {n} identity requests of 100 B, one thread, no profiler\n")
+    print(f"  {'step':<70} {'us/record':>9}")
+    for name, us in rows:
+        print(f"  {name:<70} {us:9.2f}")
+    print(f"  {'worker loop-thread steps, total':<70} {total:9.2f}  (max {1e6 / total:,.0f} records/s)")
+    print(f"  {'raw loop: decode + encode dict + produce (no callback)':<70} {raw_us:9.2f}  "
+          f"(max {1e6 / raw_us:,.0f} records/s)")
+    print("\n(not included: consume() itself, Producer.poll serving the callbacks, GIL hand-offs with the device "
+          "threads, metrics)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
