@@ -1,9 +1,10 @@
 """Where the worker's CPU goes: the Runner in-process on a backlog, profiled across all its threads.
 
-``python -m tests.bench.profile_worker [--model identity|synthetic] [--records N] [--max-batch B]
-[--top 30] [--metrics]`` prints per-thread CPU seconds and the functions with the most own CPU time (yappi,
+``python -m tests.bench.profile_worker [--tool yappi|pyinstrument|none] [--gc on|off|freeze]
+[--model identity|synthetic] [--records N] [--max-batch B] [--top 30] [--metrics]`` prints per-thread CPU seconds and the functions with the most own CPU time (yappi,
 CPU clock, so time spent waiting for the GIL or in sleep does not count), plus the records/s reached while
-profiled. Needs ``yappi`` (``pip install yappi``; not a project dependency). Uses $KAFKA_BOOTSTRAP_SERVERS
+profiled. Needs ``yappi`` or ``pyinstrument`` (``pip install yappi pyinstrument``; not project dependencies);
+``--tool none`` needs neither (e.g. ``--tool none --gc freeze`` against ``--tool none --gc on``). Uses $KAFKA_BOOTSTRAP_SERVERS
 or starts a local broker.
 """
 
@@ -27,9 +28,11 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--metrics", action="store_true", help="with the Prometheus metrics adapter (as `worker run`)")
     ap.add_argument("--clock", default="cpu", choices=["cpu", "wall"])
-    ap.add_argument("--tool", default="yappi", choices=["yappi", "pyinstrument"],
+    ap.add_argument("--tool", default="yappi", choices=["yappi", "pyinstrument", "none"],
                     help="yappi: every thread, CPU clock, deterministic (slow); pyinstrument: the loop thread only, "
-                         "sampling (low overhead, truer proportions)")
+                         "sampling (low overhead, truer proportions); none: just the records/s")
+    ap.add_argument("--gc", default="on", choices=["on", "off", "freeze"],
+                    help="Python's cyclic GC once the model is loaded: as is, disabled, or gc.freeze() (A/B tests)")
     args = ap.parse_args()
 
     from worker.config import from_dict
@@ -58,6 +61,8 @@ def main() -> int:
 
             metrics = PrometheusMetrics()
         runner = Runner(cfg, metrics=metrics)
+        if args.tool == "none":
+            return _plain(runner, args.records, args.gc)
         if args.tool == "pyinstrument":
             return _pyinstrument(runner, args.records)
         import yappi
@@ -88,6 +93,30 @@ def main() -> int:
         print(f"  {'ncall':>9} {'tsub':>8} {'ttot':>8}  function")
         for s in list(stats)[: args.top]:
             print(f"  {s.ncall:>9} {s.tsub:8.3f} {s.ttot:8.3f}  {s.module.split('site-packages/')[-1]}:{s.lineno} {s.name}")
+    return 0
+
+
+def _plain(runner: Any, records: int, gc_mode: str) -> int:
+    import gc
+
+    t = threading.Thread(target=runner.run, name="worker-loop", daemon=True)
+    t.start()
+    runner.ready.wait(120)
+    if gc_mode == "off":
+        gc.disable()
+    elif gc_mode == "freeze":
+        gc.freeze()  # everything allocated so far (torch, the model) leaves the collector's generations
+    st = runner.stats
+    while st.records_in == 0:
+        time.sleep(0.001)
+    t0 = time.monotonic()
+    while st.results_ok < records and t.is_alive():
+        time.sleep(0.01)
+    dt = time.monotonic() - t0
+    runner.stop()
+    t.join(30)
+    print(f"gc={gc_mode}: {st.results_ok} results in {dt:.2f}s = {st.results_ok / dt:,.0f} records/s "
+          f"(mean batch {st.mean_batch:.1f}, objects frozen {gc.get_freeze_count()})")
     return 0
 
 
