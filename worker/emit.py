@@ -82,6 +82,17 @@ class Emitter:
 
     def emit(self, o: Outcome, now: float, now_wall_ms: float, result_bytes: bytes | None = None) -> None:
         rec = o.record
+        if o.dlq_stage is None and rec.id is not None and result_bytes is None:
+            # Hot path: one result message, no dead letter.
+            try:
+                value = self.result_bytes(o, now, now_wall_ms)
+            except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
+                value = None  # handled below as an output error
+            if value is not None and len(value) + len(rec.key or b"") <= self.max_message_bytes:
+                p = _Pending(rec)
+                p.messages.append((self.output_topic, rec.key, value, None))
+                self._send(p)
+                return
         p = _Pending(rec)
         if rec.id is not None:
             value = result_bytes

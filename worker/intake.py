@@ -61,6 +61,10 @@ class Intake:
         self._route = route or PriorityScheduler(cfg.batching.lanes, cfg.batching.default_lane).lane_for
 
     def lane_for(self, topic: str, header: str | None, field: str | None) -> str:
+        if header is None and field is None:  # the common case: the topic decides (hot path)
+            lane = self.topic_lanes.get(topic)
+            if lane is not None and lane in self.lanes:
+                return lane
         lane, unknown = self._route(topic, header, field, self.topic_lanes)
         if unknown:  # not an error: the record is served by the default lane (counted)
             self.unknown_lane_count += 1

@@ -34,15 +34,15 @@ def test_pauses_all_at_max_in_flight_and_resumes_only_below_the_low_watermark(
     h.send(14, partition=0)
     h.iterate(2)
     assert h.runner.tracker.in_flight() == 8 and h.c.pause_calls == []
-    h.iterate()  # 12 in flight >= 10: everything assigned pauses, the idle partition too
-    assert h.runner.tracker.in_flight() == 12
+    h.iterate()  # reads only up to the bound (2 of the 4 offered): 10 >= 10, everything assigned pauses
+    assert h.runner.tracker.in_flight() == 10
     assert set(h.c.pause_calls[-1]) == {IN0, IN1} and h.c.paused == {IN0, IN1}
     polls = h.c.poll_calls
     h.iterate(3)
     assert h.c.poll_calls == polls + 3  # still polling (heartbeats, rebalances) while paused
-    assert h.runner.tracker.in_flight() == 12  # ... but fetching nothing
+    assert h.runner.tracker.in_flight() == 10  # ... but fetching nothing
 
-    for expected_in_flight in (10, 8, 6):  # above 0.5 * 10: stays paused (hysteresis)
+    for expected_in_flight in (8, 6):  # above 0.5 * 10: stays paused (hysteresis)
         finish_records(h, 2)
         h.iterate()
         assert h.runner.tracker.in_flight() == expected_in_flight
@@ -108,5 +108,5 @@ def test_records_routed_to_a_full_lane_by_field_do_not_pause_other_lanes_topics(
     for i in range(8):
         h.c.append("in", 0, request(f"r{i}", i, priority="hi"))
     h.iterate()
-    assert h.runner.scheduler.queued("hi") == 8  # the whole fetch was admitted before the check
+    assert h.runner.scheduler.queued("hi") == 6  # the fetch stops at max_in_flight
     assert h.c.paused == {IN0}  # by max_in_flight, not by the lane (in -> default lane)

@@ -521,3 +521,28 @@ def test_every_record_comes_out_exactly_once(ops: list[tuple[str, object, int, f
     assert len(s) == 0
     assert len(out) == len(set(out)), "a record came out twice"
     assert set(out) == added, "a record was lost"
+
+
+# ---------------------------------------------------------------- prefetch while the device is busy
+
+def test_busy_device_prefetches_only_full_batches_and_an_idle_one_tops_up_partial_ones() -> None:
+    s = two_lanes(batch=4, wait_ms=10.0)
+    early = recs(2, "lo")
+    feed(s, early, now=0.0)
+    # The window closes by time while the device is busy: a prefetch (full_only) leaves it to fill.
+    assert s.next_batch(0.011, idle=False, full_only=True) is None
+    late = recs(1, "lo")
+    feed(s, late, now=0.012)
+    # Without full_only the busy device would have taken the 2-record batch; with it, once the device is
+    # free, the partial batch goes with the record that arrived meanwhile.
+    b = s.next_batch(0.013, idle=True)
+    assert b is not None and ids(b.records) == ids(early + late)
+    assert len(s) == 0
+
+
+def test_busy_device_still_prefetches_a_full_batch() -> None:
+    s = two_lanes(batch=4, wait_ms=10.0)
+    rs = recs(4, "lo")
+    feed(s, rs, now=0.0)
+    b = s.next_batch(0.001, idle=False, full_only=True)
+    assert b is not None and ids(b.records) == ids(rs) and b.reason == "count"

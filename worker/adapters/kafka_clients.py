@@ -26,6 +26,8 @@ CONSUMER_DEFAULTS: dict[str, Any] = {
     # librdkafka prefetches up to this much per consumer even while the worker is busy; keep it modest
     # so memory stays bounded under overload (paused partitions stop fetching altogether).
     "queued.max.messages.kbytes": 16384,
+    # ... and the per-message overhead of that prefetch queue (default 100,000 messages per partition).
+    "queued.min.messages": 10000,
     "fetch.wait.max.ms": 50,
     "isolation.level": "read_committed",
 }

@@ -241,12 +241,15 @@ class PriorityScheduler:
             lane.ready_n += len(b.records)
 
     # ------------------------------------------------------------------ dispatch
-    def next_batch(self, now: float, idle: bool = True) -> Batch | None:
+    def next_batch(self, now: float, idle: bool = True, full_only: bool = False) -> Batch | None:
         """The batch a free device should run now, or None.
 
         ``idle=True``: the device has nothing else to do, so an open window is dispatched rather than left
         to fill (fixed policy always; adaptive unless waiting pays, see the module docstring).
-        ``idle=False``: only closed batches (e.g. prefetching while the device is still busy)."""
+        ``idle=False``: only closed batches (e.g. prefetching while the device is still busy).
+        ``full_only=True`` (with ``idle=False``): only a lane with a full batch ready. Prefetching a
+        partial batch would make every record that arrives while the device is busy wait behind it; left
+        alone, a partial batch is topped up until the device is free."""
         self._expire_due(now)
         if self._total == 0:
             return None
@@ -261,7 +264,7 @@ class PriorityScheduler:
                 if idle:
                     lane.hold_until = None
         while self._total:
-            batch = self._select(now, idle)
+            batch = self._select(now, idle, full_only)
             if batch is None:
                 return None
             batch = self._finalize(batch, now)
@@ -269,8 +272,11 @@ class PriorityScheduler:
                 return batch
         return None
 
-    def _select(self, now: float, idle: bool) -> Batch | None:
-        cands = [ln for ln in self._order if ln.ready_n or (idle and ln.n)]
+    def _select(self, now: float, idle: bool, full_only: bool = False) -> Batch | None:
+        if full_only and not idle:
+            cands = [ln for ln in self._order if ln.ready_n >= ln.max_batch]
+        else:
+            cands = [ln for ln in self._order if ln.ready_n or (idle and ln.n)]
         if not cands:
             return None
         limit = min(ln.vservice for ln in cands) + self._lag
@@ -278,6 +284,12 @@ class PriorityScheduler:
         if lane is None:  # only reachable through float rounding on huge counters
             lane = min(cands, key=lambda ln: ln.vservice)
         if lane.ready_n:
+            if idle and lane.ready_n < lane.max_batch and len(lane.batcher):
+                # Work-conserving top-up: a partial batch (closed by time while the device was busy) takes
+                # along the records that arrived since, instead of leaving them for the next round.
+                extra = lane.batcher.take_open(now, lane.max_batch - lane.ready_n, "idle")
+                if extra is not None:
+                    self._push_ready(lane, [extra])
             return self._pop_ready(lane)
         if not self._adaptive:
             return lane.batcher.take_open(now, lane.max_batch, "idle")
