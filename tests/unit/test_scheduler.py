@@ -546,3 +546,17 @@ def test_busy_device_still_prefetches_a_full_batch() -> None:
     feed(s, rs, now=0.0)
     b = s.next_batch(0.001, idle=False, full_only=True)
     assert b is not None and ids(b.records) == ids(rs) and b.reason == "count"
+
+
+def test_busy_device_prefetches_a_higher_lanes_partial_batch_before_a_full_low_batch() -> None:
+    s = two_lanes(batch=4, wait_ms=10.0)
+    low = recs(8, "lo")
+    high = recs(1, "hi")
+    feed(s, low, now=0.0)
+    feed(s, high, now=0.0)
+    # The high window closes by time; the low lane has full batches ready (overload): the high lane's
+    # partial batch is prefetched first, it does not wait until its window fills.
+    b = s.next_batch(0.011, idle=False, full_only=True)
+    assert b is not None and b.lane == "hi" and ids(b.records) == ids(high)
+    b = s.next_batch(0.012, idle=False, full_only=True)
+    assert b is not None and b.lane == "lo" and len(b.records) == 4

@@ -247,9 +247,10 @@ class PriorityScheduler:
         ``idle=True``: the device has nothing else to do, so an open window is dispatched rather than left
         to fill (fixed policy always; adaptive unless waiting pays, see the module docstring).
         ``idle=False``: only closed batches (e.g. prefetching while the device is still busy).
-        ``full_only=True`` (with ``idle=False``): only a lane with a full batch ready. Prefetching a
-        partial batch would make every record that arrives while the device is busy wait behind it; left
-        alone, a partial batch is topped up until the device is free."""
+        ``full_only=True`` (with ``idle=False``): only a lane with a full batch ready, or a closed partial
+        batch of a lane with a higher priority than all of those. Prefetching a partial batch would make
+        every record that arrives while the device is busy wait behind it; left alone, a partial batch is
+        topped up until the device is free."""
         self._expire_due(now)
         if self._total == 0:
             return None
@@ -274,7 +275,13 @@ class PriorityScheduler:
 
     def _select(self, now: float, idle: bool, full_only: bool = False) -> Batch | None:
         if full_only and not idle:
-            cands = [ln for ln in self._order if ln.ready_n >= ln.max_batch]
+            full = [ln for ln in self._order if ln.ready_n >= ln.max_batch]
+            if not full:
+                return None
+            # A closed partial batch of a lane above every lane with a full batch goes ahead of them: under
+            # overload a full low-priority batch is always ready, and the device is never idle.
+            top = max(ln.priority for ln in full)
+            cands = [ln for ln in self._order if ln.ready_n >= ln.max_batch or (ln.ready_n and ln.priority > top)]
         else:
             cands = [ln for ln in self._order if ln.ready_n or (idle and ln.n)]
         if not cands:
