@@ -62,7 +62,6 @@ class RunStats:
     ledger_skips: int = 0
     cache_hits: int = 0
     e2e_ms: list[float] = field(default_factory=list)  # sampled end-to-end latencies (for summaries)
-    lanes: Counter[str] = field(default_factory=Counter)
 
     @property
     def mean_batch(self) -> float:
@@ -110,11 +109,11 @@ class Runner:
         self.committed: dict[TopicPartition, int] = {}
         self._device_busy = 0
         self._last_commit = time.monotonic()
-        self._e2e_sample = 0
         self.consumer: Any = None
         self.producer: Any = None
         self.workers: list[Any] = []
         self.ready = threading.Event()
+        self._stop_devices = False  # set on close: device threads stop asking for batches
         # Store features: the ledger and cache follow their flags (in memory without a Redis url); attempt
         # counters only mean something across process restarts, so they need Redis.
         self._use_ledger = store is not None and cfg.redis.ledger and cfg.delivery.mode == "at_least_once"
@@ -233,8 +232,6 @@ class Runner:
             self.scheduler.observe(batch.lane, len(batch.records), timings.get("infer", 0.0))
             self.cv.notify_all()  # a device became free: a waiting collate stage may take an open window
         self._completions.put((batch, outputs, timings))
-
-    _stop_devices = False
 
     # ------------------------------------------------------------------ loop side
     def stop(self, *_: Any) -> None:
@@ -524,7 +521,6 @@ class Runner:
             if rec.produced_at_ms:
                 e2e = (wall_ms - rec.produced_at_ms) / 1000.0
                 self.metrics.end_to_end(rec.lane, e2e)
-                self._e2e_sample += 1
                 if len(st.e2e_ms) < 200_000:
                     st.e2e_ms.append(e2e * 1000.0)
             if self.txn is None:
