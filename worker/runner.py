@@ -146,7 +146,8 @@ class Runner:
                             max_batch_sizes={lane.name: lane.max_batch_size for lane in self.cfg.batching.lanes})
             engine.setup()
             self._models.append(model)
-            self.workers.append(DeviceWorker(engine, take=self._take, done=self._done, name=f"device-{dev}"))
+            self.workers.append(DeviceWorker(engine, take=self._take, done=self._done, swap=self._swap,
+                                             name=f"device-{dev}"))
         self.model = self._models[0]
         self.metrics.gauge("model_loaded", 1)
         # Hundreds of thousands of long-lived objects (torch, the model) would otherwise be walked by every
@@ -175,15 +176,38 @@ class Runner:
             self._count_dispatch(batch)
         return batch
 
+    def _swap(self, batch: Batch) -> Batch | None:
+        """The device is about to start ``batch`` (prefetched while it was busy): a higher-priority batch that
+        became ready since goes first, and ``batch`` goes back to its lane (see PriorityScheduler.preempt)."""
+        if batch.reason == "isolate":
+            return None
+        with self.cv:
+            if self._suspects or self._isolated:
+                return None
+            now = time.monotonic()
+            better = self.scheduler.preempt(batch, now)
+            if better is None:
+                return None
+            better.closed_at = now
+            self.metrics.event("preemptions_total", lane=batch.lane)
+        if self._use_attempts:
+            self._count_dispatch(better)
+        return better
+
     def _count_dispatch(self, batch: Batch) -> None:
         """An attempt is a dispatch to the device: count it (one MULTI round trip per batch, bounded by
-        redis.timeout_ms and the breaker) before the model can crash the process on it."""
+        redis.timeout_ms and the breaker) before the model can crash the process on it. A record put back
+        by a preemption was counted when first taken and is not counted again."""
         assert self.store is not None
-        keys = [_attempt_key(r) for r in batch.records]
+        todo = [r for r in batch.records if not r.counted]
+        if not todo:
+            return
+        keys = [_attempt_key(r) for r in todo]
         counts = (self.store.incr_attempts_many(keys) if hasattr(self.store, "incr_attempts_many")
                   else [self.store.incr_attempts(k) for k in keys])
-        for r, c in zip(batch.records, counts, strict=True):
+        for r, c in zip(todo, counts, strict=True):
             r.attempts = c
+            r.counted = True
 
     def _next_batch(self, timeout: float) -> Batch | None:
         deadline = time.monotonic() + timeout

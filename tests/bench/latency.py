@@ -144,6 +144,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
                           # Kafka in + out: request timestamp -> received, plus produce of the result
                           "outside_worker_p50_ms": percentile([d["timings"]["e2e_ms"] - d["timings"]["total_ms"]
                                                                for d in ds], 50),
+                          "outside_worker_p99_ms": percentile([d["timings"]["e2e_ms"] - d["timings"]["total_ms"]
+                                                               for d in ds], 99),
                           "mean_batch": sum(d["batch_size"] for d in ds) / max(len(ds), 1),
                           "e2e_ms": sorted(e2e)}
         # One queue (lanes mixed): what batching alone allows on these arrivals. Strict lane priority is no

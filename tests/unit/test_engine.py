@@ -270,6 +270,33 @@ def test_device_worker_overlaps_collate_with_forward() -> None:
     assert elapsed < 0.85 * n * (c + f) + 0.5
 
 
+def test_device_worker_swaps_a_prefetched_batch_just_before_starting_it() -> None:
+    model = Fake(forward_s=0.05)
+    first, low, high = make_batch([1], offset=0), make_batch([2], "lo", offset=10), make_batch([3], "hi", offset=20)
+    feeder = Feeder([first, low])
+    feeder.expected = 3
+    offered: list[Batch] = []
+
+    def swap(b: Batch) -> Batch | None:
+        offered.append(b)
+        if b is low and high not in offered:
+            offered.append(high)
+            with feeder.lock:
+                feeder.batches.insert(0, low)  # given back to the scheduler: taken again later
+            return high
+        return None
+
+    w = DeviceWorker(Engine(model, "cpu", warmup=False), feeder.take, feeder.done, poll_s=0.01, swap=swap)
+    w.start()
+    assert feeder.all_done.wait(30)
+    assert w.stop(5)
+    # ``low`` was prefetched while ``first`` ran; just before it started, ``high`` took its place.
+    forwards = [first_item for stage, first_item, _s, _e in sorted(model.log, key=lambda x: x[2]) if stage == "forward"]
+    assert forwards == [1, 3, 2]
+    assert feeder.results[20][1] == [30] and feeder.results[10][1] == [20]
+    assert offered[0] is first and offered[1] is low
+
+
 def test_device_worker_isolates_poison_and_oom_and_reports_mismatch() -> None:
     m = synthetic(fail_on="BAD", oom_above=4)
     eng = Engine(m, "cpu", warmup=False)

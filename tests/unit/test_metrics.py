@@ -34,6 +34,7 @@ EXPECTED = {
     "kiw_model_loaded": ("gauge", set()),
     "kiw_rebalances": ("counter", {"kind"}),
     "kiw_batches": ("counter", {"lane", "reason"}),
+    "kiw_preemptions": ("counter", {"lane"}),
 }
 
 
@@ -67,6 +68,7 @@ def exercise(m: PrometheusMetrics) -> None:
     m.event("redis_errors", op="get_cached")
     m.event("rebalances", kind="assign")
     m.event("batches", 4, lane="hi", reason="full")
+    m.event("preemptions", lane="lo")
 
 
 def test_every_metric_is_exposed_with_its_labels() -> None:

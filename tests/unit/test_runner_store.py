@@ -237,3 +237,37 @@ def test_errors_are_not_cached(monkeypatch: pytest.MonkeyPatch) -> None:
     h.c.append("in", 0, request("b", "poison"))
     run_once(h)
     assert h.model.calls == 2 and [r["status"] for r in h.p.results()] == ["error", "error"]
+
+
+def test_a_preempted_batch_goes_back_and_its_records_are_not_counted_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = make_config(kafka={"input_topics": []}, redis={"url": REDIS_URL},
+                      batching={"lanes": [{"name": "hi", "topics": ["in-hi"], "priority": 1, "max_batch_size": 2},
+                                          {"name": "lo", "topics": ["in-lo"], "max_batch_size": 2}],
+                                "default_lane": "lo"})
+    store = MemoryStore()
+    h = Harness(monkeypatch, cfg, store=store).start()
+    h.c.assign(("in-hi", 0), ("in-lo", 0))
+    h.send(4, topic="in-lo")
+    h.iterate()
+    running = h.device.take()  # on the device
+    prefetched = h.device.take()  # taken ahead while the device is busy
+    assert running is not None and prefetched is not None and prefetched.lane == "lo"
+    lo_keys = [f"in-lo:0:{r.offset}" for r in prefetched.records]
+    assert store.get_attempts_many(lo_keys) == [1, 1]
+    h.send(1, topic="in-hi")
+    h.iterate()
+    # Just before the device starts the prefetched batch, the high lane's record goes first.
+    urgent = h.runner._swap(prefetched)
+    assert urgent is not None and urgent.lane == "hi" and [r.offset for r in urgent.records] == [0]
+    assert store.get_attempts_many(["in-hi:0:0"]) == [1]
+    assert h.runner.scheduler.queued("lo") == 2  # the prefetched records are queued again
+    h.device.finish(running)
+    h.device.finish(urgent)
+    again = h.device.take()
+    assert again is not None and [r.offset for r in again.records] == [r.offset for r in prefetched.records]
+    assert store.get_attempts_many(lo_keys) == [1, 1]  # counted when first taken, not again
+    h.device.finish(again)
+    h.iterate()
+    h.commit()
+    assert sorted(h.result_ids()) == ["in-hi-0-0"] + [f"in-lo-0-{i}" for i in range(4)]
+    assert h.committed("in-lo") == 4 and h.committed("in-hi") == 1

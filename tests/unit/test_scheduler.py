@@ -548,15 +548,88 @@ def test_busy_device_still_prefetches_a_full_batch() -> None:
     assert b is not None and ids(b.records) == ids(rs) and b.reason == "count"
 
 
-def test_busy_device_prefetches_a_higher_lanes_partial_batch_before_a_full_low_batch() -> None:
+def test_busy_device_does_not_prefetch_a_higher_lanes_partial_batch() -> None:
+    s = two_lanes(batch=4, wait_ms=10.0)
+    feed(s, recs(8, "lo"), now=0.0)
+    feed(s, recs(1, "hi"), now=0.0)
+    # The high window closed by time but the device is busy: taking it now would leave behind the high
+    # records arriving until the device is free. The full low batch is prefetched.
+    b = s.next_batch(0.011, idle=False, full_only=True)
+    assert b is not None and b.lane == "lo" and len(b.records) == 4
+
+
+def test_preempt_swaps_a_prefetched_low_batch_for_the_high_lanes_records_and_requeues_it() -> None:
     s = two_lanes(batch=4, wait_ms=10.0)
     low = recs(8, "lo")
-    high = recs(1, "hi")
     feed(s, low, now=0.0)
-    feed(s, high, now=0.0)
-    # The high window closes by time; the low lane has full batches ready (overload): the high lane's
-    # partial batch is prefetched first, it does not wait until its window fills.
-    b = s.next_batch(0.011, idle=False, full_only=True)
+    pre = s.next_batch(0.001, idle=False, full_only=True)
+    assert pre is not None and pre.lane == "lo"
+    high = recs(3, "hi")
+    feed(s, high[:2], now=0.002)
+    feed(s, high[2:], now=0.020)  # the first two closed by time, the third still in an open window
+    served_before = s.stats()["lo"]["served_records"]
+    b = s.preempt(pre, now=0.021)
+    # The device is about to be free: every high record goes, the closed batch topped up from the window.
     assert b is not None and b.lane == "hi" and ids(b.records) == ids(high)
-    b = s.next_batch(0.012, idle=False, full_only=True)
-    assert b is not None and b.lane == "lo" and len(b.records) == 4
+    st = s.stats()["lo"]
+    assert st["queued"] == 8 and st["served_records"] == served_before - 4
+    # The prefetched batch is back at the front of its lane: the next batch is the same records, in order.
+    again = s.next_batch(0.022, idle=True)
+    assert again is not None and ids(again.records) == ids(pre.records)
+    rest = s.next_batch(0.023, idle=True)
+    assert rest is not None and ids(rest.records) == ids(low[4:])
+    assert len(s) == 0
+
+
+def test_preempt_keeps_the_prefetched_batch_when_nothing_higher_is_queued() -> None:
+    s = two_lanes(batch=4, wait_ms=10.0)
+    feed(s, recs(8, "lo"), now=0.0)
+    pre = s.next_batch(0.001, idle=False, full_only=True)
+    assert pre is not None
+    assert s.preempt(pre, now=0.002) is None
+    assert s.stats()["lo"]["queued"] == 4
+
+
+def test_preempt_never_goes_to_a_lower_or_equal_priority_lane() -> None:
+    s = two_lanes(batch=4, wait_ms=10.0)
+    feed(s, recs(4, "hi"), now=0.0)
+    pre = s.next_batch(0.001, idle=False, full_only=True)
+    assert pre is not None and pre.lane == "hi"
+    feed(s, recs(4, "lo"), now=0.002)
+    assert s.preempt(pre, now=0.003) is None
+
+
+def test_preemption_keeps_the_low_lanes_guaranteed_share_under_overload() -> None:
+    # The runner's loop under overload: prefetch a full batch while busy, then offer the high lane a swap
+    # just before the start. The high lane always has records (partial batches), the low lane a backlog.
+    s = two_lanes(batch=4, wait_ms=10.0, hi_weight=4.0, lo_weight=1.0)
+    served = {"hi": 0, "lo": 0}
+    now = 0.0
+    for _ in range(400):
+        if s.queued("lo") < 12:
+            feed(s, recs(12, "lo"), now=now)
+        feed(s, recs(1, "hi"), now=now)
+        pre = s.next_batch(now, idle=False, full_only=True)
+        assert pre is not None and pre.lane == "lo"  # the only full batches are low ones
+        now += 0.005
+        b = s.preempt(pre, now) or pre
+        served[b.lane] += len(b.records)
+        now += 0.005
+    low_share = served["lo"] / (served["hi"] + served["lo"])
+    assert served["hi"] > 0
+    assert low_share >= 1.0 / 5.0 - 0.02, served  # w_lo / (w_lo + w_hi), minus a few batches
+
+
+def test_preempted_records_keep_their_deadlines() -> None:
+    s = two_lanes(batch=4, wait_ms=10.0)
+    low = recs(4, "lo")
+    for r in low:
+        r.deadline = 0.05
+    feed(s, low, now=0.0)
+    pre = s.next_batch(0.001, idle=False, full_only=True)
+    assert pre is not None
+    feed(s, recs(1, "hi"), now=0.002)
+    assert s.preempt(pre, now=0.003) is not None
+    expired = s.expire(0.06)  # still tracked: past the deadline they come out as expired, not lost
+    assert ids(expired) == ids(low)
+    assert len(s) == 0

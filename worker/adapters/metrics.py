@@ -85,6 +85,8 @@ class PrometheusMetrics:
         self.model_loaded = Gauge("kiw_model_loaded", "1 once the model is loaded and warmed up", registry=r)
         self.rebalances_total = Counter("kiw_rebalances", "Consumer group rebalances, by kind (assign|revoke|lost)",
                                         ["kind"], registry=r)
+        self.preemptions_total = Counter("kiw_preemptions", "Prefetched batches put back for a higher-priority "
+                                         "lane's batch, by the lane put back", ["lane"], registry=r)
         self.batches_total = Counter("kiw_batches", "Batches closed, by lane and reason (full|timeout|drain|...)",
                                      ["lane", "reason"], registry=r)
 
@@ -103,6 +105,7 @@ class PrometheusMetrics:
             "commit_failures": self.commit_failures_total, "dlq": self.dlq_total,
             "oom_splits": self.oom_splits_total, "redis_errors": self.redis_errors_total,
             "rebalances": self.rebalances_total, "batches": self.batches_total,
+            "preemptions": self.preemptions_total,
         }
         self._warned: set[str] = set()
 

@@ -20,6 +20,9 @@
 
 Collate of batch n+1 overlaps forward of batch n, and on CUDA the device thread queues batch n+1's
 kernels while the finish thread waits for batch n, so the GPU always has the next batch queued.
+The prefetched batch was chosen up to a batch-time before the device can start it; the optional ``swap``
+hook lets the device thread exchange it, just before the start, for a batch of a higher-priority lane that
+became ready meanwhile (the prefetched one goes back to the scheduler and is collated again later).
 Several devices in one process = several DeviceWorkers (one Engine each) sharing one thread-safe
 ``take``: a batch goes to whichever device is free.
 """
@@ -46,6 +49,9 @@ log = logging.getLogger("worker.engine")
 
 TakeFn = Callable[[float], Batch | None]
 DoneFn = Callable[[Batch, list[Any | BaseException], dict[str, float]], None]
+# Called by the device thread just before it starts a prefetched batch: a batch to run instead (the given one
+# was given back to the scheduler), or None to run it.
+SwapFn = Callable[[Batch], Batch | None]
 LimitFn = Callable[[str, int], None]
 
 THREADS_ENV = "WORKER_TORCH_THREADS"
@@ -572,10 +578,12 @@ class DeviceWorker:
         name: str | None = None,
         poll_s: float = 0.05,
         max_launched: int = 2,
+        swap: SwapFn | None = None,
     ) -> None:
         self.engine = engine
         self.take = take
         self.done = done
+        self.swap = swap
         self.name = name or f"device-{engine.device}"
         self.poll_s = poll_s
         self._stopping = threading.Event()
@@ -628,7 +636,6 @@ class DeviceWorker:
             raise
 
     def _collate_loop(self) -> None:
-        eng = self.engine
         while not self._stopping.is_set():
             if not self._slot.acquire(timeout=self.poll_s):
                 continue
@@ -641,24 +648,41 @@ class DeviceWorker:
             if batch is None:
                 self._slot.release()
                 continue
-            job = _Job(batch, t_take=time.perf_counter())
-            limit = eng.effective_max(batch.lane)
-            if batch.records and (limit is None or len(batch.records) <= limit):
-                try:
-                    job.prepared = eng.prepare([r.item for r in batch.records])
-                except Exception as e:
-                    job.error = e
-            self._prepared.put(job)
+            self._prepared.put(self._prepare(batch))
         self._prepared.put(_STOP)
+
+    def _prepare(self, batch: Batch) -> _Job:
+        eng = self.engine
+        job = _Job(batch, t_take=time.perf_counter())
+        limit = eng.effective_max(batch.lane)
+        if batch.records and (limit is None or len(batch.records) <= limit):
+            try:
+                job.prepared = eng.prepare([r.item for r in batch.records])
+            except Exception as e:
+                job.error = e
+        return job
 
     def _device_loop(self) -> None:
         eng = self.engine
         while True:
             job = self._prepared.get()
-            self._slot.release()
             if job is _STOP:
+                self._slot.release()
                 break
             self._launched.acquire()
+            if self.swap is not None:
+                # The job was taken up to a batch-time ago: something more urgent may have come since. (The
+                # slot is released only after this, or the collate thread would take the urgent batch first
+                # and leave it waiting behind this one.)
+                try:
+                    better = self.swap(job.batch)
+                except Exception:
+                    log.exception("%s: swap() failed", self.name)
+                    better = None
+                if better is not None:
+                    job.prepared = None  # discarded; the batch is re-collated when it is taken again
+                    job = self._prepare(better)
+            self._slot.release()
             batch, lane = job.batch, job.batch.lane
             items = [r.item for r in batch.records]
             t = time.perf_counter()

@@ -35,6 +35,7 @@ class Record:
     meta: Any = None  # the request's opaque ``meta`` echoed back in the result
     produced_at_ms: int | None = None  # Kafka record timestamp (CreateTime), for end-to-end latency
     attempts: int = 0
+    counted: bool = False  # this process counted a dispatch attempt for it (crash-loop protection)
     epoch: int = 0  # the partition's assignment epoch at receive; acks from an older epoch are ignored
     cache_key: str | None = None  # result-cache key (model, version, inputs), when the cache is on
 

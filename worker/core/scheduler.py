@@ -247,10 +247,10 @@ class PriorityScheduler:
         ``idle=True``: the device has nothing else to do, so an open window is dispatched rather than left
         to fill (fixed policy always; adaptive unless waiting pays, see the module docstring).
         ``idle=False``: only closed batches (e.g. prefetching while the device is still busy).
-        ``full_only=True`` (with ``idle=False``): only a lane with a full batch ready, or a closed partial
-        batch of a lane with a higher priority than all of those. Prefetching a partial batch would make
-        every record that arrives while the device is busy wait behind it; left alone, a partial batch is
-        topped up until the device is free."""
+        ``full_only=True`` (with ``idle=False``): only a lane with a full batch ready. Prefetching a partial
+        batch would make every record of its lane that arrives while the device is busy wait behind it; left
+        alone, a partial batch is topped up until the device is free. Priority among prefetched batches is
+        settled when the device is about to start one: see ``preempt``."""
         self._expire_due(now)
         if self._total == 0:
             return None
@@ -275,13 +275,10 @@ class PriorityScheduler:
 
     def _select(self, now: float, idle: bool, full_only: bool = False) -> Batch | None:
         if full_only and not idle:
-            full = [ln for ln in self._order if ln.ready_n >= ln.max_batch]
-            if not full:
-                return None
-            # A closed partial batch of a lane above every lane with a full batch goes ahead of them: under
-            # overload a full low-priority batch is always ready, and the device is never idle.
-            top = max(ln.priority for ln in full)
-            cands = [ln for ln in self._order if ln.ready_n >= ln.max_batch or (ln.ready_n and ln.priority > top)]
+            # Only full batches are taken ahead. A higher-priority lane's partial batch is not: taken now, it
+            # would leave behind every record of that lane arriving while the device is still busy. It goes
+            # when the device is about to start the prefetched batch, through ``preempt``.
+            cands = [ln for ln in self._order if ln.ready_n >= ln.max_batch]
         else:
             cands = [ln for ln in self._order if ln.ready_n or (idle and ln.n)]
         if not cands:
@@ -291,13 +288,7 @@ class PriorityScheduler:
         if lane is None:  # only reachable through float rounding on huge counters
             lane = min(cands, key=lambda ln: ln.vservice)
         if lane.ready_n:
-            if idle and lane.ready_n < lane.max_batch and len(lane.batcher):
-                # Work-conserving top-up: a partial batch (closed by time while the device was busy) takes
-                # along the records that arrived since, instead of leaving them for the next round.
-                extra = lane.batcher.take_open(now, lane.max_batch - lane.ready_n, "idle")
-                if extra is not None:
-                    self._push_ready(lane, [extra])
-            return self._pop_ready(lane)
+            return self._select_from(lane, now, idle)
         if not self._adaptive:
             return lane.batcher.take_open(now, lane.max_batch, "idle")
         hold = self._hold_until(lane, now)
@@ -319,6 +310,74 @@ class PriorityScheduler:
                     return self._pop_ready(other)
                 return other.batcher.take_open(now, other.max_batch, "adaptive")
         return None
+
+    def preempt(self, batch: Batch, now: float) -> Batch | None:
+        """A device is about to start ``batch``, which it took earlier (prefetched while it was busy). If a lane
+        of higher priority than ``batch``'s now has work that ``next_batch(now, idle=True)`` would serve first,
+        that lane's batch is returned and ``batch`` goes back to the front of its lane as if it had never been
+        taken (counts, fair-share service, deadlines). Else None: run ``batch``.
+
+        Why: a prefetched batch is taken up to one batch-time before the device can start it; under overload
+        that is always a full low-priority batch, so a high-priority record would wait for two low batches
+        (the running one and the prefetched one) instead of one."""
+        own = self._lanes.get(batch.lane)
+        if own is None or not batch.records:
+            return None
+        if not any(ln.n and ln.priority > own.priority for ln in self._order):
+            return None  # the common case: nothing of higher priority is queued
+        self._expire_due(now)
+        for ln in self._order:
+            if ln.priority > own.priority and len(ln.batcher):
+                closed = ln.batcher.poll(now)
+                if closed:
+                    self._push_ready(ln, closed)
+        # Who would an idle device serve? (the rule of _select; ``own`` counted with ``batch`` served, the
+        # state in which a lane that became backlogged since was placed, so the lag bound grows by at most
+        # one batch)
+        cands = [ln for ln in self._order if ln is own or ln.n]
+        limit = min(ln.vservice for ln in cands) + self._lag
+        pick = next((ln for ln in cands if ln.vservice < limit), None)
+        if pick is None or pick.priority <= own.priority:
+            return None
+        out: Batch | None
+        if pick.ready_n:
+            out = self._select_from(pick, now, idle=True)
+        elif self._adaptive and self._hold_until(pick, now) is not None:
+            return None  # that lane's window wants to fill: no reason to delay ``batch``
+        else:
+            out = pick.batcher.take_open(now, pick.max_batch, "idle")
+        out = self._finalize(out, now) if out is not None else None
+        if out is None:
+            return None
+        self._requeue(own, batch)
+        return out
+
+    def _requeue(self, lane: _Lane, batch: Batch) -> None:
+        """Undo ``_finalize`` for a dispatched batch and put it back at the front of its lane."""
+        n = len(batch.records)
+        # (no _becomes_backlogged: the lane's service goes back to what it was before the batch was taken)
+        lane.ready.appendleft(batch)
+        lane.ready_n += n
+        lane.n += n
+        self._total += n
+        lane.served_records -= n
+        lane.served_batches -= 1
+        lane.vservice -= n / lane.weight
+        for r in batch.records:
+            if r.deadline is not None:
+                self._seq += 1
+                heapq.heappush(lane.heap, (r.deadline, self._seq, r))
+                lane.live.add(id(r))
+
+    def _select_from(self, lane: _Lane, now: float, idle: bool) -> Batch:
+        """The lane's next ready batch (it has one)."""
+        if idle and lane.ready_n < lane.max_batch and len(lane.batcher):
+            # Work-conserving top-up: a partial batch (closed by time while the device was busy) takes
+            # along the records that arrived since, instead of leaving them for the next round.
+            extra = lane.batcher.take_open(now, lane.max_batch - lane.ready_n, "idle")
+            if extra is not None:
+                self._push_ready(lane, [extra])
+        return self._pop_ready(lane)
 
     def _pop_ready(self, lane: _Lane) -> Batch:
         """The next up-to-max live records from the front of the lane's ready batches (same size bucket):
