@@ -415,6 +415,34 @@ class Sampler(threading.Thread):
         self.join(5)
 
 
+class KafkaFloor(threading.Thread):
+    """A bare consumer (own group, every partition of ``topic`` from the start, the worker's fetch settings)
+    that records, per request, receive time - the request's Kafka timestamp: the latency of the Kafka hop
+    alone on this machine, measured beside the worker in the same run."""
+
+    def __init__(self, bootstrap: str, topic: str, partitions: int) -> None:
+        super().__init__(daemon=True, name="kafka-floor")
+        self.c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"floor-{uid()}", "enable.auto.commit": False,
+                           "fetch.wait.max.ms": 50, "auto.offset.reset": "earliest"})
+        self.c.assign([KTP(topic, p, OFFSET_BEGINNING) for p in range(partitions)])
+        self.lag_ms: dict[str, float] = {}  # request key -> receive delay
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            m = self.c.poll(0.05)
+            if m is None or m.error() is not None:
+                continue
+            now = time.time() * 1000.0
+            self.lag_ms[(m.key() or b"").decode()] = now - m.timestamp()[1]
+
+    def stop(self) -> dict[str, float]:
+        self._halt.set()
+        self.join(5)
+        self.c.close()
+        return self.lag_ms
+
+
 def workdir() -> Path:
     return Path(tempfile.mkdtemp(prefix="kiw-bench-"))
 

@@ -68,8 +68,7 @@ def _strip_samples(res: dict[str, Any]) -> None:
         if not isinstance(sc, dict):
             continue
         holders = [st[lane] for st in sc.get("steps", []) for lane in ("high", "low", "all")]
-        if "light_load" in sc:
-            holders.append(sc["light_load"])
+        holders += [sc[k] for k in ("light_load", "light_load_b8") if k in sc]
         for h in holders:
             xs = h.pop("e2e_ms", None)
             if xs:
