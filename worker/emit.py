@@ -25,15 +25,43 @@ _msgpack = msgspec.msgpack.Encoder()
 
 
 class _Pending:
-    __slots__ = ("record", "remaining", "messages", "attempts", "round", "retry_at")
+    """What one record owes (its result and/or dead letter) and how much of it is delivered. It is also the
+    delivery callback of its first send round: one object per record instead of a closure per message."""
 
-    def __init__(self, record: Record) -> None:
+    __slots__ = ("record", "remaining", "messages", "attempts", "round", "retry_at", "emitter")
+
+    def __init__(self, record: Record, emitter: Emitter,
+                 messages: list[tuple[str, bytes | None, bytes, list[tuple[str, bytes]] | None]] | None = None) -> None:
         self.record = record
+        self.emitter = emitter
         self.remaining = 0
-        self.messages: list[tuple[str, bytes | None, bytes, list[tuple[str, bytes]] | None]] = []
+        self.messages = messages if messages is not None else []
         self.attempts = 0
         self.round = 0  # callbacks of an earlier (failed) round are ignored
         self.retry_at = 0.0  # monotonic time before which a failed record is not re-sent (backoff)
+
+    def __call__(self, err: Any, _msg: Any) -> None:
+        if self.round == 1:
+            self.emitter._delivered(self, err)
+
+
+class _Retry:
+    """The delivery callback of a retried round (rare), so late reports of the failed round are ignored."""
+
+    __slots__ = ("p", "round")
+
+    def __init__(self, p: _Pending) -> None:
+        self.p = p
+        self.round = p.round
+
+    def __call__(self, err: Any, _msg: Any) -> None:
+        if self.round == self.p.round:
+            self.p.emitter._delivered(self.p, err)
+
+
+def _ms(seconds: float) -> float:
+    """Seconds -> milliseconds with 3 decimals (truncated: int() is several times cheaper than round())."""
+    return int(seconds * 1_000_000) / 1000.0
 
 
 class Emitter:
@@ -59,26 +87,51 @@ class Emitter:
 
     def result_bytes(self, o: Outcome, now: float, now_wall_ms: float) -> bytes:
         rec = o.record
-        e2e = (now_wall_ms - rec.produced_at_ms) if rec.produced_at_ms else None
         t = o.timings
-        result = Result(
+        return self._encode(rec, o.status, o.output, o.error, o.batch_size, t.get("queue", 0.0), t.get("infer", 0.0),
+                            now, now_wall_ms, bool(t.get("cached")))
+
+    def _encode(self, rec: Record, status: str, output: Any, error: str | None, batch_size: int, queue_s: float,
+                infer_s: float, now: float, now_wall_ms: float, cached: bool = False) -> bytes:
+        produced = rec.produced_at_ms
+        return self.encode(Result(
             id=rec.id or "",
-            status=o.status,
-            outputs=o.output,
-            error=o.error,
+            status=status,  # type: ignore[arg-type]
+            outputs=output,
+            error=error,
             model=self.model_name,
             model_version=self.model_version,
             lane=rec.lane,
-            batch_size=o.batch_size,
+            batch_size=batch_size,
             source=Source(topic=rec.tp.topic, partition=rec.tp.partition, offset=rec.offset),
-            timings=Timings(queue_ms=round(t.get("queue", 0.0) * 1000, 3),
-                            inference_ms=round(t.get("infer", 0.0) * 1000, 3),
-                            total_ms=round((now - rec.received_at) * 1000, 3),
-                            e2e_ms=round(e2e, 3) if e2e is not None else None),
+            timings=Timings(queue_ms=_ms(queue_s), inference_ms=_ms(infer_s), total_ms=_ms(now - rec.received_at),
+                            e2e_ms=int((now_wall_ms - produced) * 1000) / 1000.0 if produced else None),
             meta=rec.meta,
-            cached=bool(t.get("cached")),
-        )
-        return self.encode(result)
+            cached=cached,
+        ))
+
+    def emit_ok(self, rec: Record, output: Any, batch_size: int, queue_s: float, infer_s: float, now: float,
+                now_wall_ms: float) -> bool:
+        """The hot path: one ok result, nothing else owed. False (nothing sent) when the general path must
+        handle it: an output the encoder rejects, or a result over message.max.bytes."""
+        try:
+            value = self._encode(rec, "ok", output, None, batch_size, queue_s, infer_s, now, now_wall_ms)
+        except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
+            return False
+        key = rec.key
+        if len(value) + (len(key) if key else 0) > self.max_message_bytes:
+            return False
+        topic = self.output_topic
+        p = _Pending(rec, self, [(topic, key, value, None)])
+        p.remaining = 1
+        p.round = 1
+        try:
+            self.producer.produce(topic, value=value, key=key, on_delivery=p)
+            self.produced += 1
+        except BufferError:
+            p.round = 0
+            self._send(p)
+        return True
 
     def emit(self, o: Outcome, now: float, now_wall_ms: float, result_bytes: bytes | None = None) -> None:
         rec = o.record
@@ -89,11 +142,9 @@ class Emitter:
             except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
                 value = None  # handled below as an output error
             if value is not None and len(value) + len(rec.key or b"") <= self.max_message_bytes:
-                p = _Pending(rec)
-                p.messages.append((self.output_topic, rec.key, value, None))
-                self._send(p)
+                self._send(_Pending(rec, self, [(self.output_topic, rec.key, value, None)]))
                 return
-        p = _Pending(rec)
+        p = _Pending(rec, self)
         if rec.id is not None:
             value = result_bytes
             if value is None:
@@ -145,19 +196,17 @@ class Emitter:
     def _send(self, p: _Pending) -> None:
         p.remaining = len(p.messages)
         p.round += 1
+        cb = p if p.round == 1 else _Retry(p)
         for topic, key, value, headers in p.messages:
-            self._produce(topic, key, value, headers, p)
+            self._produce(topic, key, value, headers, cb)
 
-    def _produce(self, topic: str, key: bytes | None, value: bytes, headers: Any, p: _Pending) -> None:
-        rnd = p.round
-
-        def cb(err: Any, _msg: Any) -> None:
-            if rnd == p.round:
-                self._delivered(p, err)
-
+    def _produce(self, topic: str, key: bytes | None, value: bytes, headers: Any, cb: Any) -> None:
         while True:
             try:
-                self.producer.produce(topic, value=value, key=key, headers=headers, on_delivery=cb)
+                if headers is None:
+                    self.producer.produce(topic, value=value, key=key, on_delivery=cb)
+                else:
+                    self.producer.produce(topic, value=value, key=key, headers=headers, on_delivery=cb)
                 self.produced += 1
                 return
             except BufferError:
