@@ -581,6 +581,16 @@ def test_preempt_swaps_a_prefetched_low_batch_for_the_high_lanes_records_and_req
     assert len(s) == 0
 
 
+def test_preempt_leaves_an_open_high_window_to_fill() -> None:
+    s = two_lanes(batch=4, wait_ms=10.0)
+    feed(s, recs(8, "lo"), now=0.0)
+    pre = s.next_batch(0.001, idle=False, full_only=True)
+    assert pre is not None
+    feed(s, recs(1, "hi"), now=0.002)
+    assert s.preempt(pre, now=0.005) is None  # opened 3 ms ago, max_wait 10 ms: not closed yet
+    assert s.preempt(pre, now=0.013) is not None  # closed by time
+
+
 def test_preempt_keeps_the_prefetched_batch_when_nothing_higher_is_queued() -> None:
     s = two_lanes(batch=4, wait_ms=10.0)
     feed(s, recs(8, "lo"), now=0.0)
@@ -629,7 +639,7 @@ def test_preempted_records_keep_their_deadlines() -> None:
     pre = s.next_batch(0.001, idle=False, full_only=True)
     assert pre is not None
     feed(s, recs(1, "hi"), now=0.002)
-    assert s.preempt(pre, now=0.003) is not None
+    assert s.preempt(pre, now=0.013) is not None
     expired = s.expire(0.06)  # still tracked: past the deadline they come out as expired, not lost
     assert ids(expired) == ids(low)
     assert len(s) == 0

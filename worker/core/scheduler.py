@@ -313,13 +313,16 @@ class PriorityScheduler:
 
     def preempt(self, batch: Batch, now: float) -> Batch | None:
         """A device is about to start ``batch``, which it took earlier (prefetched while it was busy). If a lane
-        of higher priority than ``batch``'s now has work that ``next_batch(now, idle=True)`` would serve first,
-        that lane's batch is returned and ``batch`` goes back to the front of its lane as if it had never been
-        taken (counts, fair-share service, deadlines). Else None: run ``batch``.
+        of higher priority than ``batch``'s has a closed batch (its window closed by count or ``max_wait``) and
+        is the lane ``next_batch(now, idle=True)`` would serve first, that lane's batch is returned (topped up
+        from its open window) and ``batch`` goes back to the front of its lane as if it had never been taken
+        (counts, fair-share service, deadlines). Else None: run ``batch``.
 
         Why: a prefetched batch is taken up to one batch-time before the device can start it; under overload
         that is always a full low-priority batch, so a high-priority record would wait for two low batches
-        (the running one and the prefetched one) instead of one."""
+        (the running one and the prefetched one) instead of one. A window still open is not taken early: it
+        goes after ``batch`` with the records that arrive meanwhile, which keeps high-priority batches from
+        shrinking to a record or two and eating the device's time in fixed costs under overload."""
         own = self._lanes.get(batch.lane)
         if own is None or not batch.records:
             return None
@@ -339,14 +342,9 @@ class PriorityScheduler:
         pick = next((ln for ln in cands if ln.vservice < limit), None)
         if pick is None or pick.priority <= own.priority:
             return None
-        out: Batch | None
-        if pick.ready_n:
-            out = self._select_from(pick, now, idle=True)
-        elif self._adaptive and self._hold_until(pick, now) is not None:
-            return None  # that lane's window wants to fill: no reason to delay ``batch``
-        else:
-            out = pick.batcher.take_open(now, pick.max_batch, "idle")
-        out = self._finalize(out, now) if out is not None else None
+        if not pick.ready_n:
+            return None  # its window is still open: it goes after ``batch``, with what arrives meanwhile
+        out = self._finalize(self._select_from(pick, now, idle=True), now)
         if out is None:
             return None
         self._requeue(own, batch)
