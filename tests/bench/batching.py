@@ -168,20 +168,35 @@ def _sim_mean_batch(arrivals: list[tuple[float, str]], bs: int) -> float:
     return sum(n * n for n in sizes.values()) / max(len(done), 1)
 
 
-def _seed(ctx: Ctx, seed: str, inp: str, n: int) -> dict[str, Any]:
+def _seed(ctx: Ctx, seed: str, inp: str, n: int, paced_s: float) -> dict[str, Any]:
+    """One seed batcher: the shared backlog (throughput), then paced requests at 50% of the ideal rate on its
+    own topic (latency at the same load as the worker's paced phase)."""
     out = f"seed{seed}-out-{ctx.run}"
-    create_topics(ctx.bootstrap, {out: PARTITIONS}, log_append_time=[out])
+    paced_in = f"seed{seed}-paced-{ctx.run}"
+    create_topics(ctx.bootstrap, {out: PARTITIONS, paced_in: PARTITIONS}, log_append_time=[out])
     p = Proc(f"seed{seed}", [sys.executable, "-m", "tests.bench.seed_batchers", "--seed", seed,
-                             "--bootstrap", ctx.bootstrap, "--input", inp, "--output", out,
+                             "--bootstrap", ctx.bootstrap, "--input", f"^({inp}|{paced_in})$", "--output", out,
                              "--group", f"seed{seed}-{ctx.run}", "--max-batch", str(MAIN_B),
                              "--timeout-ms", str(WAIT_MS), "--a-ms", str(A_MS), "--b-ms", str(B_MS)], ctx.work)
+    rate = 0.5 * ideal(MAIN_B)
     try:
         got = wait_count(ctx.bootstrap, out, n, timeout=900, alive=p.alive)
+        paced = produce_paced(ctx.bootstrap, ((paced_in, k, v) for k, v in requests("lat", 10**9)), rate, paced_s,
+                              PARTITIONS)
+        # Seed 000 never runs a partial batch while records keep coming: the paced tail may need a while.
+        total = wait_count(ctx.bootstrap, out, n + len(paced.sent), timeout=120, alive=p.alive)
     finally:
         p.stop()
-    rate = window_rate([ts for ts, _ in read_topic(ctx.bootstrap, out, want=got)])
-    log(f"  seed {seed}: {got}/{n} results, {rate:.0f}/s")
-    return {"results": got, "throughput_per_s": rate}
+    rows = decode_results(read_topic(ctx.bootstrap, out, want=total))
+    rate_thr = window_rate([ts for ts, d in rows if d["id"].startswith("thr-")])
+    skip = int(rate * 1.0)
+    e2e = [d["timings"]["e2e_ms"] for _, d in rows
+           if d["id"].startswith("lat-") and int(d["id"].split("-")[1]) >= skip and d["timings"].get("e2e_ms")]
+    res = {"results": got, "throughput_per_s": rate_thr, "paced_rate_per_s": rate, "paced_sent": len(paced.sent),
+           "paced_results": len(e2e), "e2e_p50_ms": percentile(e2e, 50), "e2e_p99_ms": percentile(e2e, 99)}
+    log(f"  seed {seed}: {got}/{n} results, {rate_thr:.0f}/s; at 50% load p50 {res['e2e_p50_ms']:.1f} ms, "
+        f"p99 {res['e2e_p99_ms']:.1f} ms")
+    return res
 
 
 def run(ctx: Ctx) -> dict[str, Any]:
@@ -204,7 +219,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
     inp = f"seed-in-{ctx.run}"
     create_topics(ctx.bootstrap, {inp: PARTITIONS})
     produce_backlog(ctx.bootstrap, inp, requests("thr", main_backlog), PARTITIONS)
-    seeds = {s: _seed(ctx, s, inp, main_backlog) for s in ("000", "003")}
+    seeds = {s: _seed(ctx, s, inp, main_backlog, paced_s) for s in ("000", "003")}
     wr = main["throughput_per_s"]
     note = f"a={A_MS:g} ms, b={B_MS:g} ms, B={MAIN_B}, wait {WAIT_MS:g} ms, backlog {main_backlog}"
     rows = [
@@ -224,6 +239,11 @@ def run(ctx: Ctx) -> dict[str, Any]:
             f"{light8['total_p99_ms']:.1f} ms (the model's own a + b sleep p99 {light8['inference_p99_ms']:.1f} ms); "
             f"a bare consumer's Kafka hop p99 {light8['kafka_floor_p99_ms']:.1f} ms"),
     ]
+    for s, name in (("000", "seed 000 DynamicBatcher"), ("003", "seed 003 BatchInferenceServer")):
+        rows.append(row("7.2 batching vs seeds", "worker p99 end-to-end ms at 50% load", main["e2e_p99_ms"],
+                        name, seeds[s]["e2e_p99_ms"], "info", 0, "ms",
+                        f"same max batch and wait, {main['paced_rate_per_s']:.0f} requests/s evenly spaced; "
+                        f"p50 worker {main['e2e_p50_ms']:.0f} ms, seed {seeds[s]['e2e_p50_ms']:.0f} ms"))
     for s in ("000", "003"):
         seeds[s]["efficiency"] = seeds[s]["throughput_per_s"] / ideal(MAIN_B)
     return {"a_ms": A_MS, "b_ms": B_MS, "main_batch": MAIN_B, "max_wait_ms": WAIT_MS, "sweep": sweep, "seeds": seeds,
