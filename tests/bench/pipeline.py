@@ -77,8 +77,9 @@ def run(ctx: Ctx) -> dict[str, Any]:
 
     lane = {"name": "default", "max_batch_size": 256, "max_wait_ms": 5}
     cfg = worker_config(ctx.bootstrap, f"worker-{r}", outs["worker"], f"pipe-dlq-{r}", topics=[inp], lanes=[lane],
-                        model={"name": "identity", "warmup": False})
-    res["worker_config"] = {"lane": lane, "metrics": False}
+                        model={"name": "identity", "warmup": False}, metrics=True)
+    # Metrics on, as `worker run` defaults: the figure is what a deployed worker does.
+    res["worker_config"] = {"lane": lane, "metrics": True}
     w = start_worker("pipe-worker", cfg, ctx.work)
     res["worker"] = _measure(ctx, "worker (identity)", w, outs["worker"], n, "partitions assigned")
     # The raw loop again after the worker: the machine is shared, so the baseline is the better of the two.

@@ -211,3 +211,17 @@ def test_health_endpoints() -> None:
         port = hs.port
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1)
+
+
+def test_end_to_end_many_matches_observe_one_by_one() -> None:
+    values = [-0.5, 0.0, 0.0004, 0.001, 0.0025, 0.01, 0.05, 0.099, 0.1, 0.7, 3.0, 42.0, 1e9]
+    one, many = PrometheusMetrics(), PrometheusMetrics()
+    for v in values:
+        one.end_to_end("hi", v)
+    many.end_to_end_many("hi", values[:5])
+    many.end_to_end_many("hi", values[5:])
+    def e2e(m: PrometheusMetrics) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+        return {k: v for k, v in samples(m).items() if k[0].startswith("kiw_end_to_end_seconds")}
+    got, want = e2e(many), e2e(one)
+    assert got == want
+    assert want[("kiw_end_to_end_seconds_count", frozenset({("lane", "hi")}))] == len(values)
