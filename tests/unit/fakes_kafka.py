@@ -347,12 +347,26 @@ class FakeConsumer:
             raise NotImplementedError("the fake commits explicit offsets only")
         done = {tp_of(k): k.offset for k in offsets}
         self.commit_calls.append(done)
+        on_commit = self.config.get("on_commit")
+        failure: BaseException | None = None
         if self.commit_failures:
-            raise self.commit_failures.popleft()
-        if self.broker_down:
-            raise KafkaException(KafkaError(KafkaError._TRANSPORT, "broker down"))
+            failure = self.commit_failures.popleft()
+        elif self.broker_down:
+            failure = KafkaException(KafkaError(KafkaError._TRANSPORT, "broker down"))
+        if failure is not None:
+            if not asynchronous or on_commit is None or not isinstance(failure, KafkaException):
+                raise failure
+            # As librdkafka: an asynchronous commit's broker error is reported to on_commit inside poll().
+            err = failure.args[0]
+            self._scheduled.append(lambda: on_commit(err, ktps(done)))
+            return None
         self.committed_offsets.update(done)
-        return None if asynchronous else [KTP(tp.topic, tp.partition, o) for tp, o in done.items()]
+        if asynchronous:
+            if on_commit is not None:
+                reported = [KTP(tp.topic, tp.partition, o) for tp, o in done.items()]
+                self._scheduled.append(lambda: on_commit(None, reported))
+            return None
+        return [KTP(tp.topic, tp.partition, o) for tp, o in done.items()]
 
     def committed(self, partitions: list[KTP], timeout: float | None = None) -> list[KTP]:
         self._check_open()

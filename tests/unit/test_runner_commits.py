@@ -147,6 +147,50 @@ def test_failed_commit_is_not_fatal_and_is_retried(monkeypatch: pytest.MonkeyPat
     assert all_commits(h) == [2, 2]
 
 
+def test_periodic_commit_is_asynchronous_and_counted_when_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    h = Harness(monkeypatch, make_config(kafka={"commit_interval_ms": 100})).start()
+    h.c.assign(("in", 0))
+    h.send(3)
+    h.iterate()
+    h.device.run_all()
+    h.iterate()
+    h.clock.advance(0.2)
+    h.iterate()  # the interval passed: the commit is sent, the loop does not wait for the broker
+    assert all_commits(h) == [3]
+    assert h.runner._commit_in_flight is not None and h.runner.stats.commits == 0
+    h.iterate()  # poll() serves the report
+    assert h.runner._commit_in_flight is None and h.runner.stats.commits == 1
+    assert h.runner.committed[IN0] == 3
+    h.clock.advance(0.2)
+    h.iterate()
+    h.iterate()
+    assert all_commits(h) == [3]  # nothing new: not committed again
+
+
+def test_failed_asynchronous_commit_is_counted_and_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    from confluent_kafka import KafkaError, KafkaException
+
+    from worker.adapters.metrics import PrometheusMetrics
+
+    metrics = PrometheusMetrics()
+    h = Harness(monkeypatch, make_config(kafka={"commit_interval_ms": 100}), metrics=metrics).start()
+    h.c.assign(("in", 0))
+    h.send(2)
+    h.iterate()
+    h.device.run_all()
+    h.iterate()
+    h.c.commit_failures.append(KafkaException(KafkaError(KafkaError.REBALANCE_IN_PROGRESS, "rebalancing")))
+    h.clock.advance(0.2)
+    h.iterate()
+    h.iterate()  # the failure is reported inside poll()
+    assert h.runner._fatal is None and h.runner.stats.commits == 0
+    assert metrics.commit_failures_total._value.get() == 1
+    h.clock.advance(0.2)
+    h.iterate()
+    h.iterate()
+    assert all_commits(h) == [2, 2] and h.committed() == 2 and h.runner.stats.commits == 1
+
+
 # ------------------------------------------------------------------------------------------ delivery failures
 def test_failed_delivery_is_retried_and_blocks_the_commit_until_it_succeeds(
         monkeypatch: pytest.MonkeyPatch) -> None:
