@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -27,8 +28,8 @@ from tests.bench.common import ROOT, Broker, Ctx, log, percentile, workdir
 
 SCENARIOS = {"pipeline": pipeline, "batching": batching, "realmodel": realmodel, "latency": latency,
              "scaleout": scaleout, "memory": memory}
-DATE = "2026-11-29"
-MACHINE = "2-core shared VM, CPU only"
+# Describes the machine in README's summary; e.g. KIW_BENCH_MACHINE="2-core shared VM, CPU only".
+MACHINE = os.environ.get("KIW_BENCH_MACHINE") or f"{os.cpu_count()}-core machine, CPU only"
 FRAGMENT = ROOT / "docs" / "fragments" / "benchmarks.md"
 NOTES_MARK = "<!-- notes -->"
 
@@ -85,7 +86,7 @@ def write_fragment(results: dict[str, Any]) -> None:
     lines = [
         "### Results",
         "",
-        f"Measured {DATE} on a {MACHINE} (other jobs running; figures are noisy, so every one is a ratio against",
+        f"Measured {results['date']} on a {results['machine']} (figures are noisy, so every one is a ratio against",
         "a baseline measured in the same run), with a local single-node Kafka broker. Command:",
         f"`{results['command']}` ({results['runtime_s'] / 60:.1f} min).",
         "",
@@ -111,7 +112,7 @@ def write_fragment(results: dict[str, Any]) -> None:
         "### Running the benchmarks",
         "",
         "```bash",
-        "make bench                                            # everything, ~20 min on 2 cores",
+        "make bench                                            # everything, ~11 min on 2 cores",
         "PYTHONPATH=. python -m tests.bench.run_all --quick    # smaller counts, ~5 min (output in /tmp)",
         "PYTHONPATH=. python -m tests.bench.run_all --only latency,memory",
         "PYTHONPATH=. python -m tests.bench.run_all --rerender # table, plots, this section from results.json",
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r for n in order if n in results["scenarios"] for r in results["scenarios"][n].get("rows", [])]
     cmd = "make bench" if not args.only and not args.quick else "python -m tests.bench.run_all " + " ".join(
         (["--quick"] if args.quick else []) + ([f"--only {args.only}"] if args.only else []))
-    results.update({"date": DATE, "machine": MACHINE, "python": sys.version.split()[0], "platform": platform.platform(),
+    results.update({"date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": MACHINE, "python": sys.version.split()[0], "platform": platform.platform(),
                     "quick": args.quick, "command": cmd, "runtime_s": round(runtime, 1), "table": rows,
                     "last_run_scenarios": names})
     results_path.write_text(json.dumps(results, indent=1, sort_keys=True, default=str))
