@@ -214,7 +214,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
     # At B=32, 10% load (62/s) keeps the device busy: a record alone holds it for a + b = 21 ms, so records
     # queue behind each other and even an ideal batcher is at ~2x (a + b). At B=8 the same 10% (29/s) leaves
     # the device idle between arrivals: the situation the target describes.
-    light8 = _light(ctx, 8.0 if ctx.quick else 20.0, bs=LIGHT_B)
+    light8 = _light(ctx, 8.0 if ctx.quick else 45.0, bs=LIGHT_B)  # ~1,200 samples for a steadier p99
     # The seeds read the same kind of backlog from their own topic (their consumer groups start at 0).
     inp = f"seed-in-{ctx.run}"
     create_topics(ctx.bootstrap, {inp: PARTITIONS})

@@ -76,6 +76,16 @@ def _strip_samples(res: dict[str, Any]) -> None:
                 h["e2e_quantiles_ms"] = [round(percentile(xs, q), 2) for q in range(101)]
 
 
+def _runs_line(results: dict[str, Any]) -> str:
+    runs = results.get("runs") or [{"command": results["command"], "runtime_s": results["runtime_s"],
+                                    "scenarios": list(SCENARIOS)}]
+    parts = []
+    for r in runs:
+        what = "" if set(r["scenarios"]) == set(SCENARIOS) else f"; {', '.join(r['scenarios'])} rows"
+        parts.append(f"`{r['command']}` ({r['runtime_s'] / 60:.1f} min{what})")
+    return ", then ".join(parts)
+
+
 def write_fragment(results: dict[str, Any]) -> None:
     notes = ""
     if FRAGMENT.exists():
@@ -87,8 +97,8 @@ def write_fragment(results: dict[str, Any]) -> None:
         "### Results",
         "",
         f"Measured {results['date']} on a {results['machine']} (figures are noisy, so every one is a ratio against",
-        "a baseline measured in the same run), with a local single-node Kafka broker. Command:",
-        f"`{results['command']}` ({results['runtime_s'] / 60:.1f} min).",
+        "a baseline measured in the same run), with a local single-node Kafka broker. Commands:",
+        _runs_line(results) + ".",
         "",
         *table(results["table"]),
         "",
@@ -205,9 +215,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r for n in order if n in results["scenarios"] for r in results["scenarios"][n].get("rows", [])]
     cmd = "make bench" if not args.only and not args.quick else "python -m tests.bench.run_all " + " ".join(
         (["--quick"] if args.quick else []) + ([f"--only {args.only}"] if args.only else []))
-    results.update({"date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": MACHINE, "python": sys.version.split()[0], "platform": platform.platform(),
-                    "quick": args.quick, "command": cmd, "runtime_s": round(runtime, 1), "table": rows,
-                    "last_run_scenarios": names})
+    today = time.strftime("%Y-%m-%d", time.gmtime())
+    # Which run measured which rows: a full run starts the list, an --only run adds to it.
+    runs = [] if set(names) == set(SCENARIOS) else list(results.get("runs", []))
+    runs.append({"command": cmd, "runtime_s": round(runtime, 1), "scenarios": names, "date": today})
+    results.update({"date": today, "machine": MACHINE, "python": sys.version.split()[0],
+                    "platform": platform.platform(), "quick": args.quick, "command": cmd,
+                    "runtime_s": round(runtime, 1), "table": rows, "last_run_scenarios": names, "runs": runs})
     results_path.write_text(json.dumps(results, indent=1, sort_keys=True, default=str))
     print()
     print("\n".join(table(rows)))
