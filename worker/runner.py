@@ -40,6 +40,9 @@ from worker.intake import Intake
 from worker.transactions import Fenced, TransactionalCommitter
 
 log = logging.getLogger("worker.runner")
+# Records are acyclic and freed by reference counting; young-generation passes every 700 allocations (the
+# default) only burn CPU on the hot path.
+GC_THRESHOLD = (20_000, 20, 20)
 _cache_enc = msgspec.msgpack.Encoder()
 _cache_dec = msgspec.msgpack.Decoder()
 
@@ -157,9 +160,7 @@ class Runner:
         # full garbage collection, which the per-record allocations trigger every few thousand records.
         gc.collect()
         gc.freeze()
-        # Records are acyclic and freed by reference counting; young-generation passes every 700
-        # allocations (the default) only burn CPU on the hot path.
-        gc.set_threshold(20_000, 20, 20)
+        gc.set_threshold(*GC_THRESHOLD)
         if self.health is not None:
             self.health.model_loaded = True
 
