@@ -151,6 +151,15 @@ else
   fail "config change changes checksum/config"
 fi
 
+# The grace period follows a shutdown timeout set through extraEnv (the worker reads WORKER__ env over the
+# file): 120 + preStop 5 + margin 15 = 140.
+render grace-from-env --set 'extraEnv[0].name=WORKER__DELIVERY__SHUTDOWN_TIMEOUT_S' --set-string 'extraEnv[0].value=120'
+if grep -q 'terminationGracePeriodSeconds: 140$' "$work/grace-from-env.yaml"; then
+  pass "terminationGracePeriodSeconds follows an extraEnv shutdown timeout"
+else
+  fail "terminationGracePeriodSeconds follows an extraEnv shutdown timeout" "$(grep -n terminationGrace "$work/grace-from-env.yaml")"
+fi
+
 # ------------------------------------------------------------------------------- 4. negative cases
 echo "negative cases"
 bad_render() {  # bad_render NAME EXPECTED-SUBSTRING [helm args...]
@@ -169,6 +178,9 @@ bad_render hpa-over-partitions "exceeds autoscaling.partitions" \
   --set autoscaling.enabled=true --set autoscaling.kind=hpa --set autoscaling.partitions=2 --set autoscaling.maxReplicas=3
 bad_render grace-below-shutdown "must be larger than config.delivery.shutdown_timeout_s" \
   --set terminationGracePeriodSeconds=30
+bad_render grace-below-env-shutdown "must be larger than config.delivery.shutdown_timeout_s" \
+  --set terminationGracePeriodSeconds=60 --set 'extraEnv[0].name=WORKER__DELIVERY__SHUTDOWN_TIMEOUT_S' \
+  --set-string 'extraEnv[0].value=120'
 bad_render unknown-config-section "batchng" --set config.batchng.max_in_flight=1
 bad_render bad-autoscaling-kind "autoscaling/kind" --set autoscaling.kind=vpa
 bad_render sasl-without-secret "secrets.kafkaSasl.secretName" --set secrets.kafkaSasl.enabled=true

@@ -80,6 +80,13 @@ to exit. Kubernetes counts the preStop hook inside the grace period, so both mus
 */}}
 {{- define "kiw.shutdownBudget" -}}
 {{- $shutdown := dig "delivery" "shutdown_timeout_s" 30 (.Values.config | default dict) | float64 | ceil | int }}
+{{- /* An extraEnv override wins in the worker (WORKER__ env over the file), so it wins here too. A valueFrom
+       cannot be read at render time: then the config value stands. */}}
+{{- range .Values.extraEnv }}
+{{- if and (eq .name "WORKER__DELIVERY__SHUTDOWN_TIMEOUT_S") (hasKey . "value") }}
+{{- $shutdown = .value | float64 | ceil | int }}
+{{- end }}
+{{- end }}
 {{- $preStop := .Values.lifecycle.preStopSleepSeconds | default 0 | int }}
 {{- add $shutdown $preStop }}
 {{- end }}
@@ -122,7 +129,7 @@ secrets the chart injects as env vars.
 {{- $budget := include "kiw.shutdownBudget" . | int }}
 {{- if not (kindIs "invalid" .Values.terminationGracePeriodSeconds) }}
 {{- if le (.Values.terminationGracePeriodSeconds | int) $budget }}
-{{- fail (printf "terminationGracePeriodSeconds=%d must be larger than config.delivery.shutdown_timeout_s + lifecycle.preStopSleepSeconds = %d: Kubernetes would kill the worker before in-flight batches finish and offsets commit (leave it empty to derive it)" (.Values.terminationGracePeriodSeconds | int) $budget) }}
+{{- fail (printf "terminationGracePeriodSeconds=%d must be larger than config.delivery.shutdown_timeout_s (or its extraEnv override) + lifecycle.preStopSleepSeconds = %d: Kubernetes would kill the worker before in-flight batches finish and offsets commit (leave it empty to derive it)" (.Values.terminationGracePeriodSeconds | int) $budget) }}
 {{- end }}
 {{- end }}
 {{- if and (not (dig "metrics" "enabled" true $cfg)) (or .Values.probes.liveness.enabled .Values.probes.readiness.enabled .Values.probes.startup.enabled) }}
