@@ -216,13 +216,16 @@ class PriorityScheduler:
         if closed:
             self._push_ready(lane, closed)
         if d is not None:
-            self._seq += 1
-            heapq.heappush(lane.heap, (d, self._seq, record))
-            lane.live.add(id(record))
+            self._track_deadline(lane, record, d)
         lane.n += 1
         self._total += 1
         lane.arrivals += 1
         return []
+
+    def _track_deadline(self, lane: _Lane, record: Record, deadline: float) -> None:
+        self._seq += 1
+        heapq.heappush(lane.heap, (deadline, self._seq, record))
+        lane.live.add(id(record))
 
     def _becomes_backlogged(self, lane: _Lane, now: float) -> None:
         if lane.rate_t is None:
@@ -234,6 +237,13 @@ class PriorityScheduler:
         others = [ln.vservice for ln in self._order if ln is not lane and ln.n]
         if others:
             lane.vservice = max(lane.vservice, min(others))
+
+    def _close_due_windows(self, lane: _Lane, now: float) -> None:
+        """Move the lane's windows that are due (by count or max_wait) to its ready FIFO."""
+        if len(lane.batcher):
+            closed = lane.batcher.poll(now)
+            if closed:
+                self._push_ready(lane, closed)
 
     def _push_ready(self, lane: _Lane, batches: Iterable[Batch]) -> None:
         for b in batches:
@@ -256,10 +266,7 @@ class PriorityScheduler:
             return None
         adaptive = self._adaptive
         for lane in self._order:
-            if len(lane.batcher):
-                closed = lane.batcher.poll(now)
-                if closed:
-                    self._push_ready(lane, closed)
+            self._close_due_windows(lane, now)
             if adaptive:
                 self._update_rate(lane, now)
                 if idle:
@@ -283,10 +290,7 @@ class PriorityScheduler:
             cands = [ln for ln in self._order if ln.ready_n or (idle and ln.n)]
         if not cands:
             return None
-        limit = min(ln.vservice for ln in cands) + self._lag
-        lane = next((ln for ln in cands if ln.vservice < limit), None)
-        if lane is None:  # only reachable through float rounding on huge counters
-            lane = min(cands, key=lambda ln: ln.vservice)
+        lane = self._eligible(cands)
         if lane.ready_n:
             return self._select_from(lane, now, idle)
         if not self._adaptive:
@@ -297,6 +301,7 @@ class PriorityScheduler:
         lane.hold_until = hold
         # Fill the gap: a batch of another lane that finishes before the hold ends delays nobody.
         rest = [ln for ln in cands if ln is not lane]
+        limit = self._lag_limit(cands)
         rest.sort(key=lambda ln: (ln.vservice >= limit, -ln.priority, ln.index))
         for other in rest:
             if other.ready_n:
@@ -310,6 +315,19 @@ class PriorityScheduler:
                     return self._pop_ready(other)
                 return other.batcher.take_open(now, other.max_batch, "adaptive")
         return None
+
+    def _lag_limit(self, cands: list[_Lane]) -> float:
+        """A candidate is eligible while its normalized service is below this: one batch of lag."""
+        return min(ln.vservice for ln in cands) + self._lag
+
+    def _eligible(self, cands: list[_Lane]) -> _Lane:
+        """The lane to serve among the candidates (in priority order): the first within one batch of lag
+        of the least-served one (see "Choosing a lane")."""
+        limit = self._lag_limit(cands)
+        lane = next((ln for ln in cands if ln.vservice < limit), None)
+        if lane is None:  # only reachable through float rounding on huge counters
+            lane = min(cands, key=lambda ln: ln.vservice)
+        return lane
 
     def preempt(self, batch: Batch, now: float) -> Batch | None:
         """A device is about to start ``batch``, which it took earlier (prefetched while it was busy). If a lane
@@ -330,17 +348,13 @@ class PriorityScheduler:
             return None  # the common case: nothing of higher priority is queued
         self._expire_due(now)
         for ln in self._order:
-            if ln.priority > own.priority and len(ln.batcher):
-                closed = ln.batcher.poll(now)
-                if closed:
-                    self._push_ready(ln, closed)
+            if ln.priority > own.priority:
+                self._close_due_windows(ln, now)
         # Who would an idle device serve? (the rule of _select; ``own`` counted with ``batch`` served, the
         # state in which a lane that became backlogged since was placed, so the lag bound grows by at most
         # one batch)
-        cands = [ln for ln in self._order if ln is own or ln.n]
-        limit = min(ln.vservice for ln in cands) + self._lag
-        pick = next((ln for ln in cands if ln.vservice < limit), None)
-        if pick is None or pick.priority <= own.priority:
+        pick = self._eligible([ln for ln in self._order if ln is own or ln.n])
+        if pick.priority <= own.priority:
             return None
         if not pick.ready_n:
             return None  # its window is still open: it goes after ``batch``, with what arrives meanwhile
@@ -363,9 +377,7 @@ class PriorityScheduler:
         lane.vservice -= n / lane.weight
         for r in batch.records:
             if r.deadline is not None:
-                self._seq += 1
-                heapq.heappush(lane.heap, (r.deadline, self._seq, r))
-                lane.live.add(id(r))
+                self._track_deadline(lane, r, r.deadline)
 
     def _select_from(self, lane: _Lane, now: float, idle: bool) -> Batch:
         """The lane's next ready batch (it has one)."""
