@@ -118,19 +118,14 @@ class Emitter:
             value = self._encode(rec, "ok", output, None, batch_size, queue_s, infer_s, now, now_wall_ms)
         except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
             return False
-        key = rec.key
-        if len(value) + (len(key) if key else 0) > self.max_message_bytes:
+        return self._send_result(rec, value)
+
+    def _send_result(self, rec: Record, value: bytes) -> bool:
+        """Send ``value`` as the record's only message (a result, no dead letter). False, nothing sent, when it
+        is over message.max.bytes: the general path turns that into an error result and a dead letter."""
+        if self._size(rec.key, value) > self.max_message_bytes:
             return False
-        topic = self.output_topic
-        p = _Pending(rec, self, [(topic, key, value, None)])
-        p.remaining = 1
-        p.round = 1
-        try:
-            self.producer.produce(topic, value=value, key=key, on_delivery=p)
-            self.produced += 1
-        except BufferError:
-            p.round = 0
-            self._send(p)
+        self._send(_Pending(rec, self, [(self.output_topic, rec.key, value, None)]))
         return True
 
     def emit(self, o: Outcome, now: float, now_wall_ms: float, result_bytes: bytes | None = None) -> None:
@@ -141,8 +136,7 @@ class Emitter:
                 value = self.result_bytes(o, now, now_wall_ms)
             except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
                 value = None  # handled below as an output error
-            if value is not None and len(value) + len(rec.key or b"") <= self.max_message_bytes:
-                self._send(_Pending(rec, self, [(self.output_topic, rec.key, value, None)]))
+            if value is not None and self._send_result(rec, value):
                 return
         p = _Pending(rec, self)
         if rec.id is not None:
