@@ -64,7 +64,6 @@ class RunStats:
     started: float = field(default_factory=time.monotonic)
     ledger_skips: int = 0
     cache_hits: int = 0
-    e2e_ms: list[float] = field(default_factory=list)  # sampled end-to-end latencies (for summaries)
 
     @property
     def mean_batch(self) -> float:
@@ -523,68 +522,43 @@ class Runner:
         queue_wait = sum(batch.closed_at - r.received_at for r in batch.records) / n
         self.metrics.batch(batch.lane, n, batch.fill_ratio, queue_wait, infer_s)
         self.metrics.event("batches", lane=batch.lane, reason=batch.reason)
-        if self.txn is None:
-            self._complete_fast(batch, outputs, infer_s, now)
-            return
-        outcomes = []
-        for rec, out in zip(batch.records, outputs, strict=True):
-            if self.epochs[rec.tp] != rec.epoch:
-                continue  # partition revoked meanwhile: the new owner reprocesses it
-            t = {"queue": batch.closed_at - rec.received_at, "infer": infer_s}
-            if isinstance(out, BaseException):
-                outcomes.append(Outcome(rec, "error", error=f"{type(out).__name__}: {out}", dlq_stage="inference",
-                                        batch_size=n, timings=t))
-            else:
-                outcomes.append(Outcome(rec, "ok", output=out, batch_size=n, timings=t))
-                if rec.cache_key is not None and self.store is not None:
-                    try:
-                        self._cache_puts.append((rec.cache_key, _cache_enc.encode(out)))
-                    except (TypeError, msgspec.EncodeError):
-                        pass  # not cacheable (the result itself is still produced)
-        self._emit_all(outcomes, now)
-
-    def _complete_fast(self, batch: Batch, outputs: list[Any], infer_s: float, now: float) -> None:
-        """_complete_batch without a transaction: ok results go straight to the emitter's hot path (no
-        Outcome, metrics and stats once per batch); errors and what the hot path declines go the general way."""
+        # Without a transaction ok results go straight to the emitter's hot path: no Outcome per record,
+        # metrics and stats once per batch. In exactly-once mode every outcome goes through the reorder buffer.
+        emit_ok = self.emitter.emit_ok if self.txn is None else None
         wall_ms = time.time() * 1000.0
         epochs = self.epochs
         closed = batch.closed_at
-        n = len(batch.records)
-        emit_ok = self.emitter.emit_ok
-        caching = self.store is not None and self.cfg.redis.cache
-        slow: list[Outcome] = []
-        e2e_ms: list[float] = []
+        outcomes: list[Outcome] = []
+        e2e_s: list[float] = []
         ok = 0
         for rec, out in zip(batch.records, outputs, strict=True):
             if epochs[rec.tp] != rec.epoch:
                 continue  # partition revoked meanwhile: the new owner reprocesses it
+            queue_s = closed - rec.received_at
             if isinstance(out, BaseException):
-                slow.append(Outcome(rec, "error", error=f"{type(out).__name__}: {out}", dlq_stage="inference",
-                                    batch_size=n, timings={"queue": closed - rec.received_at, "infer": infer_s}))
+                outcomes.append(Outcome(rec, "error", error=f"{type(out).__name__}: {out}", dlq_stage="inference",
+                                        batch_size=n, timings={"queue": queue_s, "infer": infer_s}))
                 continue
-            if caching and rec.cache_key is not None:
+            if rec.cache_key is not None and self.store is not None:
                 try:
                     self._cache_puts.append((rec.cache_key, _cache_enc.encode(out)))
                 except (TypeError, msgspec.EncodeError):
                     pass  # not cacheable (the result itself is still produced)
-            if not emit_ok(rec, out, n, closed - rec.received_at, infer_s, now, wall_ms):
-                slow.append(Outcome(rec, "ok", output=out, batch_size=n,
-                                    timings={"queue": closed - rec.received_at, "infer": infer_s}))
+            if emit_ok is not None and emit_ok(rec, out, n, queue_s, infer_s, now, wall_ms):
+                ok += 1
+                if rec.produced_at_ms:
+                    e2e_s.append((wall_ms - rec.produced_at_ms) / 1000.0)
                 continue
-            ok += 1
-            if rec.produced_at_ms:
-                e2e_ms.append(wall_ms - rec.produced_at_ms)
+            # Exactly-once, or what the hot path declined (unencodable, oversize): the general path.
+            outcomes.append(Outcome(rec, "ok", output=out, batch_size=n, timings={"queue": queue_s, "infer": infer_s}))
         if ok:
             st = self.stats
             st.results_ok += ok
             self.metrics.records_out(batch.lane, "ok", ok)
-            if e2e_ms:
-                self.metrics.end_to_end_many(batch.lane, [x / 1000.0 for x in e2e_ms])
-                room = 200_000 - len(st.e2e_ms)
-                if room > 0:
-                    st.e2e_ms.extend(e2e_ms[:room])
-        if slow:
-            self._emit_all(slow, now)
+            if e2e_s:
+                self.metrics.end_to_end_many(batch.lane, e2e_s)
+        if outcomes:
+            self._emit_all(outcomes, now)
 
     def _emit_all(self, outcomes: Iterable[Outcome], now: float) -> None:
         wall_ms = time.time() * 1000.0
@@ -602,10 +576,7 @@ class Runner:
             rec = o.record
             self.metrics.records_out(rec.lane, o.status)
             if rec.produced_at_ms:
-                e2e = (wall_ms - rec.produced_at_ms) / 1000.0
-                self.metrics.end_to_end(rec.lane, e2e)
-                if len(st.e2e_ms) < 200_000:
-                    st.e2e_ms.append(e2e * 1000.0)
+                self.metrics.end_to_end(rec.lane, (wall_ms - rec.produced_at_ms) / 1000.0)
             if self.txn is None:
                 self.emitter.emit(o, now, wall_ms)
             else:
