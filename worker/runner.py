@@ -674,33 +674,22 @@ class Runner:
             offsets = {tp: o for tp, o in offsets.items() if tp in only}
         if not offsets:
             return
-        if not sync:
-            if offsets == self._commit_in_flight:
-                return  # the same offsets are already on their way
-            try:
-                self.consumer.commit(offsets=[KTP(tp.topic, tp.partition, o) for tp, o in offsets.items()],
-                                     asynchronous=True)
-                self._commit_in_flight = offsets
-                self._commit_sent_at = time.monotonic()
-            except KafkaException as e:  # a local error (e.g. not in a group any more); retried next time
-                log.warning("commit failed: %s", e)
-                self.metrics.event("commit_failures")
-            return
+        if not sync and offsets == self._commit_in_flight:
+            return  # the same offsets are already on their way
         t0 = time.monotonic()
         try:
             self.consumer.commit(offsets=[KTP(tp.topic, tp.partition, o) for tp, o in offsets.items()],
-                                 asynchronous=False)
+                                 asynchronous=not sync)
         except KafkaException as e:
-            # Not fatal: the same (or a later) prefix is committed next time. A rebalance in progress or a
-            # fenced generation shows up here; the new owner starts from the last successful commit.
-            log.warning("commit failed: %s", e)
-            self.metrics.event("commit_failures")
+            # A rebalance in progress or a fenced generation shows up here (asynchronously: only local errors,
+            # e.g. not in a group any more); the new owner starts from the last successful commit.
+            self._commit_failed(e)
             return
-        self.tracker.mark_committed(offsets)
-        self.committed.update(offsets)
-        self.stats.commits += 1
-        self._broker_ok = True
-        self.metrics.gauge("commit_seconds", time.monotonic() - t0)
+        if sync:
+            self._committed(offsets, t0)
+        else:
+            self._commit_in_flight = offsets
+            self._commit_sent_at = t0
 
     def _on_commit(self, err: Any, partitions: list[Any]) -> None:
         """librdkafka's report of a commit (served inside poll, on the loop thread). It reports synchronous
@@ -709,19 +698,24 @@ class Runner:
             return
         self._commit_in_flight = None
         if err is not None:
-            # Not fatal: the same (or a later) prefix is committed next time.
-            log.warning("commit failed: %s", err)
-            self.metrics.event("commit_failures")
+            self._commit_failed(err)
             return
         done = {tp: k.offset for k in partitions
                 if k.error is None and k.offset >= 0 and (tp := TopicPartition(k.topic, k.partition)) in self.assigned}
-        if not done:
-            return
-        self.tracker.mark_committed(done)
-        self.committed.update(done)
+        if done:
+            self._committed(done, self._commit_sent_at)
+
+    def _committed(self, offsets: dict[TopicPartition, int], sent_at: float) -> None:
+        self.tracker.mark_committed(offsets)
+        self.committed.update(offsets)
         self.stats.commits += 1
         self._broker_ok = True
-        self.metrics.gauge("commit_seconds", time.monotonic() - self._commit_sent_at)
+        self.metrics.gauge("commit_seconds", time.monotonic() - sent_at)
+
+    def _commit_failed(self, err: Any) -> None:
+        # Not fatal: the same (or a later) prefix is committed next time.
+        log.warning("commit failed: %s", err)
+        self.metrics.event("commit_failures")
 
     def _checkpoint_transaction(self) -> None:
         assert self.txn is not None
