@@ -59,13 +59,7 @@ def synthetic_model() -> dict[str, Any]:
 
 
 def _point(ctx: Ctx, bs: int, backlog: int, paced_s: float) -> dict[str, Any]:
-    r = f"{ctx.run}-b{bs}"
-    inp, out = f"batch-in-{r}", f"batch-out-{r}"
-    create_topics(ctx.bootstrap, {inp: PARTITIONS, out: PARTITIONS, f"batch-dlq-{r}": 1}, log_append_time=[out])
-    cfg = worker_config(ctx.bootstrap, f"batch-{r}", out, f"batch-dlq-{r}", topics=[inp],
-                        lanes=[{"name": "default", "max_batch_size": bs, "max_wait_ms": WAIT_MS}],
-                        model=synthetic_model())
-    w = start_worker(f"batch-worker-b{bs}", cfg, ctx.work)
+    inp, out, w = _one_lane_worker(ctx, "batch", bs)
     try:
         wait_assigned(w)
         time.sleep(1.0)
@@ -92,12 +86,7 @@ def _point(ctx: Ctx, bs: int, backlog: int, paced_s: float) -> dict[str, Any]:
            "e2e_p50_ms": percentile(e2e, 50), "e2e_p99_ms": percentile(e2e, 99),
            "mean_batch_paced": sum(d["batch_size"] for d in lat) / max(len(lat), 1)}
     res["efficiency"] = res["throughput_per_s"] / res["ideal_per_s"]
-    from tests.bench.latency import simulate
-
-    arrivals = sorted((t, "low") for _tp, t in paced.sent.values())
-    sim, _ = simulate(arrivals, bs=bs, order=("low",))
-    t_skip = paced.started * 1000 + 1000.0
-    kept = [x for (t, _l), x in zip(arrivals, sim["low"], strict=True) if t >= t_skip]
+    kept, _ = _ideal(paced, bs, paced.started * 1000 + 1000.0)
     res["ideal_wc_p50_ms"], res["ideal_wc_p99_ms"] = percentile(kept, 50), percentile(kept, 99)
     log(f"  B={bs}: {res['throughput_per_s']:.0f}/s of ideal {res['ideal_per_s']:.0f}/s "
         f"({res['efficiency']:.3f}); at 50% load p50 {res['e2e_p50_ms']:.1f} ms, p99 {res['e2e_p99_ms']:.1f} ms "
@@ -107,15 +96,7 @@ def _point(ctx: Ctx, bs: int, backlog: int, paced_s: float) -> dict[str, Any]:
 
 def _light(ctx: Ctx, seconds: float, bs: int = MAIN_B) -> dict[str, Any]:
     """One lane at 10% of the ideal rate ``bs / (a + b*bs)`` (issue 3: work-conserving dispatch)."""
-    from tests.bench.latency import simulate
-
-    r = f"{ctx.run}-light{bs}"
-    inp, out = f"light-in-{r}", f"light-out-{r}"
-    create_topics(ctx.bootstrap, {inp: PARTITIONS, out: PARTITIONS, f"light-dlq-{r}": 1}, log_append_time=[out])
-    cfg = worker_config(ctx.bootstrap, f"light-{r}", out, f"light-dlq-{r}", topics=[inp],
-                        lanes=[{"name": "default", "max_batch_size": bs, "max_wait_ms": WAIT_MS}],
-                        model=synthetic_model())
-    w = start_worker(f"light{bs}-worker", cfg, ctx.work)
+    inp, out, w = _one_lane_worker(ctx, "light", bs)
     rate = 0.1 * ideal(bs)
     floor = KafkaFloor(ctx.bootstrap, inp, PARTITIONS)
     floor.start()
@@ -132,23 +113,20 @@ def _light(ctx: Ctx, seconds: float, bs: int = MAIN_B) -> dict[str, Any]:
     t_from = paced.started * 1000 + 2000.0
     keep = [d for d in rows if paced.sent[d["id"]][1] >= t_from]
     e2e = [d["timings"]["e2e_ms"] for d in keep]
-    arrivals = [(t, "low") for _tp, t in paced.sent.values()]
-    sim, _ = simulate(arrivals, bs=bs, order=("low",))
-    sim_kept = [x for (t, _l), x in zip(sorted(arrivals), sim["low"], strict=True) if t >= t_from]
-    # mean batch size per record in the ideal batcher: count the records completing together
+    sim_kept, sim_mean_batch = _ideal(paced, bs, t_from)
+    floor_kept = [floor_ms[d["id"]] for d in keep if d["id"] in floor_ms]
     res = {"max_batch": bs, "rate_per_s": rate, "sent": len(paced.sent), "n": len(e2e), "e2e_p50_ms": percentile(e2e, 50),
            "e2e_p99_ms": percentile(e2e, 99), "mean_batch": sum(d["batch_size"] for d in keep) / max(len(keep), 1),
            "queue_p50_ms": percentile([d["timings"]["queue_ms"] for d in keep], 50),
            "inference_p50_ms": percentile([d["timings"]["inference_ms"] for d in keep], 50),
            "total_p50_ms": percentile([d["timings"]["total_ms"] for d in keep], 50),
            "ideal_wc_p50_ms": percentile(sim_kept, 50), "ideal_wc_p99_ms": percentile(sim_kept, 99),
-           "kafka_floor_p50_ms": percentile([floor_ms[d["id"]] for d in keep if d["id"] in floor_ms], 50),
-           "kafka_floor_p99_ms": percentile([floor_ms[d["id"]] for d in keep if d["id"] in floor_ms], 99),
+           "kafka_floor_p50_ms": percentile(floor_kept, 50), "kafka_floor_p99_ms": percentile(floor_kept, 99),
            "total_p99_ms": percentile([d["timings"]["total_ms"] for d in keep], 99),
            "inference_p99_ms": percentile([d["timings"]["inference_ms"] for d in keep], 99),
            "queue_p99_ms": percentile([d["timings"]["queue_ms"] for d in keep], 99),
            "outside_worker_p99_ms": percentile([d["timings"]["e2e_ms"] - d["timings"]["total_ms"] for d in keep], 99),
-           "ideal_mean_batch": _sim_mean_batch(arrivals, bs), "e2e_ms": sorted(e2e)}
+           "ideal_mean_batch": sim_mean_batch, "e2e_ms": sorted(e2e)}
     log(f"  10% load, one lane, max batch {bs} ({rate:.1f}/s): p50 {res['e2e_p50_ms']:.1f} / p99 "
         f"{res['e2e_p99_ms']:.1f} ms (in the worker p99 {res['total_p99_ms']:.1f} ms; a bare consumer's Kafka hop "
         f"p50 {res['kafka_floor_p50_ms']:.1f} / p99 {res['kafka_floor_p99_ms']:.1f} ms), mean batch "
@@ -157,15 +135,30 @@ def _light(ctx: Ctx, seconds: float, bs: int = MAIN_B) -> dict[str, Any]:
     return res
 
 
-def _sim_mean_batch(arrivals: list[tuple[float, str]], bs: int) -> float:
-    """Record-weighted mean batch size of the ideal batcher (records finishing at the same instant)."""
+def _one_lane_worker(ctx: Ctx, kind: str, bs: int) -> tuple[str, str, Proc]:
+    """Input, output and DLQ topics plus a worker process with one lane of max batch ``bs``."""
+    r = f"{ctx.run}-{kind}{bs}"
+    inp, out, dlq = f"{kind}-in-{r}", f"{kind}-out-{r}", f"{kind}-dlq-{r}"
+    create_topics(ctx.bootstrap, {inp: PARTITIONS, out: PARTITIONS, dlq: 1}, log_append_time=[out])
+    cfg = worker_config(ctx.bootstrap, f"{kind}-{r}", out, dlq, topics=[inp],
+                        lanes=[{"name": "default", "max_batch_size": bs, "max_wait_ms": WAIT_MS}],
+                        model=synthetic_model())
+    return inp, out, start_worker(f"{kind}{bs}-worker", cfg, ctx.work)
+
+
+def _ideal(paced: Any, bs: int, t_from: float) -> tuple[list[float], float]:
+    """An ideal work-conserving batcher (``latency.simulate``, one queue) on the paced arrival times: the
+    latencies of the records sent at or after ``t_from`` (ms), and its record-weighted mean batch size
+    (records that complete together were one batch)."""
     from collections import Counter
 
     from tests.bench.latency import simulate
 
-    _, done = simulate(arrivals, bs=bs, order=("low",))
+    arrivals = sorted((t, "low") for _tp, t in paced.sent.values())
+    sim, done = simulate(arrivals, bs=bs, order=("low",))
+    kept = [x for (t, _l), x in zip(arrivals, sim["low"], strict=True) if t >= t_from]
     sizes = Counter(done)
-    return sum(n * n for n in sizes.values()) / max(len(done), 1)
+    return kept, sum(n * n for n in sizes.values()) / max(len(done), 1)
 
 
 def _seed(ctx: Ctx, seed: str, inp: str, n: int, paced_s: float) -> dict[str, Any]:
