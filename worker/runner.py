@@ -92,7 +92,6 @@ class Runner:
         self.reached: set[TopicPartition] = set(reached or ())  # backfill: partitions read up to stop_at
         self._on_assign_offsets = on_assign_offsets
         self.group_id = group_id or cfg.kafka.group_id
-        self.install_signals = install_signals
 
         lanes = cfg.batching.lanes
         self.lane_cfg = {lane.name: lane for lane in lanes}
@@ -136,6 +135,11 @@ class Runner:
         from worker.adapters.metrics import DrainEstimator
 
         self._drain = DrainEstimator(window_s=60.0)
+        if install_signals:
+            # Now, not in run(): a SIGTERM while the model loads (seconds to minutes) must stop the worker
+            # gracefully, not kill it with the default disposition.
+            signal.signal(signal.SIGTERM, self.stop)
+            signal.signal(signal.SIGINT, self.stop)
 
     # ------------------------------------------------------------------ setup
     def _build_models(self) -> None:
@@ -268,9 +272,6 @@ class Runner:
             self.cv.notify_all()
 
     def run(self) -> int:
-        if self.install_signals:
-            signal.signal(signal.SIGTERM, self.stop)
-            signal.signal(signal.SIGINT, self.stop)
         self._build_models()
         self.intake = Intake(self.cfg, self.model, route=self.scheduler.lane_for)
         self.consumer = make_consumer(self.cfg, **{"group.id": self.group_id, "on_commit": self._on_commit})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 
@@ -12,6 +13,11 @@ log = logging.getLogger("worker.service")
 
 
 def run_service(cfg: Config, metrics_port: int | None = None) -> int:
+    # A SIGTERM can come while the process is still starting (a rolling update, a scale-in): remember it
+    # until the Runner installs its own handlers, then hand it on, so the exit is graceful (0), not -15.
+    early: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: early.append(signum))
     from worker.adapters.memory_store import make_store
     from worker.runner import Runner
 
@@ -33,6 +39,8 @@ def run_service(cfg: Config, metrics_port: int | None = None) -> int:
                                 "model": cfg.model.name, "delivery": cfg.delivery.mode})
     store = make_store(cfg.redis, metrics)
     runner = Runner(cfg, metrics=metrics, store=store, install_signals=True, health=state)
+    if early:
+        runner.stop()
     if state is not None:
         # Loading and warming a large model can take minutes; the process is alive meanwhile (readiness,
         # not liveness, says it cannot take traffic yet). The loop thread beats once it runs.

@@ -4,6 +4,8 @@ final commit, exit 0), the shutdown timeout, fatal consumer errors, and the loop
 from __future__ import annotations
 
 import logging
+import os
+import signal
 
 import pytest
 from confluent_kafka import KafkaError
@@ -144,3 +146,19 @@ def test_lag_report_reads_watermarks_of_assigned_partitions(monkeypatch: pytest.
     h.runner._report_lag(h.clock.t)
     assert gauges[("consumer_lag", (("partition", "0"), ("topic", "in")))] == 0
     assert gauges[("in_flight", ())] == 0
+
+
+def test_a_sigterm_before_run_is_a_graceful_stop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The handlers are installed when the Runner is built, so a SIGTERM while the model still loads stops the
+    worker gracefully (exit 0) instead of killing it with the default disposition."""
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        h = Harness(monkeypatch, install_signals=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert h.runner._stop.is_set()
+        h.send(2)
+        h.c.schedule(lambda: h.c.assign(("in", 0)))
+        assert h.run() == 0
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
