@@ -51,6 +51,11 @@ class Intake:
         self.max_bytes = cfg.delivery.max_input_bytes
         self.topic_lanes = cfg.lane_topics()
         self.lanes = {lane.name: lane for lane in cfg.batching.lanes}
+        # Per lane, its deadline budget in seconds (None: no budget), and per topic the lane it routes to when
+        # it names a known lane: both read once per record in admit().
+        self._budget_s = {n: (ln.deadline_ms / 1000.0 if ln.deadline_ms is not None else None)
+                          for n, ln in self.lanes.items()}
+        self._topic_lane = {t: ln for t, ln in self.topic_lanes.items() if ln in self.lanes}
         self.default_lane = cfg.batching.default_lane
         self._size_of = getattr(model, "size_of", None)
         self.cache_on = cfg.redis.cache
@@ -62,8 +67,8 @@ class Intake:
 
     def lane_for(self, topic: str, header: str | None, field: str | None) -> str:
         if header is None and field is None:  # the common case: the topic decides (hot path)
-            lane = self.topic_lanes.get(topic)
-            if lane is not None and lane in self.lanes:
+            lane = self._topic_lane.get(topic)
+            if lane is not None:
                 return lane
         lane, unknown = self._route(topic, header, field, self.topic_lanes)
         if unknown:  # not an error: the record is served by the default lane (counted)
@@ -91,14 +96,19 @@ class Intake:
         for k, v in rec.headers:
             if k == H_PRIORITY and v:
                 header = v.decode("utf-8", "replace")
-        rec.lane = self.lane_for(rec.tp.topic, header, req.priority)
+        lane = None
+        if header is None and req.priority is None:  # lane_for's common case, inlined (runs per record)
+            lane = self._topic_lane.get(rec.tp.topic)
+        if lane is None:
+            lane = self.lane_for(rec.tp.topic, header, req.priority)
+        rec.lane = lane
         if req.deadline_ms is not None:
             # Wall-clock deadline -> the monotonic clock the scheduler uses.
             rec.deadline = now + (req.deadline_ms / 1000.0 - time.time())
         else:
-            budget = self.lanes[rec.lane].deadline_ms
+            budget = self._budget_s[lane]
             if budget is not None:
-                rec.deadline = rec.received_at + budget / 1000.0
+                rec.deadline = rec.received_at + budget
         if rec.deadline is not None and rec.deadline <= now:
             return Outcome(rec, "expired", error="deadline passed before the record was read", dlq_stage="expired")
         if self.cache_on:
