@@ -114,15 +114,35 @@ class Emitter:
             cached=cached,
         ))
 
-    def emit_ok(self, rec: Record, output: Any, batch_size: int, queue_s: float, infer_s: float, now: float,
-                now_wall_ms: float) -> bool:
-        """The hot path: one ok result, nothing else owed. False (nothing sent) when the general path must
-        handle it: an output the encoder rejects, or a result over message.max.bytes."""
-        try:
-            value = self._encode(rec, "ok", output, None, batch_size, queue_s, infer_s, now, now_wall_ms)
-        except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
-            return False
-        return self._send_result(rec, value)
+    def emit_ok_many(self, records: list[Record], outputs: list[Any], batch_size: int, closed_at: float,
+                     infer_s: float, now: float, now_wall_ms: float) -> list[int]:
+        """The hot path: one ok result per record of a batch, nothing else owed. Returns the indexes it did not
+        send, for the general path: an output the encoder rejects, or a result over message.max.bytes.
+        It is _send_result() unrolled into one loop per batch (one encode call and one produce per record):
+        call frames are a good part of the per-record cost in CPython."""
+        declined: list[int] = []
+        encode, produce, topic, limit = self._encode, self.producer.produce, self.output_topic, self.max_message_bytes
+        sent = 0
+        for i, rec in enumerate(records):
+            try:
+                value = encode(rec, "ok", outputs[i], None, batch_size, closed_at - rec.received_at, infer_s, now,
+                               now_wall_ms)
+            except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
+                declined.append(i)
+                continue
+            key = rec.key
+            if len(value) + (len(key) if key else 0) > limit:
+                declined.append(i)
+                continue
+            p = _Pending(rec, self, [(topic, key, value, None)])
+            p.remaining = p.round = 1
+            try:
+                produce(topic, value, key, -1, p)  # positional: see _produce
+                sent += 1
+            except BufferError:
+                self._produce(topic, key, value, None, p)  # waits for room; counts it
+        self.produced += sent
+        return declined
 
     def _send_result(self, rec: Record, value: bytes) -> bool:
         """Send ``value`` as the record's only message (a result, no dead letter). False, nothing sent, when it

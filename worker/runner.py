@@ -525,37 +525,39 @@ class Runner:
         self.metrics.event("batches", lane=batch.lane, reason=batch.reason)
         # Without a transaction ok results go straight to the emitter's hot path: no Outcome per record,
         # metrics and stats once per batch. In exactly-once mode every outcome goes through the reorder buffer.
-        emit_ok = self.emitter.emit_ok if self.txn is None else None
         wall_ms = time.time() * 1000.0
         epochs = self.epochs
         closed = batch.closed_at
         outcomes: list[Outcome] = []
-        e2e_s: list[float] = []
-        ok = 0
+        ok_recs: list[Record] = []
+        ok_outs: list[Any] = []
         for rec, out in zip(batch.records, outputs, strict=True):
             if epochs[rec.tp] != rec.epoch:
                 continue  # partition revoked meanwhile: the new owner reprocesses it
-            queue_s = closed - rec.received_at
             if isinstance(out, BaseException):
                 outcomes.append(Outcome(rec, "error", error=f"{type(out).__name__}: {out}", dlq_stage="inference",
-                                        batch_size=n, timings={"queue": queue_s, "infer": infer_s}))
+                                        batch_size=n, timings={"queue": closed - rec.received_at, "infer": infer_s}))
                 continue
             if rec.cache_key is not None and self.store is not None:
                 try:
                     self._cache_puts.append((rec.cache_key, _cache_enc.encode(out)))
                 except (TypeError, msgspec.EncodeError):
                     pass  # not cacheable (the result itself is still produced)
-            if emit_ok is not None and emit_ok(rec, out, n, queue_s, infer_s, now, wall_ms):
-                ok += 1
-                if rec.produced_at_ms:
-                    e2e_s.append((wall_ms - rec.produced_at_ms) / 1000.0)
-                continue
+            ok_recs.append(rec)
+            ok_outs.append(out)
+        declined: Iterable[int] = (range(len(ok_recs)) if self.txn is not None else
+                                   self.emitter.emit_ok_many(ok_recs, ok_outs, n, closed, infer_s, now, wall_ms))
+        if declined:
             # Exactly-once, or what the hot path declined (unencodable, oversize): the general path.
-            outcomes.append(Outcome(rec, "ok", output=out, batch_size=n, timings={"queue": queue_s, "infer": infer_s}))
-        if ok:
-            st = self.stats
-            st.results_ok += ok
-            self.metrics.records_out(batch.lane, "ok", ok)
+            outcomes.extend(Outcome(ok_recs[i], "ok", output=ok_outs[i], batch_size=n,
+                                    timings={"queue": closed - ok_recs[i].received_at, "infer": infer_s})
+                            for i in declined)
+            skip = set(declined)
+            ok_recs = [r for i, r in enumerate(ok_recs) if i not in skip]
+        if ok_recs:
+            self.stats.results_ok += len(ok_recs)
+            self.metrics.records_out(batch.lane, "ok", len(ok_recs))
+            e2e_s = [(wall_ms - r.produced_at_ms) / 1000.0 for r in ok_recs if r.produced_at_ms]
             if e2e_s:
                 self.metrics.end_to_end_many(batch.lane, e2e_s)
         if outcomes:

@@ -1,8 +1,9 @@
 """Issue 7.1 - pipeline overhead: the worker with the ``identity`` model against a raw confluent-kafka loop and
 a Quix Streams application doing the same job on the same 100-byte JSON requests (4 partitions, a backlog
 produced before each system starts; each reads it with its own consumer group and writes its own output
-topic). Figure: results/s in the 5-95% window of broker append times (see ``common``). The raw loop runs
-before and after the worker and the better run is the baseline (the machine is shared)."""
+topic). Figure: results/s in the 5-95% window of broker append times (see ``common``). The machine is shared
+and one run of a system can be 1.5x another's, so the worker and Quix run alternately, ``ROUNDS`` times each,
+the raw loop before and after them, and every system's figure is its best run (all runs are kept)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from tests.bench.common import (
 
 PARTITIONS = 4
 VALUE_BYTES = 100
+ROUNDS = 3  # worker and Quix runs each (1 with --quick)
 
 
 def requests(n: int) -> Any:
@@ -73,38 +75,54 @@ def run(ctx: Ctx) -> dict[str, Any]:
                               "--output", out, "--group", group], ctx.work)
         return _measure(ctx, "raw confluent-kafka loop", p, out, n, "raw loop started")
 
-    raw_runs = [raw_loop(outs["raw"], f"raw-{r}")]
+    def fresh_out(name: str) -> str:
+        create_topics(ctx.bootstrap, {name: PARTITIONS}, log_append_time=[name])
+        return name
 
     lane = {"name": "default", "max_batch_size": 256, "max_wait_ms": 5}
-    cfg = worker_config(ctx.bootstrap, f"worker-{r}", outs["worker"], f"pipe-dlq-{r}", topics=[inp], lanes=[lane],
-                        model={"name": "identity", "warmup": False}, metrics=True)
     # Metrics on, as `worker run` defaults: the figure is what a deployed worker does.
     res["worker_config"] = {"lane": lane, "metrics": True}
-    w = start_worker("pipe-worker", cfg, ctx.work)
-    res["worker"] = _measure(ctx, "worker (identity)", w, outs["worker"], n, "partitions assigned")
-    # The raw loop again after the worker: the machine is shared, so the baseline is the better of the two.
-    raw2 = f"pipe-out-raw2-{r}"
-    create_topics(ctx.bootstrap, {raw2: PARTITIONS}, log_append_time=[raw2])
-    raw_runs.append(raw_loop(raw2, f"raw2-{r}"))
-    res["raw_runs"] = raw_runs
-    res["raw"] = max(raw_runs, key=lambda x: x["records_per_s"])
-    res["raw_cpu_us_per_record"] = min(x["cpu_us_per_record"] for x in raw_runs)
 
-    quix = Proc("quix-app", [py, "-m", "tests.bench.quix_app", "--bootstrap", ctx.bootstrap, "--input", inp,
-                             "--output", outs["quix"], "--group", f"quix-{r}", "--state-dir",
-                             str(ctx.work / "quix-state")], ctx.work)
-    res["quix"] = _measure(ctx, "Quix Streams app", quix, outs["quix"], n, "quix app started")
+    def worker(i: int) -> dict[str, Any]:
+        out = outs["worker"] if i == 0 else fresh_out(f"pipe-out-worker{i}-{r}")
+        cfg = worker_config(ctx.bootstrap, f"worker{i}-{r}", out, f"pipe-dlq-{r}", topics=[inp], lanes=[lane],
+                            model={"name": "identity", "warmup": False}, metrics=True)
+        return _measure(ctx, "worker (identity)", start_worker(f"pipe-worker{i}", cfg, ctx.work), out, n,
+                        "partitions assigned")
+
+    def quix(i: int) -> dict[str, Any]:
+        out = outs["quix"] if i == 0 else fresh_out(f"pipe-out-quix{i}-{r}")
+        p = Proc(f"quix-app{i}", [py, "-m", "tests.bench.quix_app", "--bootstrap", ctx.bootstrap, "--input", inp,
+                                  "--output", out, "--group", f"quix{i}-{r}", "--state-dir",
+                                  str(ctx.work / f"quix-state{i}")], ctx.work)
+        return _measure(ctx, "Quix Streams app", p, out, n, "quix app started")
+
+    raw_runs = [raw_loop(outs["raw"], f"raw-{r}")]
+    worker_runs: list[dict[str, Any]] = []
+    quix_runs: list[dict[str, Any]] = []
+    for i in range(1 if ctx.quick else ROUNDS):
+        worker_runs.append(worker(i))
+        quix_runs.append(quix(i))
+    raw_runs.append(raw_loop(fresh_out(f"pipe-out-raw2-{r}"), f"raw2-{r}"))
+    for name, runs in (("raw", raw_runs), ("worker", worker_runs), ("quix", quix_runs)):
+        res[f"{name}_runs"] = runs
+        res[name] = max(runs, key=lambda x: x["records_per_s"])
+    cpu = {name: min(x["cpu_us_per_record"] for x in res[f"{name}_runs"]) for name in ("raw", "worker", "quix")}
+    res["raw_cpu_us_per_record"] = cpu["raw"]
+
+    def runs(name: str) -> str:
+        return f"{name} runs: " + ", ".join(f"{x['records_per_s']:,.0f}" for x in res[f"{name}_runs"]) + "/s"
 
     wr = res["worker"]["records_per_s"]
     res["rows"] = [
         row("7.1 pipeline overhead", "worker records/s (identity, 100 B)", wr, "raw confluent-kafka loop",
-            res["raw"]["records_per_s"], ">=", 0.8, "rec/s"),
+            res["raw"]["records_per_s"], ">=", 0.8, "rec/s", f"best runs; {runs('worker')}, {runs('raw')}"),
         row("7.1 pipeline overhead", "worker records/s (identity, 100 B)", wr, "Quix Streams app",
-            res["quix"]["records_per_s"], ">=", 1.5, "rec/s"),
+            res["quix"]["records_per_s"], ">=", 1.5, "rec/s", f"best runs; {runs('quix')}"),
         # CPU per record is far less sensitive to the other jobs on a shared machine than records/s.
-        row("7.1 pipeline overhead", "worker CPU us per record", res["worker"]["cpu_us_per_record"],
-            "raw loop CPU us per record", res["raw_cpu_us_per_record"], "info", 0, "us"),
-        row("7.1 pipeline overhead", "worker CPU us per record", res["worker"]["cpu_us_per_record"],
-            "Quix Streams CPU us per record", res["quix"]["cpu_us_per_record"], "info", 0, "us"),
+        row("7.1 pipeline overhead", "worker CPU us per record", cpu["worker"],
+            "raw loop CPU us per record", cpu["raw"], "info", 0, "us", "lowest of the runs"),
+        row("7.1 pipeline overhead", "worker CPU us per record", cpu["worker"],
+            "Quix Streams CPU us per record", cpu["quix"], "info", 0, "us", "lowest of the runs"),
     ]
     return res

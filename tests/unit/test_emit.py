@@ -146,6 +146,34 @@ def test_a_full_local_queue_serves_reports_then_produces(clock: FakeTime) -> Non
     assert len(p.delivered) == 5 and sorted(calls.done) == [0, 1, 2, 3, 4]
 
 
+def test_the_batch_hot_path_writes_what_emit_writes_and_declines_what_it_cannot_send(clock: FakeTime) -> None:
+    """emit_ok_many (one ok result per record of a batch) produces byte for byte what emit() produces for the
+    same outcome, and hands back (sends nothing for) the records the general path must handle."""
+    recs = [rec(i, meta={"i": i} if i else None, produced_at_ms=1_000 + i) for i in range(4)]
+    outs: list[Any] = [[1, 2], Opaque(), {"big": "x" * 2000}, "last"]
+    p, calls = FakeProducer(max_message_bytes=1_000), Calls()
+    em = emitter(p, calls)
+    em.max_message_bytes = 1_000
+    declined = em.emit_ok_many(recs, outs, 4, closed_at=10.002, infer_s=0.01, now=10.5, now_wall_ms=1_250.0)
+    assert declined == [1, 2]  # not encodable; over message.max.bytes
+    ref, ref_calls = FakeProducer(), Calls()
+    for i in (0, 3):
+        emitter(ref, ref_calls).emit(Outcome(recs[i], "ok", output=outs[i], batch_size=4,
+                                             timings={"queue": 10.002 - 10.0, "infer": 0.01}), 10.5, 1_250.0)
+    assert [(m.topic, m.key, m.value) for m in p.produced] == [(m.topic, m.key, m.value) for m in ref.produced]
+    assert em.produced == 2
+    p.flush()
+    assert sorted(calls.done) == [0, 3]
+
+
+def test_the_batch_hot_path_waits_for_room_in_a_full_local_queue(clock: FakeTime) -> None:
+    p, calls = FakeProducer(queue_limit=2), Calls()
+    em = emitter(p, calls)
+    assert em.emit_ok_many([rec(i) for i in range(5)], list(range(5)), 5, 10.0, 0.0, 10.0, 0.0) == []
+    p.flush()
+    assert em.produced == 5 and len(p.delivered) == 5 and sorted(calls.done) == [0, 1, 2, 3, 4]
+
+
 # -------------------------------------------------------------------- what the broker or the encoder rejects
 class Opaque:
     """A model output msgspec cannot encode (a numpy scalar, a tensor, a custom object...)."""
