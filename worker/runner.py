@@ -390,8 +390,7 @@ class Runner:
             if txn is not None:
                 txn.track(tp, offset)
             ts_type, ts = m.timestamp()
-            rec = Record(tp, offset, m.value(), m.key(), m.headers() or [], now,
-                         produced_at_ms=ts if ts_type else None, epoch=epochs[tp])
+            rec = Record(tp, offset, m.value(), m.key(), m.headers() or [], now, ts if ts_type else None, epochs[tp])
             n_in += 1
             bad = admit(rec, now)
             if bad is not None:

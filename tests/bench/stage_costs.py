@@ -105,8 +105,7 @@ def _round(msgs: list[_FakeMsg], n: int) -> tuple[list[tuple[str, float]], float
             offset = m.offset()
             tracker.track(tp, offset)
             ts_type, ts = m.timestamp()
-            recs.append(Record(tp=tp, offset=offset, value=m.value(), key=m.key(), headers=m.headers() or [],
-                               received_at=now, produced_at_ms=ts if ts_type else None, epoch=0))
+            recs.append(Record(tp, offset, m.value(), m.key(), m.headers() or [], now, ts if ts_type else None, 0))
 
     rows.append(("consume side: Record + OffsetTracker.track", timed(n, make_records)))
     rows.append(("Intake.admit (validate Request, route, model.decode)",

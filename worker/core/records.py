@@ -27,16 +27,17 @@ class Record:
     key: bytes | None = None
     headers: list[tuple[str, bytes]] = field(default_factory=list)
     received_at: float = 0.0
+    # Right after received_at so the consume loop passes all it knows positionally (keywords cost ~0.3 us).
+    produced_at_ms: int | None = None  # Kafka record timestamp (CreateTime), for end-to-end latency
+    epoch: int = 0  # the partition's assignment epoch at receive; acks from an older epoch are ignored
     id: str | None = None
     item: Any = None  # what the model handler's decode() returned
     lane: str = "default"
     deadline: float | None = None
     size: int = 1  # a size hint (e.g. token count) for bucketing; 1 when the model gives none
     meta: Any = None  # the request's opaque ``meta`` echoed back in the result
-    produced_at_ms: int | None = None  # Kafka record timestamp (CreateTime), for end-to-end latency
     attempts: int = 0
     counted: bool = False  # this process counted a dispatch attempt for it (crash-loop protection)
-    epoch: int = 0  # the partition's assignment epoch at receive; acks from an older epoch are ignored
     cache_key: str | None = None  # result-cache key (model, version, inputs), when the cache is on
 
 
