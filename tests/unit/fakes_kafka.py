@@ -888,6 +888,13 @@ class Harness:
         for _ in range(n):
             self.runner._iterate(consume=consume)
 
+    def process(self) -> None:
+        """One round trip of what is already consumed: a loop turn (consume, admit, batch), every queued batch
+        on the fake device, and a loop turn that emits the results (and serves the delivery reports)."""
+        self.iterate()
+        self.device.run_all()
+        self.iterate()
+
     def commit(self) -> None:
         self.runner._commit()
 

@@ -186,9 +186,7 @@ def test_an_unencodable_output_becomes_an_output_error_and_does_not_block(monkey
     h = Harness(monkeypatch, model=model).start()
     h.c.assign(("in", 0))
     h.send(3)
-    h.iterate()
-    h.device.run_all()
-    h.iterate()
+    h.process()
     h.commit()
     assert h.committed() == 3
     results = {r["source"]["offset"]: r for r in h.p.results()}
@@ -210,9 +208,7 @@ def test_records_too_large_for_the_producer_do_not_block_the_partition(monkeypat
     h.c.append("in", 0, request("huge-input", "x" * 2000))  # rejected by size: its DLQ copy is too big
     h.c.append("in", 0, request("huge-output", "y" * 700))  # admitted; its result is too big
     h.c.append("in", 0, request("after", 2))
-    h.iterate()
-    h.device.run_all()
-    h.iterate()
+    h.process()
     h.commit()
     assert h.committed() == 4
     results = {r["id"]: r for r in h.p.results()}

@@ -183,9 +183,7 @@ def test_rejected_records_go_to_the_dlq_with_their_bytes_and_never_block_the_par
     ]
     for i, v in enumerate(values):
         h.c.append("in", 0, v, key=f"k{i}".encode(), headers=[("trace", b"t%d" % i), ("x-error", b"old")])
-    h.iterate()
-    h.device.run_all()
-    h.iterate()
+    h.process()
     h.commit()
     assert h.committed() == len(values)  # nothing blocks the partition
     assert [x for batch in h.model.forward_calls for x in batch] == [Point(1), Point(2), Point(3)]

@@ -121,9 +121,7 @@ def test_periodic_commit_follows_commit_interval(monkeypatch: pytest.MonkeyPatch
     h = Harness(monkeypatch, make_config(kafka={"commit_interval_ms": 1000})).start()
     h.c.assign(("in", 0))
     h.send(2)
-    h.iterate()
-    h.device.run_all()
-    h.iterate()
+    h.process()
     assert h.c.commit_calls == []  # delivered, but the interval has not passed
     h.clock.advance(1.0)
     h.iterate()
@@ -136,9 +134,7 @@ def test_failed_commit_is_not_fatal_and_is_retried(monkeypatch: pytest.MonkeyPat
     h = Harness(monkeypatch).start()
     h.c.assign(("in", 0))
     h.send(2)
-    h.iterate()
-    h.device.run_all()
-    h.iterate()
+    h.process()
     h.c.commit_failures.append(KafkaException(KafkaError(KafkaError.REBALANCE_IN_PROGRESS, "rebalancing")))
     h.commit()
     assert h.committed() is None and h.runner._fatal is None
@@ -151,9 +147,7 @@ def test_periodic_commit_is_asynchronous_and_counted_when_reported(monkeypatch: 
     h = Harness(monkeypatch, make_config(kafka={"commit_interval_ms": 100})).start()
     h.c.assign(("in", 0))
     h.send(3)
-    h.iterate()
-    h.device.run_all()
-    h.iterate()
+    h.process()
     h.clock.advance(0.2)
     h.iterate()  # the interval passed: the commit is sent, the loop does not wait for the broker
     assert all_commits(h) == [3]
@@ -176,9 +170,7 @@ def test_failed_asynchronous_commit_is_counted_and_retried(monkeypatch: pytest.M
     h = Harness(monkeypatch, make_config(kafka={"commit_interval_ms": 100}), metrics=metrics).start()
     h.c.assign(("in", 0))
     h.send(2)
-    h.iterate()
-    h.device.run_all()
-    h.iterate()
+    h.process()
     h.c.commit_failures.append(KafkaException(KafkaError(KafkaError.REBALANCE_IN_PROGRESS, "rebalancing")))
     h.clock.advance(0.2)
     h.iterate()

@@ -106,9 +106,7 @@ def test_aborted_transaction_rewinds_to_the_committed_offsets_and_ignores_stale_
     h = eos(monkeypatch)
     h.c.assign(("in", 0))
     h.send(2)
-    h.iterate()
-    h.device.run_all()
-    h.iterate()
+    h.process()
     h.commit()  # txn 1: results 0, 1 and offset 2
     assert h.p.txn_offsets() == [{IN0: 2}]
     h.send(3)
@@ -138,17 +136,13 @@ def test_an_injected_commit_failure_aborts_and_the_records_are_redone(monkeypatc
     h = eos(monkeypatch)
     h.c.assign(("in", 0))
     h.send(3)
-    h.iterate()
-    h.device.run_all()
-    h.iterate()
+    h.process()
     h.p.fail_txn("commit", KafkaException(KafkaError(KafkaError.COORDINATOR_NOT_AVAILABLE, "coordinator moved",
                                                      retriable=True)))
     h.commit()
     assert h.runner.txn is not None and h.runner.txn.aborts == 1
     assert h.p.results() == []  # the aborted transaction's results are invisible
-    h.iterate()
-    h.device.run_all()
-    h.iterate()
+    h.process()
     h.commit()
     assert [r["id"] for r in h.p.results()] == ["in-0-0", "in-0-1", "in-0-2"]
     check_transactions(h)
@@ -159,9 +153,7 @@ def test_revoke_commits_the_transaction_and_drops_the_partition(monkeypatch: pyt
     h.c.assign(("in", 0), ("in", 1))
     h.send(2, partition=0)
     h.send(2, partition=1)
-    h.iterate()
-    h.device.run_all()
-    h.iterate()
+    h.process()
     h.send(2, partition=0)
     h.iterate()
     late = h.device.take()  # in/0 @2, 3 on the device when in/0 is revoked

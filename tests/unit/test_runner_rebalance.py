@@ -167,9 +167,7 @@ def test_close_revokes_like_the_real_client(monkeypatch: pytest.MonkeyPatch) -> 
     h = Harness(monkeypatch).start()
     h.c.assign(("in", 0))
     h.send(2)
-    h.iterate()
-    h.device.run_all()
-    h.iterate()
+    h.process()
     h.runner._close()
     assert h.c.closed and h.committed() == 2
     assert h.runner.assigned == set()
@@ -196,9 +194,7 @@ def test_on_revoke_and_on_lost_errors_never_escape(monkeypatch: pytest.MonkeyPat
     h.c.assign(("in", 0), ("in", 1))
     h.send(1, partition=0)
     h.send(1, partition=1)
-    h.iterate()
-    h.device.run_all()
-    h.iterate()
+    h.process()
     h.c.commit_failures.append(RuntimeError("not even a KafkaException"))
 
     def flush_fails(timeout: float | None = None) -> int:

@@ -110,9 +110,7 @@ def test_transient_consume_errors_and_partition_eof_are_skipped(monkeypatch: pyt
     h.c.inject_error(KafkaError(KafkaError._PARTITION_EOF, "eof"))
     h.c.inject_error(KafkaError(KafkaError._TRANSPORT, "broker down"))
     h.send(1)
-    h.iterate()
-    h.device.run_all()
-    h.iterate()
+    h.process()
     h.commit()
     assert h.committed() == 1 and h.runner._fatal is None
 

@@ -17,12 +17,6 @@ IN0 = TopicPartition("in", 0)
 REDIS_URL = "redis://store-is-injected:6379"  # never connected to: the test passes the store itself
 
 
-def run_once(h: Harness) -> None:
-    h.iterate()
-    h.device.run_all()
-    h.iterate()
-
-
 def test_ledger_skips_already_delivered_ids(monkeypatch: pytest.MonkeyPatch) -> None:
     store = MemoryStore(cache=False)
     store.mark_delivered(["in-0-1"])
@@ -47,7 +41,7 @@ def test_ledger_is_off_in_exactly_once_mode(monkeypatch: pytest.MonkeyPatch) -> 
     h = Harness(monkeypatch, cfg, store=store).start()
     h.c.assign(("in", 0))
     h.send(1)
-    run_once(h)
+    h.process()
     h.commit()
     assert h.result_ids() == ["in-0-0"] and h.runner.stats.ledger_skips == 0
 
@@ -76,7 +70,7 @@ def test_attempts_at_max_attempts_are_quarantined_to_the_dlq(monkeypatch: pytest
     h = Harness(monkeypatch, cfg, store=store).start()
     h.c.assign(("in", 0))
     h.send(3)
-    run_once(h)
+    h.process()
     h.commit()
     assert h.model.forward_calls == [[0, 2]]  # the model never sees it again
     results = {r["id"]: r for r in h.p.results()}
@@ -154,7 +148,7 @@ def test_only_the_record_that_kills_the_process_is_quarantined(monkeypatch: pyte
     second = h.device.take()
     assert second is not None and [r.offset for r in second.records] == [1]  # crash again (count 2)
     h = process()
-    run_once(h)
+    h.process()
     h.device.run_all()
     h.iterate()
     h.commit()
@@ -171,7 +165,7 @@ def test_attempts_need_a_redis_url(monkeypatch: pytest.MonkeyPatch) -> None:
     h = Harness(monkeypatch, make_config(), store=store).start()
     h.c.assign(("in", 0))
     h.send(1)
-    run_once(h)
+    h.process()
     assert h.p.dead_letters() == [] and h.result_ids() == ["in-0-0"]
 
 
@@ -185,7 +179,7 @@ def test_a_delivered_record_redelivered_after_crashes_is_never_quarantined(monke
         h = Harness(monkeypatch, cfg, store=store).start()
         h.c.assign(("in", 0))
         h.send(1)
-        run_once(h)
+        h.process()
         assert h.p.dead_letters() == [], f"quarantined in process {_process + 1}"
     assert h.runner.stats.ledger_skips == 1
     assert store.get_attempts_many(["in:0:0"]) == [0]
@@ -196,11 +190,11 @@ def test_cache_hits_skip_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
     h = Harness(monkeypatch, make_config(redis={"cache": True}), store=store).start()
     h.c.assign(("in", 0))
     h.c.append("in", 0, request("a", {"v": [1, 2]}))
-    run_once(h)
+    h.process()
     assert h.model.calls == 1
     h.c.append("in", 0, request("b", {"v": [1, 2]}))  # the same inputs, another request
     h.c.append("in", 0, request("c", {"v": [3]}))
-    run_once(h)
+    h.process()
     h.commit()
     assert h.model.forward_calls == [[{"v": [1, 2]}], [{"v": [3]}]]  # b came from the cache
     results: dict[str, Any] = {r["id"]: r for r in h.p.results()}
@@ -222,7 +216,7 @@ def test_a_corrupt_cache_entry_is_a_miss(monkeypatch: pytest.MonkeyPatch) -> Non
     h.iterate()  # the result is cached now ...
     store.put_cached(b.records[0].cache_key, b"\xc1 not msgpack")  # ... and then corrupted
     h.c.append("in", 0, request("b", 5))
-    run_once(h)
+    h.process()
     assert h.model.calls == 2 and h.runner.stats.cache_hits == 0
     assert [r["status"] for r in h.p.results()] == ["ok", "ok"]
 
@@ -232,10 +226,10 @@ def test_errors_are_not_cached(monkeypatch: pytest.MonkeyPatch) -> None:
     h = Harness(monkeypatch, make_config(redis={"cache": True}), store=store).start()
     h.c.assign(("in", 0))
     h.c.append("in", 0, request("a", "poison"))
-    run_once(h)
+    h.process()
     assert store.sizes()["cache"] == 0
     h.c.append("in", 0, request("b", "poison"))
-    run_once(h)
+    h.process()
     assert h.model.calls == 2 and [r["status"] for r in h.p.results()] == ["error", "error"]
 
 
