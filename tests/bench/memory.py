@@ -8,9 +8,11 @@ The bound its settings imply: RSS when idle (interpreter, libraries, model) + ma
 in-flight record holds (measured here with tracemalloc on the worker's own intake and result encoding; the
 worker checks the bound after each consume, so up to poll_max_records more can be in flight) +
 librdkafka's consumer prefetch queue (queued.max.messages.kbytes) + one fetch response per partition
-(max.partition.fetch.bytes). "Plateau": the median RSS over the last third of the overload is within 1% of
-the median over the middle third (the least-squares slope is reported too; it is skewed by the short
-spikes when fetching resumes).
+(max.partition.fetch.bytes). "Plateau": from the middle third of the overload to the last, neither the lowest
+nor the highest RSS sample rose by more than 1% of the max RSS. RSS alternates between two levels ~8 MB apart
+as librdkafka's fetch buffers come and go, so a median flips between them with the sampling (one run:
++6.7 MB "growth" while the lows rose 0.3 MB); a leak lifts both envelopes. The medians and the least-squares
+slope are kept in the JSON.
 """
 
 from __future__ import annotations
@@ -134,22 +136,25 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     max_kb = max(x["rss_kb"] for x in loaded)
     mid = [x["rss_kb"] for x in loaded if end / 3 <= x["t"] < 2 * end / 3]
     last = [x["rss_kb"] for x in loaded if x["t"] >= 2 * end / 3]
-    growth_mb = (statistics.median(last) - statistics.median(mid)) / 1024
+    median_growth_mb = (statistics.median(last) - statistics.median(mid)) / 1024
+    growth_mb = max(min(last) - min(mid), max(last) - max(mid)) / 1024  # lower and upper envelope
     slope = _slope([(x["t"], x["rss_kb"]) for x in loaded if x["t"] >= end / 2]) * 60 / 1024
     thr = ((loaded[-1]["out_total"] - loaded[0]["out_total"]) / max(loaded[-1]["t"] - loaded[0]["t"], 1e-9)
            if len(loaded) > 1 else float("nan"))
     res.update({"idle_rss_mb": idle_kb / 1024, "max_rss_mb": max_kb / 1024, "bound_mb": bound_kb / 1024,
                 "rss_mid_third_mb": statistics.median(mid) / 1024, "rss_last_third_mb": statistics.median(last) / 1024,
-                "rss_growth_mid_to_last_third_mb": growth_mb, "rss_slope_mb_per_min_second_half": slope,
+                "rss_growth_mid_to_last_third_mb": growth_mb, "rss_median_growth_mid_to_last_third_mb": median_growth_mb,
+                "rss_slope_mb_per_min_second_half": slope,
                 "served_per_s": thr, "max_in_flight_seen": max(x["in_flight"] for x in loaded)})
     allowance = 0.01 * res["max_rss_mb"]
     res["rows"] = [
         row("7.6 memory at 10x overload", "max RSS MB", res["max_rss_mb"], "bound implied by max_in_flight",
             res["bound_mb"], "<=", 1.0, "MB", f"idle {res['idle_rss_mb']:.0f} MB + ({MAX_IN_FLIGHT} + {POLL_MAX}) x "
             f"{per_rec:.0f} B + queued.max.messages.kbytes {QUEUED_KB} + {PARTITIONS} x 1 MiB fetch"),
-        row("7.6 memory at 10x overload", "RSS growth, median middle -> last third, MB", abs(growth_mb),
+        row("7.6 memory at 10x overload", "RSS growth, middle -> last third (lows and highs), MB", max(growth_mb, 0.0),
             "plateau: 1% of max RSS", allowance, "<=", 1.0, "MB",
-            f"least-squares slope over the second half {slope:+.1f} MB/min (spikes at resumes included)"),
+            f"medians {median_growth_mb:+.1f} MB; least-squares slope over the second half {slope:+.1f} MB/min "
+            "(both swing with the two RSS levels)"),
     ]
     return res
 

@@ -4,8 +4,10 @@ best-batch throughput of the same handler on the same texts, measured in the sam
 after the worker, the better pass is the baseline since the machine is shared).
 
 The texts are generated (fixed seed) with a spread of lengths (70% of 4-12 words, 25% of 13-30, 5% of
-31-48) so that padding matters while a pass stays short on a CPU; the worker runs at the offline best batch size, once without and once with length
-bucketing (``batching.bucket_width: 8`` tokens). Figure: results/s over the 5-95% window (see ``common``).
+31-48) so that padding matters while a pass stays short on a CPU; the worker runs at the offline best batch
+size, without length bucketing (twice: before and after the bucketed run, the better run counts, as for the
+offline baseline) and with it (``batching.bucket_width: 8`` tokens). Figure: results/s over the 5-95% window
+(see ``common``).
 """
 
 from __future__ import annotations
@@ -50,14 +52,14 @@ def texts(n: int, seed: int = 3) -> list[str]:
     return out
 
 
-def _worker(ctx: Ctx, corpus: list[str], bs: int, bucket: int) -> dict[str, Any]:
-    r = f"{ctx.run}-k{bucket}"
+def _worker(ctx: Ctx, corpus: list[str], bs: int, bucket: int, tag: str = "") -> dict[str, Any]:
+    r = f"{ctx.run}-k{bucket}{tag}"
     inp, out = f"minilm-in-{r}", f"minilm-out-{r}"
     create_topics(ctx.bootstrap, {inp: PARTITIONS, out: PARTITIONS, f"minilm-dlq-{r}": 1}, log_append_time=[out])
     cfg = worker_config(ctx.bootstrap, f"minilm-{r}", out, f"minilm-dlq-{r}", topics=[inp],
                         lanes=[{"name": "default", "max_batch_size": bs, "max_wait_ms": 10}],
                         model={"name": "minilm", "warmup": True}, batching={"bucket_width": bucket})
-    w = start_worker(f"minilm-worker-k{bucket}", cfg, ctx.work)
+    w = start_worker(f"minilm-worker-k{bucket}{tag}", cfg, ctx.work)
     enc = msgspec.json.Encoder()
     try:
         wait_assigned(w, timeout=300)
@@ -94,8 +96,13 @@ def run(ctx: Ctx) -> dict[str, Any]:
     base = offline["rates"][best]
     log(f"  offline: {', '.join(f'B={k}: {v:.1f}/s' for k, v in offline['rates'].items())}; sorted by length at "
         f"B={best}: {offline['sorted_rate']:.1f}/s; torch threads {offline['threads']}")
-    plain = _worker(ctx, corpus, best, 0)
+    plain_runs = [_worker(ctx, corpus, best, 0)]
     bucketed = _worker(ctx, corpus, best, BUCKET)
+    # The worker without bucketing runs twice as well, around the bucketed run: the target row compares the
+    # better worker run with the better offline pass (one run of either can be 20% off on this machine).
+    plain_runs.append(_worker(ctx, corpus, best, 0, tag="-2"))
+    plain = {**max(plain_runs, key=lambda x: x["throughput_per_s"]),
+             "runs_per_s": [x["throughput_per_s"] for x in plain_runs]}
     # Offline again at the best size after the worker runs (shared machine): the baseline is the better pass.
     again = Proc("offline-minilm-2", [sys.executable, "-m", "tests.bench.offline_minilm", "--texts", str(path),
                                       "--batch-sizes", str(best), "--no-sorted"], ctx.work)
@@ -104,7 +111,9 @@ def run(ctx: Ctx) -> dict[str, Any]:
     offline["best_rate_runs"] = [base, second]
     base = max(base, second)
     log(f"  offline again at B={best}: {second:.1f}/s; baseline {base:.1f}/s")
-    note = f"{n} texts, B={best}, torch threads {offline['threads']}"
+    note = (f"{n} texts, B={best}, torch threads {offline['threads']}; best of 2 each (worker "
+            f"{', '.join(f'{x:.1f}' for x in plain['runs_per_s'])}/s, offline "
+            f"{', '.join(f'{x:.1f}' for x in offline['best_rate_runs'])}/s)")
     return {"texts": n, "offline": offline, "plain": plain, "bucketed": bucketed, "rows": [
         row("7.3 real model (minilm)", "worker texts/s, no bucketing", plain["throughput_per_s"],
             f"offline best batch (B={best}), same texts", base, ">=", 0.9, "texts/s", note),
