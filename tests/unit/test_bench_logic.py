@@ -1,0 +1,103 @@
+"""The benchmark suite's own arithmetic (no Kafka): verdicts, rates and percentiles, the ideal batcher the
+latency figures are compared with, the memory bound and plateau check, and what the stored JSON keeps. A
+wrong figure here would misreport every run, so it is checked like product code."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from tests.bench import memory
+from tests.bench.batching import A_MS, B_MS, ideal
+from tests.bench.common import percentile, row, window_rate
+from tests.bench.latency import simulate
+from tests.bench.run_all import _strip_samples
+
+
+def test_row_verdicts_follow_the_ratio_and_the_target_direction() -> None:
+    assert row("s", "f", 90, "b", 100, ">=", 0.8)["verdict"] == "pass"
+    assert row("s", "f", 70, "b", 100, ">=", 0.8)["verdict"] == "MISS"
+    assert row("s", "f", 150, "b", 100, "<=", 1.5)["verdict"] == "pass"
+    assert row("s", "f", 151, "b", 100, "<=", 1.5)["verdict"] == "MISS"
+    assert row("s", "f", 151, "b", 100, "info", 0)["verdict"] == "info"
+    # No baseline measured: no verdict either way.
+    assert row("s", "f", 1, "b", 0, ">=", 1)["verdict"] == "n/a"
+    assert row("s", "f", 1, "b", float("nan"), ">=", 1)["verdict"] == "n/a"
+    r = row("s", "f", 3, "b", 4, ">=", 2, "rec/s", "note")
+    assert (r["ratio"], r["target"], r["unit"], r["note"]) == (0.75, ">= 2", "rec/s", "note")
+
+
+def test_percentile_interpolates_and_window_rate_counts_between_quantiles() -> None:
+    assert percentile([], 50) != percentile([], 50)  # NaN
+    assert percentile([5.0], 99) == 5.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile(list(range(101)), 99) == 99
+    # 1000 results, one per ms: 1000/s whatever the window.
+    assert window_rate(list(range(1000))) == pytest.approx(1000.0)
+    # A slow tail outside the 5-95% window does not count.
+    assert window_rate(list(range(1000)) + [10**6] * 10) == pytest.approx(1000.0, rel=0.02)
+    assert math.isnan(window_rate([1, 2, 3]))  # too few to say
+
+
+def test_the_ideal_batcher_serves_what_is_queued_when_free_lanes_unmixed() -> None:
+    a_plus_b = A_MS + B_MS
+    # Alone: a + b. The second arrives while the first is served and waits for it.
+    lat, done = simulate([(0.0, "low"), (1.0, "low")], bs=32, order=("low",))
+    assert lat["low"] == [a_plus_b, 2 * a_plus_b - 1.0]
+    assert done == [a_plus_b, 2 * a_plus_b]
+    # Those queued behind a busy server go together, up to the max batch (2 here).
+    lat, _ = simulate([(0.0, "low"), (1.0, "low"), (2.0, "low"), (3.0, "low")], bs=2, order=("low",))
+    two = A_MS + 2 * B_MS
+    assert lat["low"] == [a_plus_b, a_plus_b + two - 1.0, a_plus_b + two - 2.0, a_plus_b + two + a_plus_b - 3.0]
+    # Strict priority between lanes when both are queued.
+    lat, _ = simulate([(0.0, "low"), (1.0, "low"), (2.0, "high")], bs=32, order=("high", "low"))
+    assert lat["high"] == [a_plus_b - 2.0 + a_plus_b]
+    assert lat["low"][1] == 3 * a_plus_b - 1.0
+    assert ideal(32) == pytest.approx(32 / ((A_MS + 32 * B_MS) / 1000.0))
+
+
+def _timeline(rss_kb: list[float], idle_kb: float = 500_000.0) -> dict[str, Any]:
+    tl = [{"t": -1.0, "rss_kb": idle_kb, "in_flight": 0.0, "paused": 0.0, "out_total": 0.0}]
+    tl += [{"t": float(i), "rss_kb": v, "in_flight": 100.0, "paused": 0.0, "out_total": 600.0 * i}
+           for i, v in enumerate(rss_kb)]
+    return {"timeline": tl, "load_to_s": float(len(rss_kb) - 1), "bytes_per_in_flight_record": 1000.0}
+
+
+def _plateau(res: dict[str, Any]) -> dict[str, Any]:
+    return next(r for r in memory.summarize(res)["rows"] if r["figure"].startswith("RSS growth"))
+
+
+def test_memory_bound_and_plateau() -> None:
+    # Two RSS levels 8 MB apart, visited in a pattern that moves the median between thirds: a plateau.
+    lows_highs = [520_000.0 if i % 3 else 528_000.0 for i in range(30)] + [528_000.0 if i % 3 else 520_000.0
+                                                                           for i in range(30)]
+    res = _timeline(lows_highs)
+    assert _plateau(res)["verdict"] == "pass"
+    assert res["rss_median_growth_mid_to_last_third_mb"] > 5.0  # what the median check used to fail on
+    # The same levels, both rising by 30 MB over the run (10 MB from one third to the next, the allowance is
+    # 1% of max RSS, ~5 MB): growth, whatever the median does.
+    rising = [v + i * 30_720.0 / 60 for i, v in enumerate(lows_highs)]
+    assert _plateau(_timeline(rising))["verdict"] == "MISS"
+    # The bound: idle + (max_in_flight + poll_max) x bytes per record + the consumer queue + one fetch per
+    # partition.
+    res = memory.summarize(_timeline([510_000.0] * 10))
+    expected_kb = 500_000.0 + ((memory.MAX_IN_FLIGHT + memory.POLL_MAX) * 1000.0 + memory.QUEUED_KB * 1024
+                               + memory.PARTITIONS * memory.FETCH_BYTES) / 1024
+    assert res["bound_mb"] == pytest.approx(expected_kb / 1024)
+    assert res["max_rss_mb"] == pytest.approx(510_000.0 / 1024)
+
+
+def test_stored_results_keep_quantiles_not_samples() -> None:
+    lane = {"e2e_ms": [float(i) for i in range(1000)], "p99_ms": 990.0}
+    scenarios: dict[str, Any] = {
+        "latency": {"steps": [{"high": dict(lane), "low": dict(lane), "all": dict(lane)}],
+                    "tuned_overload": {"high": dict(lane), "low": dict(lane), "all": dict(lane)}},
+        "batching": {"light_load": dict(lane)}}
+    _strip_samples(scenarios)
+    holders = [*scenarios["latency"]["steps"][0].values(), *scenarios["latency"]["tuned_overload"].values(),
+               scenarios["batching"]["light_load"]]
+    for h in holders:
+        assert "e2e_ms" not in h and len(h["e2e_quantiles_ms"]) == 101
+        assert h["e2e_quantiles_ms"][99] == pytest.approx(989.01)
