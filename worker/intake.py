@@ -66,10 +66,8 @@ class Intake:
         self._route = route or PriorityScheduler(cfg.batching.lanes, cfg.batching.default_lane).lane_for
 
     def lane_for(self, topic: str, header: str | None, field: str | None) -> str:
-        if header is None and field is None:  # the common case: the topic decides (hot path)
-            lane = self._topic_lane.get(topic)
-            if lane is not None:
-                return lane
+        """The routing rule (the scheduler's). ``admit`` answers the common case itself (no header, no
+        ``priority`` field, a topic with a known lane) from ``_topic_lane`` before calling this."""
         lane, unknown = self._route(topic, header, field, self.topic_lanes)
         if unknown:  # not an error: the record is served by the default lane (counted)
             self.unknown_lane_count += 1
@@ -97,7 +95,7 @@ class Intake:
             if k == H_PRIORITY and v:
                 header = v.decode("utf-8", "replace")
         lane = None
-        if header is None and req.priority is None:  # lane_for's common case, inlined (runs per record)
+        if header is None and req.priority is None:  # the common case: the topic decides (runs per record)
             lane = self._topic_lane.get(rec.tp.topic)
         if lane is None:
             lane = self.lane_for(rec.tp.topic, header, req.priority)
