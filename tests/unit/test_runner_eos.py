@@ -199,3 +199,26 @@ def test_fenced_producer_stops_the_worker_with_exit_1(monkeypatch: pytest.Monkey
     assert "fenced" in (h.runner._fatal or "").lower()
     assert h.p.committed_txns == set() and h.p.results() == []
     assert h.c.closed and h.c.commit_calls == []
+
+
+def test_metrics_count_every_result_by_lane_and_status_on_the_general_path(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """In exactly-once mode every result goes through the general path, which adds its metrics once per lane
+    and status: the totals are those of one count and one latency per record."""
+    from tests.unit.fakes_kafka import FakeModel
+    from tests.unit.test_metrics import value
+    from worker.adapters.metrics import PrometheusMetrics
+
+    m = PrometheusMetrics()
+    cfg = make_config(batching=LANES, delivery={"mode": "exactly_once", "transactional_id": "tid-1"})
+    h = Harness(monkeypatch, cfg, metrics=m,
+                model=FakeModel(output=lambda x: ValueError("bad") if x == 2 else {"echo": x})).start()
+    h.c.assign(("in", 0))
+    for i, lane in enumerate(["lo", "hi", "lo", "hi", "lo"]):
+        h.c.append("in", 0, request(f"r{i}", i, priority=lane), timestamp_ms=1_000 + i)
+    h.process()
+    assert value(m, "kiw_records_out_total", lane="lo", status="ok") == 2
+    assert value(m, "kiw_records_out_total", lane="lo", status="error") == 1
+    assert value(m, "kiw_records_out_total", lane="hi", status="ok") == 2
+    assert value(m, "kiw_end_to_end_seconds_count", lane="lo") == 3
+    assert value(m, "kiw_end_to_end_seconds_count", lane="hi") == 2
