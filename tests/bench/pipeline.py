@@ -62,48 +62,48 @@ def run(ctx: Ctx) -> dict[str, Any]:
     n = 30_000 if ctx.quick else 200_000
     r = ctx.run
     inp = f"pipe-in-{r}"
-    outs = {k: f"pipe-out-{k}-{r}" for k in ("raw", "worker", "quix")}
-    create_topics(ctx.bootstrap, {inp: PARTITIONS, f"pipe-dlq-{r}": 1, **dict.fromkeys(outs.values(), PARTITIONS)},
-                  log_append_time=outs.values())
+    create_topics(ctx.bootstrap, {inp: PARTITIONS, f"pipe-dlq-{r}": 1})
     log(f"pipeline: producing {n:,} x {VALUE_BYTES}-byte requests to {inp}")
     produce_backlog(ctx.bootstrap, inp, requests(n), PARTITIONS)
     res: dict[str, Any] = {"records": n, "value_bytes": VALUE_BYTES, "partitions": PARTITIONS}
     py = sys.executable
 
-    def raw_loop(out: str, group: str) -> dict[str, Any]:
+    def fresh_out(name: str) -> str:
+        """Every run writes its own output topic: its broker append times are the figure."""
+        create_topics(ctx.bootstrap, {name: PARTITIONS}, log_append_time=[name])
+        return name
+
+    def raw_loop(i: int) -> dict[str, Any]:
+        out, group = fresh_out(f"pipe-out-raw{i}-{r}"), f"raw{i}-{r}"
         p = Proc("raw-loop", [py, "-m", "tests.bench.raw_loop", "--bootstrap", ctx.bootstrap, "--input", inp,
                               "--output", out, "--group", group], ctx.work)
         return _measure(ctx, "raw confluent-kafka loop", p, out, n, "raw loop started")
-
-    def fresh_out(name: str) -> str:
-        create_topics(ctx.bootstrap, {name: PARTITIONS}, log_append_time=[name])
-        return name
 
     lane = {"name": "default", "max_batch_size": 256, "max_wait_ms": 5}
     # Metrics on, as `worker run` defaults: the figure is what a deployed worker does.
     res["worker_config"] = {"lane": lane, "metrics": True}
 
     def worker(i: int) -> dict[str, Any]:
-        out = outs["worker"] if i == 0 else fresh_out(f"pipe-out-worker{i}-{r}")
+        out = fresh_out(f"pipe-out-worker{i}-{r}")
         cfg = worker_config(ctx.bootstrap, f"worker{i}-{r}", out, f"pipe-dlq-{r}", topics=[inp], lanes=[lane],
                             model={"name": "identity", "warmup": False}, metrics=True)
         return _measure(ctx, "worker (identity)", start_worker(f"pipe-worker{i}", cfg, ctx.work), out, n,
                         "partitions assigned")
 
     def quix(i: int) -> dict[str, Any]:
-        out = outs["quix"] if i == 0 else fresh_out(f"pipe-out-quix{i}-{r}")
+        out = fresh_out(f"pipe-out-quix{i}-{r}")
         p = Proc(f"quix-app{i}", [py, "-m", "tests.bench.quix_app", "--bootstrap", ctx.bootstrap, "--input", inp,
                                   "--output", out, "--group", f"quix{i}-{r}", "--state-dir",
                                   str(ctx.work / f"quix-state{i}")], ctx.work)
         return _measure(ctx, "Quix Streams app", p, out, n, "quix app started")
 
-    raw_runs = [raw_loop(outs["raw"], f"raw-{r}")]
+    raw_runs = [raw_loop(0)]
     worker_runs: list[dict[str, Any]] = []
     quix_runs: list[dict[str, Any]] = []
     for i in range(1 if ctx.quick else ROUNDS):
         worker_runs.append(worker(i))
         quix_runs.append(quix(i))
-    raw_runs.append(raw_loop(fresh_out(f"pipe-out-raw2-{r}"), f"raw2-{r}"))
+    raw_runs.append(raw_loop(1))
     for name, runs in (("raw", raw_runs), ("worker", worker_runs), ("quix", quix_runs)):
         res[f"{name}_runs"] = runs
         res[name] = max(runs, key=lambda x: x["records_per_s"])
