@@ -1,9 +1,11 @@
 """Where the worker's CPU goes: the Runner in-process on a backlog, profiled across all its threads.
 
 ``python -m tests.bench.profile_worker [--tool yappi|pyinstrument|none] [--gc on|off|freeze]
-[--model identity|synthetic] [--records N] [--max-batch B] [--top 30] [--metrics]`` prints per-thread CPU seconds and the functions with the most own CPU time (yappi,
+[--model identity|synthetic] [--records N] [--max-batch B] [--top 30] [--metrics] [--producer K=V]
+[--consumer K=V]`` prints per-thread CPU seconds and the functions with the most own CPU time (yappi,
 CPU clock, so time spent waiting for the GIL or in sleep does not count), plus the records/s reached while
-profiled. Needs ``yappi`` or ``pyinstrument`` (``pip install yappi pyinstrument``; not project dependencies);
+profiled. ``--tool none`` runs unprofiled and splits the process's CPU per record by OS thread (the loop
+thread, the device threads, librdkafka's own), read from /proc. Needs ``yappi`` or ``pyinstrument`` (``pip install yappi pyinstrument``; not project dependencies);
 ``--tool none`` needs neither (e.g. ``--tool none --gc freeze`` against ``--tool none --gc on``). Uses $KAFKA_BOOTSTRAP_SERVERS
 or starts a local broker.
 """
@@ -27,6 +29,10 @@ def main() -> int:
     ap.add_argument("--max-wait-ms", type=float, default=5.0)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--metrics", action="store_true", help="with the Prometheus metrics adapter (as `worker run`)")
+    ap.add_argument("--producer", action="append", default=[], metavar="KEY=VALUE",
+                    help="a librdkafka producer setting over the worker's defaults (repeatable), for A/B runs")
+    ap.add_argument("--consumer", action="append", default=[], metavar="KEY=VALUE",
+                    help="a librdkafka consumer setting over the worker's defaults (repeatable)")
     ap.add_argument("--clock", default="cpu", choices=["cpu", "wall"])
     ap.add_argument("--tool", default="yappi", choices=["yappi", "pyinstrument", "none"],
                     help="yappi: every thread, CPU clock, deterministic (slow); pyinstrument: the loop thread only, "
@@ -48,7 +54,9 @@ def main() -> int:
             model["options"] = {"a_ms": 20, "b_ms": 1}
         cfg = from_dict({
             "kafka": {"bootstrap_servers": b.bootstrap, "group_id": f"prof-{r}", "input_topics": [inp],
-                      "output_topic": out, "dlq_topic": f"prof-dlq-{r}"},
+                      "output_topic": out, "dlq_topic": f"prof-dlq-{r}",
+                      "producer": dict(kv.split("=", 1) for kv in args.producer),
+                      "consumer": dict(kv.split("=", 1) for kv in args.consumer)},
             "model": model,
             "batching": {"lanes": [{"name": "default", "max_batch_size": args.max_batch,
                                     "max_wait_ms": args.max_wait_ms}]},
@@ -109,17 +117,44 @@ def _plain(runner: Any, records: int, gc_mode: str) -> int:
     st = runner.stats
     while st.records_in == 0:
         time.sleep(0.001)
-    t0, c0 = time.monotonic(), time.process_time()
+    t0, c0, th0 = time.monotonic(), time.process_time(), _thread_cpu()
     while st.results_ok < records and t.is_alive():
         time.sleep(0.01)
-    dt, cpu = time.monotonic() - t0, time.process_time() - c0
+    dt, cpu, th1 = time.monotonic() - t0, time.process_time() - c0, _thread_cpu()
     runner.stop()
     t.join(30)
     # Process CPU per record (all threads, librdkafka's included) is the steadier figure on a shared machine.
     print(f"gc={gc_mode}: {st.results_ok} results in {dt:.2f}s = {st.results_ok / dt:,.0f} records/s, "
           f"{cpu / max(st.results_ok, 1) * 1e6:.1f} us CPU per record "
           f"(mean batch {st.mean_batch:.1f}, objects frozen {gc.get_freeze_count()})")
+    n = max(st.results_ok, 1)
+    print("CPU per record by OS thread (Python threads by name, librdkafka's by theirs):")
+    for name in sorted(th1, key=lambda k: -(th1[k] - th0.get(k, 0.0))):
+        us = (th1[name] - th0.get(name, 0.0)) / n * 1e6
+        if us >= 0.05:
+            print(f"  {name:<32} {us:6.2f} us")
     return 0
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds per OS thread of this process (Linux /proc), keyed by the Python thread's name where the
+    thread is a Python one, else by its OS name (librdkafka names its threads rdk:main, rdk:broker1 ...)."""
+    import os
+
+    names = {th.native_id: th.name for th in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1: stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        name = names.get(int(tid)) or f"{comm} [{tid}]"
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def _pyinstrument(runner: Any, records: int) -> int:

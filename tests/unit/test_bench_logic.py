@@ -101,3 +101,30 @@ def test_stored_results_keep_quantiles_not_samples() -> None:
     for h in holders:
         assert "e2e_ms" not in h and len(h["e2e_quantiles_ms"]) == 101
         assert h["e2e_quantiles_ms"][99] == pytest.approx(989.01)
+
+
+def test_thread_cpu_names_python_threads_and_counts_their_cpu() -> None:
+    import threading
+    import time
+
+    from tests.bench.profile_worker import _thread_cpu
+
+    done = threading.Event()
+
+    def spin() -> None:
+        end = time.process_time() + 0.3  # busy, so the thread's own clock ticks (sleeping would not)
+        while time.process_time() < end:
+            pass
+        done.wait(10)
+
+    t = threading.Thread(target=spin, name="spinner", daemon=True)
+    t.start()
+    time.sleep(0.05)
+    before = _thread_cpu()
+    while t.is_alive() and _thread_cpu().get("spinner", 0.0) - before.get("spinner", 0.0) < 0.05:
+        time.sleep(0.02)
+    after = _thread_cpu()
+    done.set()
+    t.join(10)
+    assert "spinner" in before and "MainThread" in after
+    assert after["spinner"] - before["spinner"] >= 0.05
