@@ -61,7 +61,12 @@ def cmd_backfill(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from worker.demo import demo
 
-    return demo(records=args.records, model=args.model, bootstrap=args.bootstrap, partitions=args.partitions)
+    for name in ("records", "partitions", "rate"):
+        if getattr(args, name) <= 0:
+            print(f"usage error: --{name} must be > 0", file=sys.stderr)
+            return 2
+    return demo(records=args.records, model=args.model, bootstrap=args.bootstrap, partitions=args.partitions,
+                rate=args.rate)
 
 
 def cmd_load(args: argparse.Namespace) -> int:
@@ -106,8 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="one-command demo: local broker, sample requests, worker, summary", description=(
         "Starts a local Apache Kafka broker (unless KAFKA_BOOTSTRAP_SERVERS or --bootstrap is given), creates "
         "topics, produces sample requests, runs the worker with a built-in model, prints a summary, stops."))
-    d.add_argument("--records", type=int, default=5000)
-    d.add_argument("--partitions", type=int, default=4)
+    d.add_argument("--records", type=int, default=5000, help="sample requests to produce (default 5000)")
+    d.add_argument("--partitions", type=int, default=4, help="partitions of the demo's topics (default 4)")
+    d.add_argument("--rate", type=float, default=2000.0, help="records/s the requests are produced at (default 2000)")
     d.add_argument("--model", default="tiny", help="built-in model: tiny (default), synthetic, identity, minilm")
     d.add_argument("--bootstrap", default=None, help="use this broker instead of starting one")
     d.set_defaults(func=cmd_demo)

@@ -28,7 +28,7 @@ def demo(records: int = 5000, model: str = "tiny", bootstrap: str | None = None,
     from confluent_kafka import Consumer
 
     from worker.adapters.kafka_clients import ensure_topics
-    from worker.load import produce, requests
+    from worker.load import load_producer, produce, requests
     from worker.runner import Runner
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -60,13 +60,30 @@ def demo(records: int = 5000, model: str = "tiny", bootstrap: str | None = None,
         if not runner.ready.wait(300):
             print("worker did not start in time")
             return 1
+        # Produce only once the group has handed the worker its partitions: records produced during the join
+        # would wait for it, and the summary would show the join (seconds) as end-to-end latency.
+        deadline = time.monotonic() + 60
+        while len(runner.assigned) < partitions and time.monotonic() < deadline and t.is_alive():
+            time.sleep(0.05)
+        if len(runner.assigned) < partitions:
+            print(f"worker was assigned {len(runner.assigned)} of {partitions} partitions in 60 s")
+            runner.stop()
+            t.join(60)
+            return 1
         print(f"producing {records} requests (+2 malformed) at {rate:.0f}/s to {topics['in']} ...", flush=True)
-        produce(bootstrap, topics["in"], iter([(b"bad-1", b"{not json"), (b"bad-2", b'{"id": "bad-2"}')]))
-        t0 = time.monotonic()
-        produce(bootstrap, topics["in"], requests(records, kind=model, id_prefix=f"demo-{run_id}"), rate=rate)
+        # One producer for both: the first flush waits for its idempotent producer id (~0.5 s on a fresh
+        # broker), which would otherwise show as the first records' latency.
+        p = load_producer(bootstrap)
+        produce(bootstrap, topics["in"], iter([(b"bad-1", b"{not json"), (b"bad-2", b'{"id": "bad-2"}')]), producer=p)
+        t0_ms = time.time() * 1000
+        produce(bootstrap, topics["in"], requests(records, kind=model, id_prefix=f"demo-{run_id}"), rate=rate,
+                producer=p)
+        del p  # flushed: destroy it now, not after the local broker stops (it would log the disconnect)
 
-        results = _collect(Consumer, bootstrap, topics["out"], records + 1, timeout=180)
-        elapsed = time.monotonic() - t0
+        results, last_ms = _collect(Consumer, bootstrap, topics["out"], records + 1, timeout=180)
+        # From the first request produced to the last result written (its Kafka timestamp), so the reader's
+        # own start-up is not counted.
+        elapsed = max(last_ms - t0_ms, 1.0) / 1000
         runner.stop()
         t.join(60)
         st = runner.stats
@@ -92,11 +109,14 @@ def demo(records: int = 5000, model: str = "tiny", bootstrap: str | None = None,
             print("local broker stopped")
 
 
-def _collect(consumer_cls: Any, bootstrap: str, topic: str, want: int, timeout: float) -> list[dict[str, Any]]:
+def _collect(consumer_cls: Any, bootstrap: str, topic: str, want: int,
+             timeout: float) -> tuple[list[dict[str, Any]], float]:
+    """The decoded results, and the latest Kafka timestamp among them (epoch ms)."""
     c = consumer_cls({"bootstrap.servers": bootstrap, "group.id": f"demo-reader-{uuid.uuid4().hex[:6]}",
                       "auto.offset.reset": "earliest", "enable.auto.commit": False})
     c.subscribe([topic])
     out: list[dict[str, Any]] = []
+    last_ms = 0.0
     deadline = time.monotonic() + timeout
     dec = msgspec.json.Decoder()
     try:
@@ -104,6 +124,7 @@ def _collect(consumer_cls: Any, bootstrap: str, topic: str, want: int, timeout: 
             for m in c.consume(1000, 0.5):
                 if m.error() is None:
                     out.append(dec.decode(m.value()))
+                    last_ms = max(last_ms, float(m.timestamp()[1]))
     finally:
         c.close()
-    return out
+    return out, last_ms

@@ -34,3 +34,10 @@ def test_requests_are_valid_for_their_model(kind):
 def test_load_cli_usage_errors_exit_2(capsys):
     assert main(["load", "--topic", "t", "--lanes", "high=x", "--count", "1"]) == 2
     assert "NAME=FRACTION" in capsys.readouterr().err
+
+
+def test_demo_cli_usage_errors_exit_2_before_starting_anything(capsys):
+    assert main(["demo", "--rate", "0"]) == 2
+    assert main(["demo", "--records", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "--rate must be > 0" in err and "--records must be > 0" in err
