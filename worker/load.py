@@ -11,9 +11,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
-from confluent_kafka import Producer
+from confluent_kafka import KafkaException, Producer
 
 _enc = msgspec.json.Encoder()
+CONNECT_TIMEOUT_S = 10.0  # a broker that does not answer this soon is reported, not waited on
+FLUSH_TIMEOUT_S = 60.0  # what is still undelivered this long after the last produce() is an error
 
 SENTENCES = [
     "Kafka keeps the log; the worker keeps the promise.",
@@ -80,6 +82,11 @@ def produce(bootstrap: str, topic: str, items: Iterator[tuple[bytes, bytes]], ra
     ``producer``: one from ``load_producer`` to reuse (its first flush waits for the idempotent producer id,
     ~0.5 s on a fresh broker, which a paced run should not count)."""
     p = producer if producer is not None else load_producer(bootstrap, producer_conf)
+    try:
+        p.list_topics(timeout=CONNECT_TIMEOUT_S)
+    except KafkaException as e:
+        raise RuntimeError(f"cannot reach Kafka at {bootstrap} within {CONNECT_TIMEOUT_S:.0f} s: "
+                           f"{e.args[0].str() if e.args else e}") from None
     failed: list[str] = []
     delivered = 0
 
@@ -103,9 +110,12 @@ def produce(bootstrap: str, topic: str, items: Iterator[tuple[bytes, bytes]], ra
             except BufferError:
                 p.poll(0.05)
         p.poll(0)
-    p.flush(60)
+    undelivered = p.flush(FLUSH_TIMEOUT_S)
     if failed:
         raise RuntimeError(f"{len(failed)} records failed to deliver, first: {failed[0]}")
+    if undelivered:
+        raise RuntimeError(f"{undelivered} records still undelivered {FLUSH_TIMEOUT_S:.0f} s after the last was "
+                           f"produced ({delivered} delivered)")
     return delivered
 
 
@@ -120,8 +130,12 @@ def load_main(args: argparse.Namespace) -> int:
         print("usage error: --count and --rate must be >= 0", file=sys.stderr)
         return 2
     t0 = time.monotonic()
-    n = produce(bootstrap, args.topic, requests(args.count, args.model_input, args.lanes, args.id_prefix,
-                                                args.deadline_ms), rate=args.rate)
+    try:
+        n = produce(bootstrap, args.topic, requests(args.count, args.model_input, args.lanes, args.id_prefix,
+                                                    args.deadline_ms), rate=args.rate)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     dt = time.monotonic() - t0
     print(f"produced {n} records to {args.topic} in {dt:.1f}s ({n / dt if dt else 0:.0f}/s)")
     return 0

@@ -41,3 +41,13 @@ def test_demo_cli_usage_errors_exit_2_before_starting_anything(capsys):
     assert main(["demo", "--records", "-1"]) == 2
     err = capsys.readouterr().err
     assert "--rate must be > 0" in err and "--records must be > 0" in err
+
+
+def test_load_reports_an_unreachable_broker_and_exits_1(capsys, monkeypatch):
+    import worker.load
+
+    monkeypatch.setattr(worker.load, "CONNECT_TIMEOUT_S", 1.0)
+    # A closed port: no broker at all (not a fake of one); nothing can be delivered.
+    assert main(["load", "--topic", "t", "--count", "5", "--bootstrap", "127.0.0.1:1"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot reach Kafka at 127.0.0.1:1 within 1 s" in err
