@@ -33,6 +33,9 @@ def main() -> int:
                     help="a librdkafka producer setting over the worker's defaults (repeatable), for A/B runs")
     ap.add_argument("--consumer", action="append", default=[], metavar="KEY=VALUE",
                     help="a librdkafka consumer setting over the worker's defaults (repeatable)")
+    ap.add_argument("--kafka-calls", action="store_true",
+                    help="with --tool none: also the loop thread's CPU inside each Kafka client call "
+                         "(producer.poll is where delivery reports are served)")
     ap.add_argument("--clock", default="cpu", choices=["cpu", "wall"])
     ap.add_argument("--tool", default="yappi", choices=["yappi", "pyinstrument", "none"],
                     help="yappi: every thread, CPU clock, deterministic (slow); pyinstrument: the loop thread only, "
@@ -68,9 +71,10 @@ def main() -> int:
             from worker.adapters.metrics import PrometheusMetrics
 
             metrics = PrometheusMetrics()
+        calls = _time_kafka_calls() if args.kafka_calls else None
         runner = Runner(cfg, metrics=metrics)
         if args.tool == "none":
-            return _plain(runner, args.records, args.gc)
+            return _plain(runner, args.records, args.gc, calls)
         if args.tool == "pyinstrument":
             return _pyinstrument(runner, args.records)
         import yappi
@@ -104,7 +108,7 @@ def main() -> int:
     return 0
 
 
-def _plain(runner: Any, records: int, gc_mode: str) -> int:
+def _plain(runner: Any, records: int, gc_mode: str, calls: dict[str, list[float]] | None = None) -> int:
     import gc
 
     t = threading.Thread(target=runner.run, name="worker-loop", daemon=True)
@@ -117,6 +121,8 @@ def _plain(runner: Any, records: int, gc_mode: str) -> int:
     st = runner.stats
     while st.records_in == 0:
         time.sleep(0.001)
+    if calls is not None:
+        calls.clear()  # start-up (group join, metadata) is not the steady state
     t0, c0, th0 = time.monotonic(), time.process_time(), _thread_cpu()
     while st.results_ok < records and t.is_alive():
         time.sleep(0.01)
@@ -133,7 +139,45 @@ def _plain(runner: Any, records: int, gc_mode: str) -> int:
         us = (th1[name] - th0.get(name, 0.0)) / n * 1e6
         if us >= 0.05:
             print(f"  {name:<32} {us:6.2f} us")
+    if calls is not None:
+        print("loop thread CPU inside Kafka client calls, per record:")
+        for name, (secs, count) in sorted(calls.items(), key=lambda kv: -kv[1][0]):
+            print(f"  {name:<32} {secs / n * 1e6:6.2f} us  ({count:.0f} calls)")
     return 0
+
+
+def _time_kafka_calls() -> dict[str, list[float]]:
+    """Wrap the runner's Kafka clients so each call's thread CPU time is summed per method (from the moment
+    the steady state starts; see _plain). A wrapper call costs well under a microsecond, and poll/consume
+    are called once per loop turn, produce once per record."""
+    import worker.runner
+
+    acc: dict[str, list[float]] = {}
+    timed = {"poll", "consume", "produce", "commit", "store_offsets", "pause", "resume"}
+
+    class Timed:
+        def __init__(self, inner: Any, kind: str) -> None:
+            self._inner, self._kind = inner, kind
+
+        def __getattr__(self, name: str) -> Any:
+            f = getattr(self._inner, name)
+            if name not in timed:
+                return f
+            slot = acc.setdefault(f"{self._kind}.{name}", [0.0, 0])
+
+            def call(*a: Any, **k: Any) -> Any:
+                t = time.thread_time()
+                try:
+                    return f(*a, **k)
+                finally:
+                    slot[0] += time.thread_time() - t
+                    slot[1] += 1
+            return call
+
+    make_consumer, make_producer = worker.runner.make_consumer, worker.runner.make_producer
+    worker.runner.make_consumer = lambda *a, **k: Timed(make_consumer(*a, **k), "consumer")  # type: ignore[assignment]
+    worker.runner.make_producer = lambda *a, **k: Timed(make_producer(*a, **k), "producer")  # type: ignore[assignment]
+    return acc
 
 
 def _thread_cpu() -> dict[str, float]:
