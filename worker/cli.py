@@ -103,8 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--metrics-port", type=int, default=None, help="override metrics.port (0 = any free port)")
     r.set_defaults(func=cmd_run)
 
-    c = sub.add_parser("check-config", help="validate a config file and exit (0 valid, 2 invalid)")
-    c.add_argument("--config", "-c", required=True)
+    c = sub.add_parser("check-config", help="validate a config file and exit (0 valid, 2 invalid)", description=(
+        "Loads the file with WORKER__* environment overrides and secret references applied, validates every "
+        "key, and exits 0, or 2 with a message naming the bad key's path. Connects to nothing."))
+    c.add_argument("--config", "-c", required=True, help="worker YAML config file")
     c.add_argument("--print", action="store_true", help="print the effective config (defaults and env applied)")
     c.set_defaults(func=cmd_check_config)
 
@@ -121,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("backfill", help="process the input topics up to their current end, then exit",
                        description="Snapshots the end offsets of the input topics, processes until every partition "
                        "reaches them, commits and exits 0. Killed, it resumes from the committed offsets.")
-    b.add_argument("--config", "-c", required=True)
+    b.add_argument("--config", "-c", required=True, help="worker YAML config file")
     g = b.add_mutually_exclusive_group()
     g.add_argument("--from-beginning", action="store_true", help="ignore committed offsets; start at the earliest")
     g.add_argument("--from-timestamp", type=int, default=None, metavar="MS",
@@ -130,15 +132,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--verbose", action="store_true", help="log at the configured level instead of WARNING")
     b.set_defaults(func=cmd_backfill)
 
-    ld = sub.add_parser("load", help="produce synthetic requests at a given rate")
+    ld = sub.add_parser("load", help="produce synthetic requests at a given rate", description=(
+        "Produces COUNT valid requests for a built-in model's input shape (keys and ids PREFIX-0, PREFIX-1, "
+        "...) at RATE records/s, waits until each is acknowledged, and exits 0; exits 1 if the broker does not "
+        "answer or a record is not delivered."))
     ld.add_argument("--bootstrap", default=None, help="broker (default: $KAFKA_BOOTSTRAP_SERVERS or 127.0.0.1:9092)")
-    ld.add_argument("--topic", required=True)
+    ld.add_argument("--topic", required=True, help="topic to produce to")
     ld.add_argument("--rate", type=float, default=1000.0, help="records per second (0 = as fast as possible)")
-    ld.add_argument("--count", type=int, default=10000)
+    ld.add_argument("--count", type=int, default=10000, help="records to produce (default 10000)")
     ld.add_argument("--lanes", default=None, help="priority mix, e.g. high=0.1,low=0.9 (sets the request field)")
     ld.add_argument("--model-input", default="tiny", choices=["tiny", "synthetic", "identity", "minilm"],
                     help="shape of the generated inputs")
-    ld.add_argument("--id-prefix", default="load")
+    ld.add_argument("--id-prefix", default="load", help="request ids and keys are PREFIX-N (default load)")
     ld.add_argument("--deadline-ms", type=int, default=None, help="relative deadline to set on each request")
     ld.set_defaults(func=cmd_load)
 
@@ -148,13 +153,16 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Reads the DLQ topic (its own consumer group, so each dead letter is replayed "
                          "once), strips the x-error*/x-source* headers and produces the original key, value and "
                          "headers to the source topic. Stops at the end of the DLQ snapshot taken at start.")
-    rp.add_argument("--config", "-c", required=True)
-    rp.add_argument("--limit", type=int, default=None)
+    rp.add_argument("--config", "-c", required=True, help="worker YAML config file (its kafka section is used)")
+    rp.add_argument("--limit", type=int, default=None, help="replay at most this many dead letters")
     rp.add_argument("--filter-stage", default=None, help="only dead letters of this x-error-stage")
     rp.add_argument("--dry-run", action="store_true", help="list what would be replayed; produce nothing")
     rp.set_defaults(func=cmd_dlq_replay)
 
-    pr = sub.add_parser("profile", help="throughput/latency/memory per batch size for a model")
+    pr = sub.add_parser("profile", help="throughput/latency/memory per batch size for a model", description=(
+        "Runs the model alone (no Kafka) on each batch size and prints p50/p99 batch latency, items/s and "
+        "peak memory, then recommends a max_batch_size: the highest throughput, or the highest within "
+        "--latency-budget-ms. A batch size that runs out of memory is reported, and larger ones are not tried."))
     try:
         from worker.profile import add_arguments
         add_arguments(pr)
