@@ -1,0 +1,135 @@
+"""The latency bench's overload step replayed on the real scheduler, without Kafka, threads or a clock.
+
+``python -m tests.bench.overload_sim [--load 2.0] [--high-wait-ms 5,10,20,30,50] [--seconds 60]`` prints, per
+high-lane ``max_wait_ms``, the records/s served (as a fraction of full-batch capacity), the high lane's mean
+batch and share of device time, its p99 latency and the low lane's share of the records served.
+
+What it models: the two lanes of ``tests.bench.latency`` (high: priority 1, weight 4, 10% of the traffic;
+low: priority 0, weight 1), Poisson arrivals, one device whose batch of ``n`` takes ``a + b*n`` (the synthetic
+model), and the runner's dispatch rules: while the device is busy the collate stage takes a batch ahead only
+if it is full (``next_batch(idle=False, full_only=True)``); when the device frees up a higher lane's closed
+batch may take its place (``preempt``); otherwise a free device takes the best batch, open windows included
+(``next_batch(idle=True)``). Records over a lane's ``queue_bound`` wait "in Kafka" (the runner pauses the
+lane's partitions) and enter when the lane drops below it; their latency counts from arrival.
+
+Why: the bench's overload figures (0.45 of capacity served at a 10 ms high-lane window, 0.80 at 30 ms) take
+minutes on a noisy machine. This reproduces them within a few hundredths in a second, deterministically, so a
+scheduler change that alters them shows up in the unit tests (``tests/unit/test_overload_sim.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from collections import deque
+from dataclasses import dataclass
+
+from tests.bench.batching import A_MS, B_MS
+from tests.bench.latency import HIGH_SHARE, MAX_B, W_HIGH, W_LOW
+from worker.config import LaneConfig
+from worker.core.records import Record, TopicPartition
+from worker.core.scheduler import PriorityScheduler
+
+QUEUE_BOUND = 2000  # the latency bench's per-lane queue_bound
+CAPACITY = MAX_B / ((A_MS + B_MS * MAX_B) / 1000.0)  # records/s with every batch full
+
+
+@dataclass
+class Outcome:
+    served_per_s: float
+    capacity_fraction: float
+    high_mean_batch: float
+    high_device_share: float
+    high_p99_ms: float
+    low_share: float
+
+
+def lanes(high_wait_ms: float) -> list[LaneConfig]:
+    return [
+        LaneConfig(name="high", priority=1, weight=W_HIGH, max_batch_size=MAX_B, max_wait_ms=high_wait_ms,
+                   queue_bound=QUEUE_BOUND),
+        LaneConfig(name="low", priority=0, weight=W_LOW, max_batch_size=MAX_B, max_wait_ms=10,
+                   queue_bound=QUEUE_BOUND),
+    ]
+
+
+def simulate(high_wait_ms: float, load: float = 2.0, seconds: float = 60.0, seed: int = 1) -> Outcome:
+    rng = random.Random(seed)
+    sched = PriorityScheduler(lanes(high_wait_ms), "low")
+    a_s, b_s = A_MS / 1000.0, B_MS / 1000.0
+    arrivals: list[tuple[float, str]] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(load * CAPACITY)
+        if t >= seconds:
+            break
+        arrivals.append((t, "high" if rng.random() < HIGH_SHARE else "low"))
+    tp = TopicPartition("sim", 0)
+    in_kafka: dict[str, deque[Record]] = {"high": deque(), "low": deque()}
+    served = {"high": 0, "low": 0}
+    busy = {"high": 0.0, "low": 0.0}
+    batches = {"high": 0, "low": 0}
+    high_lat: list[float] = []
+    now, i = 0.0, 0
+    while now < seconds:
+        for lane, waiting in in_kafka.items():  # room again: paused partitions resume
+            while waiting and sched.queued(lane) < QUEUE_BOUND:
+                sched.add(waiting.popleft(), now)
+        while i < len(arrivals) and arrivals[i][0] <= now:
+            at, lane = arrivals[i]
+            rec = Record(tp, i, b"", received_at=at)
+            rec.lane = lane
+            # The runner's loop thread admits records as they arrive, while the device works: a record that
+            # finds room enters at its arrival time (its window's max_wait runs from there).
+            if in_kafka[lane] or sched.queued(lane) >= QUEUE_BOUND:
+                in_kafka[lane].append(rec)
+            else:
+                sched.add(rec, at)
+            i += 1
+        # The batch taken ahead while the device was busy (full only), unless a higher lane's closed batch
+        # preempts it; with none taken ahead, the free device takes the best, open windows included.
+        ahead = sched.next_batch(now, idle=False, full_only=True) if now > 0 else None
+        batch = (sched.preempt(ahead, now) or ahead) if ahead is not None else sched.next_batch(now, idle=True)
+        if batch is None or not batch.records:
+            nxt = arrivals[i][0] if i < len(arrivals) else seconds
+            wake = sched.next_wakeup(now)
+            now = min(nxt, wake) if wake is not None and wake > now else nxt
+            continue
+        took = a_s + b_s * len(batch.records)
+        now += took
+        served[batch.lane] += len(batch.records)
+        busy[batch.lane] += took
+        batches[batch.lane] += 1
+        if batch.lane == "high":
+            high_lat.extend(now - r.received_at for r in batch.records)
+    total = served["high"] + served["low"]
+    high_lat.sort()
+    return Outcome(
+        served_per_s=total / seconds,
+        capacity_fraction=total / seconds / CAPACITY,
+        high_mean_batch=served["high"] / max(batches["high"], 1),
+        high_device_share=busy["high"] / seconds,
+        high_p99_ms=high_lat[int(0.99 * (len(high_lat) - 1))] * 1000.0 if high_lat else float("nan"),
+        low_share=served["low"] / max(total, 1),
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--load", type=float, default=2.0, help="offered load / capacity (default 2.0)")
+    ap.add_argument("--high-wait-ms", default="5,10,20,30,50", help="high-lane max_wait_ms values to compare")
+    ap.add_argument("--seconds", type=float, default=60.0, help="simulated seconds per value (default 60)")
+    args = ap.parse_args()
+    print(f"a={A_MS} ms, b={B_MS} ms, max batch {MAX_B}: capacity {CAPACITY:.0f} records/s; load {args.load:.0%}, "
+          f"high lane {HIGH_SHARE:.0%} of the traffic, weights high {W_HIGH:g} / low {W_LOW:g}")
+    print(f"{'high max_wait':>14} {'served/s':>9} {'of capacity':>12} {'high batch':>11} {'high device':>12} "
+          f"{'high p99 ms':>12} {'low share':>10}")
+    for w in (float(x) for x in args.high_wait_ms.split(",")):
+        o = simulate(w, args.load, args.seconds)
+        print(f"{w:>11.0f} ms {o.served_per_s:>9.0f} {o.capacity_fraction:>12.2f} {o.high_mean_batch:>11.1f} "
+              f"{o.high_device_share:>12.2f} {o.high_p99_ms:>12.0f} {o.low_share:>10.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
