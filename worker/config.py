@@ -61,6 +61,9 @@ class LaneConfig(_Strict):
     # Default budget (ms after receipt) for records of this lane that carry no deadline_ms of their own.
     deadline_ms: PosFloat | None = None
     queue_bound: PosInt = 10_000
+    # A partial batch of this lane takes the oldest records of lower-priority lanes into its free slots
+    # (up to max_batch_size): full batches under overload, at b per added record to this lane's latency.
+    fill_with_lower: bool = False
 
 
 class BatchingConfig(_Strict):

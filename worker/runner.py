@@ -47,6 +47,13 @@ _cache_enc = msgspec.msgpack.Encoder()
 _cache_dec = msgspec.msgpack.Decoder()
 
 
+def _by_lane(records: list[Record]) -> Iterable[tuple[str, list[Record]]]:
+    groups: dict[str, list[Record]] = {}
+    for r in records:
+        groups.setdefault(r.lane, []).append(r)
+    return groups.items()
+
+
 def _attempt_key(rec: Record) -> str:
     return f"{rec.tp.topic}:{rec.tp.partition}:{rec.offset}"
 
@@ -555,10 +562,12 @@ class Runner:
             ok_recs = [r for i, r in enumerate(ok_recs) if i not in skip]
         if ok_recs:
             self.stats.results_ok += len(ok_recs)
-            self.metrics.records_out(batch.lane, "ok", len(ok_recs))
-            e2e_s = [(wall_ms - r.produced_at_ms) / 1000.0 for r in ok_recs if r.produced_at_ms]
-            if e2e_s:
-                self.metrics.end_to_end_many(batch.lane, e2e_s)
+            # A filled batch (lane option fill_with_lower) holds records of other lanes: count each by its own.
+            for lane, recs in (_by_lane(ok_recs) if batch.mixed else ((batch.lane, ok_recs),)):
+                self.metrics.records_out(lane, "ok", len(recs))
+                e2e_s = [(wall_ms - r.produced_at_ms) / 1000.0 for r in recs if r.produced_at_ms]
+                if e2e_s:
+                    self.metrics.end_to_end_many(lane, e2e_s)
         if outcomes:
             self._emit_all(outcomes, now)
 

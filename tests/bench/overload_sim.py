@@ -1,8 +1,10 @@
 """The latency bench's overload step replayed on the real scheduler, without Kafka, threads or a clock.
 
-``python -m tests.bench.overload_sim [--load 2.0] [--high-wait-ms 5,10,20,30,50] [--seconds 60]`` prints, per
-high-lane ``max_wait_ms``, the records/s served (as a fraction of full-batch capacity), the high lane's mean
-batch and share of device time, its p99 latency and the low lane's share of the records served.
+``python -m tests.bench.overload_sim [--load 2.0] [--high-wait-ms 5,10,20,30,50] [--seconds 60] [--fill]``
+prints, per high-lane ``max_wait_ms``, the records/s served (as a fraction of full-batch capacity), the mean
+size and share of device time of the batches the high lane leads, its p99 latency and the low lane's share of
+the records served. ``--fill`` sets ``fill_with_lower`` on the high lane (its partial batches take low-lane
+records into their free slots).
 
 What it models: the two lanes of ``tests.bench.latency`` (high: priority 1, weight 4, 10% of the traffic;
 low: priority 0, weight 1), Poisson arrivals, one device whose batch of ``n`` takes ``a + b*n`` (the synthetic
@@ -44,18 +46,19 @@ class Outcome:
     low_share: float
 
 
-def lanes(high_wait_ms: float) -> list[LaneConfig]:
+def lanes(high_wait_ms: float, fill: bool = False) -> list[LaneConfig]:
     return [
         LaneConfig(name="high", priority=1, weight=W_HIGH, max_batch_size=MAX_B, max_wait_ms=high_wait_ms,
-                   queue_bound=QUEUE_BOUND),
+                   queue_bound=QUEUE_BOUND, fill_with_lower=fill),
         LaneConfig(name="low", priority=0, weight=W_LOW, max_batch_size=MAX_B, max_wait_ms=10,
                    queue_bound=QUEUE_BOUND),
     ]
 
 
-def simulate(high_wait_ms: float, load: float = 2.0, seconds: float = 60.0, seed: int = 1) -> Outcome:
+def simulate(high_wait_ms: float, load: float = 2.0, seconds: float = 60.0, seed: int = 1,
+             fill: bool = False) -> Outcome:
     rng = random.Random(seed)
-    sched = PriorityScheduler(lanes(high_wait_ms), "low")
+    sched = PriorityScheduler(lanes(high_wait_ms, fill), "low")
     a_s, b_s = A_MS / 1000.0, B_MS / 1000.0
     arrivals: list[tuple[float, str]] = []
     t = 0.0
@@ -70,6 +73,7 @@ def simulate(high_wait_ms: float, load: float = 2.0, seconds: float = 60.0, seed
     busy = {"high": 0.0, "low": 0.0}
     batches = {"high": 0, "low": 0}
     high_lat: list[float] = []
+    high_batch_records = 0
     now, i = 0.0, 0
     while now < seconds:
         for lane, waiting in in_kafka.items():  # room again: paused partitions resume
@@ -97,17 +101,20 @@ def simulate(high_wait_ms: float, load: float = 2.0, seconds: float = 60.0, seed
             continue
         took = a_s + b_s * len(batch.records)
         now += took
-        served[batch.lane] += len(batch.records)
+        for r in batch.records:
+            served[r.lane] += 1
+            if r.lane == "high":
+                high_lat.append(now - r.received_at)
         busy[batch.lane] += took
         batches[batch.lane] += 1
         if batch.lane == "high":
-            high_lat.extend(now - r.received_at for r in batch.records)
+            high_batch_records += len(batch.records)
     total = served["high"] + served["low"]
     high_lat.sort()
     return Outcome(
         served_per_s=total / seconds,
         capacity_fraction=total / seconds / CAPACITY,
-        high_mean_batch=served["high"] / max(batches["high"], 1),
+        high_mean_batch=high_batch_records / max(batches["high"], 1),
         high_device_share=busy["high"] / seconds,
         high_p99_ms=high_lat[int(0.99 * (len(high_lat) - 1))] * 1000.0 if high_lat else float("nan"),
         low_share=served["low"] / max(total, 1),
@@ -118,6 +125,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--load", type=float, default=2.0, help="offered load / capacity (default 2.0)")
     ap.add_argument("--high-wait-ms", default="5,10,20,30,50", help="high-lane max_wait_ms values to compare")
+    ap.add_argument("--fill", action="store_true", help="the high lane with fill_with_lower: true")
     ap.add_argument("--seconds", type=float, default=60.0, help="simulated seconds per value (default 60)")
     args = ap.parse_args()
     print(f"a={A_MS} ms, b={B_MS} ms, max batch {MAX_B}: capacity {CAPACITY:.0f} records/s; load {args.load:.0%}, "
@@ -125,7 +133,7 @@ def main() -> int:
     print(f"{'high max_wait':>14} {'served/s':>9} {'of capacity':>12} {'high batch':>11} {'high device':>12} "
           f"{'high p99 ms':>12} {'low share':>10}")
     for w in (float(x) for x in args.high_wait_ms.split(",")):
-        o = simulate(w, args.load, args.seconds)
+        o = simulate(w, args.load, args.seconds, fill=args.fill)
         print(f"{w:>11.0f} ms {o.served_per_s:>9.0f} {o.capacity_fraction:>12.2f} {o.high_mean_batch:>11.1f} "
               f"{o.high_device_share:>12.2f} {o.high_p99_ms:>12.0f} {o.low_share:>10.2f}")
     return 0

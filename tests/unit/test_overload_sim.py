@@ -38,3 +38,21 @@ def test_the_low_lane_keeps_at_least_its_weighted_share(by_wait) -> None:
 def test_below_capacity_everything_offered_is_served() -> None:
     o = simulate(10.0, load=0.5, seconds=20.0, seed=3)
     assert o.capacity_fraction == pytest.approx(0.5, abs=0.05)
+
+
+def test_fill_with_lower_runs_full_batches_under_overload_without_a_longer_window() -> None:
+    plain = simulate(10.0, load=2.0, seconds=20.0, seed=3)
+    longer = simulate(30.0, load=2.0, seconds=20.0, seed=3)
+    filled = simulate(10.0, load=2.0, seconds=20.0, seed=3, fill=True)
+    assert filled.capacity_fraction > 0.97
+    assert filled.high_mean_batch > 31.5  # (the first batches, before the backlog builds, are not full)
+    # Its p99 lies between the short window's and the longer window's, at full throughput.
+    assert plain.high_p99_ms < filled.high_p99_ms < longer.high_p99_ms
+    assert filled.low_share >= W_LOW / (W_LOW + W_HIGH)
+
+
+def test_fill_with_lower_does_not_cost_the_high_lane_at_half_load() -> None:
+    plain = simulate(10.0, load=0.5, seconds=20.0, seed=3)
+    filled = simulate(10.0, load=0.5, seconds=20.0, seed=3, fill=True)
+    assert filled.capacity_fraction == pytest.approx(0.5, abs=0.05)
+    assert filled.high_p99_ms <= plain.high_p99_ms

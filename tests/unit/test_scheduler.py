@@ -448,18 +448,22 @@ op_st = st.one_of(
     st.tuples(st.just("max"), st.integers(0, 2), st.integers(1, 6), st.just(None)),
     st.tuples(st.just("observe"), st.integers(0, 2), st.integers(1, 6), st.just(None)),
     st.tuples(st.just("flush"), st.just(0), st.just(0), st.just(None)),
+    st.tuples(st.just("ahead"), st.just(0), st.just(0), st.just(None)),  # take ahead, then maybe preempt
 )
+PRIORITY = {"hi": 5, "lo": 1, "default": 0}
 
 
 @settings(max_examples=200, deadline=None)
 @given(ops=st.lists(op_st, min_size=10, max_size=80), policy=st.sampled_from(["fixed", "adaptive"]),
        bucket=st.sampled_from([0, 2]), weights=st.tuples(st.integers(1, 4), st.integers(1, 4)),
-       fixed_cost=st.sampled_from([None, 0.002, 0.020]))
+       fixed_cost=st.sampled_from([None, 0.002, 0.020]), fill=st.booleans())
 def test_every_record_comes_out_exactly_once(ops: list[tuple[str, object, int, float | None]], policy: str,
                                              bucket: int, weights: tuple[int, int],
-                                             fixed_cost: float | None) -> None:
-    cfg = lanes({"name": "hi", "priority": 5, "weight": weights[0], "max_batch_size": 4, "max_wait_ms": 5},
-                {"name": "lo", "priority": 1, "weight": weights[1], "max_batch_size": 3, "max_wait_ms": 0},
+                                             fixed_cost: float | None, fill: bool) -> None:
+    cfg = lanes({"name": "hi", "priority": 5, "weight": weights[0], "max_batch_size": 4, "max_wait_ms": 5,
+                 "fill_with_lower": fill},
+                {"name": "lo", "priority": 1, "weight": weights[1], "max_batch_size": 3, "max_wait_ms": 0,
+                 "fill_with_lower": fill},
                 {"name": "default", "max_batch_size": 5, "max_wait_ms": 20, "queue_bound": 4})
     s = PriorityScheduler(cfg, "default", policy, bucket_width=bucket)
     if fixed_cost is not None:  # a trained latency model, so the adaptive paths (hold, expire early) run
@@ -475,7 +479,12 @@ def test_every_record_comes_out_exactly_once(ops: list[tuple[str, object, int, f
             return
         assert b.records, "empty batch"
         assert len(b) <= s.max_batch_size(b.lane)
-        assert all(r.lane == b.lane for r in b.records)
+        own = [r for r in b.records if r.lane == b.lane]
+        assert own and b.records[:len(own)] == own, "the batch's own lane first"
+        others = b.records[len(own):]
+        assert not others or b.mixed
+        assert all(PRIORITY[r.lane] < PRIORITY[b.lane] for r in others), "filled only from lower lanes"
+        assert [PRIORITY[r.lane] for r in others] == sorted((PRIORITY[r.lane] for r in others), reverse=True)
         assert all(r.deadline is None or r.deadline > now for r in b.records), "expired record dispatched"
         if bucket:
             assert len({r.size // bucket for r in b.records}) == 1
@@ -490,6 +499,11 @@ def test_every_record_comes_out_exactly_once(ops: list[tuple[str, object, int, f
             out.extend(x.offset for x in s.add(r, now))
         elif op == "next":
             take(s.next_batch(now, idle=bool(a1)))
+        elif op == "ahead":
+            pre = s.next_batch(now, idle=False, full_only=True)
+            if pre is not None:
+                swapped = s.preempt(pre, now)
+                take(swapped if swapped is not None else pre)
         elif op == "tick":
             assert isinstance(a1, int)
             now += a1 / 1000.0
@@ -643,3 +657,102 @@ def test_preempted_records_keep_their_deadlines() -> None:
     expired = s.expire(0.06)  # still tracked: past the deadline they come out as expired, not lost
     assert ids(expired) == ids(low)
     assert len(s) == 0
+
+
+# ---------------------------------------------------------------- fill_with_lower
+
+def filling_lanes(batch: int = 4, wait_ms: float = 10.0, **kw: object) -> PriorityScheduler:
+    """``hi`` fills its partial batches from lower lanes; ``mid`` (priority 5) and ``lo`` (0) do not."""
+    cfg = lanes({"name": "hi", "priority": 10, "max_batch_size": batch, "max_wait_ms": wait_ms, "fill_with_lower": True},
+                {"name": "mid", "priority": 5, "max_batch_size": batch, "max_wait_ms": wait_ms},
+                {"name": "lo", "priority": 0, "max_batch_size": batch, "max_wait_ms": wait_ms})
+    return PriorityScheduler(cfg, "lo", **kw)  # type: ignore[arg-type]
+
+
+def test_fill_tops_up_a_partial_batch_with_the_oldest_lower_lane_records() -> None:
+    s = filling_lanes(batch=4)
+    low, mid, high = recs(3, "lo"), recs(1, "mid"), recs(2, "hi")
+    feed(s, low, now=0.0)
+    feed(s, mid, now=0.001)
+    feed(s, high, now=0.002)
+    b = s.next_batch(0.003, idle=True)
+    # The high lane's records first, then the next lane down (mid), then the lowest, oldest first.
+    assert b is not None and b.lane == "hi" and b.mixed
+    assert ids(b.records) == ids(high + mid + low[:1])
+    assert [r.lane for r in b.records] == ["hi", "hi", "mid", "lo"]
+    st = s.stats()
+    assert (st["hi"]["queued"], st["mid"]["queued"], st["lo"]["queued"]) == (0, 0, 2)
+    assert (st["hi"]["served_records"], st["mid"]["served_records"], st["lo"]["served_records"]) == (2, 1, 1)
+    rest = s.next_batch(0.004, idle=True)
+    assert rest is not None and rest.lane == "lo" and not rest.mixed and ids(rest.records) == ids(low[1:])
+    assert len(s) == 0
+
+
+def test_fill_takes_lower_ready_batches_before_open_windows_and_never_a_higher_lane() -> None:
+    s = filling_lanes(batch=4)
+    closed, still_open = recs(2, "lo"), recs(1, "lo")
+    feed(s, closed, now=0.0)
+    feed(s, still_open, now=0.011)  # the first two closed by time at 0.010; this one opened a new window
+    feed(s, recs(1, "hi"), now=0.012)
+    b = s.next_batch(0.012, idle=True)
+    assert b is not None and b.lane == "hi" and ids(b.records[1:]) == ids(closed + still_open)
+    # A lane without the option is never topped up from others (mid is above lo).
+    s = filling_lanes(batch=4)
+    feed(s, recs(2, "lo"), now=0.0)
+    feed(s, recs(1, "mid"), now=0.0)
+    b = s.next_batch(0.001, idle=True)
+    assert b is not None and b.lane == "mid" and len(b.records) == 1 and not b.mixed
+
+
+def test_a_batch_taken_ahead_is_not_filled_and_a_full_batch_is_left_alone() -> None:
+    s = filling_lanes(batch=4)
+    feed(s, recs(4, "hi"), now=0.0)
+    feed(s, recs(4, "lo"), now=0.0)
+    b = s.next_batch(0.001, idle=True)
+    assert b is not None and b.lane == "hi" and not b.mixed and len(b.records) == 4
+    s = filling_lanes(batch=4)
+    feed(s, recs(2, "hi"), now=0.0)
+    feed(s, recs(4, "lo"), now=0.0)
+    pre = s.next_batch(0.001, idle=False, full_only=True)
+    assert pre is not None and pre.lane == "lo" and not pre.mixed
+
+
+def test_preempt_fills_from_the_batch_it_displaces_and_requeues_the_rest_in_order() -> None:
+    s = filling_lanes(batch=4)
+    low = recs(8, "lo")
+    feed(s, low, now=0.0)
+    pre = s.next_batch(0.001, idle=False, full_only=True)
+    assert pre is not None and ids(pre.records) == ids(low[:4])
+    high = recs(2, "hi")
+    feed(s, high, now=0.002)
+    b = s.preempt(pre, now=0.013)  # the high window closed by time
+    # The displaced batch's front records are the oldest low ones: they fill the free slots.
+    assert b is not None and b.lane == "hi" and b.mixed and ids(b.records) == ids(high + low[:2])
+    assert s.stats()["lo"]["queued"] == 6 and s.stats()["lo"]["served_records"] == 2
+    nxt = s.next_batch(0.014, idle=True)
+    assert nxt is not None and ids(nxt.records) == ids(low[2:6])
+    last = s.next_batch(0.015, idle=True)
+    assert last is not None and ids(last.records) == ids(low[6:])
+    assert len(s) == 0
+
+
+def test_fill_records_leave_deadline_tracking_and_expired_ones_are_not_used() -> None:
+    s = filling_lanes(batch=4)
+    low = recs(3, "lo")
+    low[0].deadline = 0.005
+    for r in low[1:]:
+        r.deadline = 1.0
+    feed(s, low, now=0.0)
+    assert ids(s.expire(0.006)) == ids(low[:1])  # expired: a tombstone stays in the lane until the front
+    feed(s, recs(1, "hi"), now=0.007)
+    b = s.next_batch(0.008, idle=True)
+    assert b is not None and ids(b.records[1:]) == ids(low[1:])
+    assert s.expire(2.0) == [] and len(s) == 0  # the filled records are no longer tracked
+
+
+def test_fill_is_off_with_size_bucketing() -> None:
+    s = filling_lanes(batch=4, bucket_width=8)
+    feed(s, recs(2, "lo"), now=0.0)
+    feed(s, recs(1, "hi"), now=0.0)
+    b = s.next_batch(0.001, idle=True)
+    assert b is not None and b.lane == "hi" and len(b.records) == 1 and not b.mixed

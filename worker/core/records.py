@@ -49,6 +49,9 @@ class Batch:
     closed_at: float
     reason: str  # "count" | "time" | "idle" | "flush" | "adaptive"
     max_batch_size: int = 0
+    # Records of lower-priority lanes were added to its free slots (lane option fill_with_lower): each
+    # record's own lane is record.lane, not necessarily this batch's.
+    mixed: bool = False
 
     def __len__(self) -> int:
         return len(self.records)
