@@ -756,3 +756,35 @@ def test_fill_is_off_with_size_bucketing() -> None:
     feed(s, recs(1, "hi"), now=0.0)
     b = s.next_batch(0.001, idle=True)
     assert b is not None and b.lane == "hi" and len(b.records) == 1 and not b.mixed
+
+
+def trained_filling(a: float = 0.010, b: float = 0.001, batch: int = 8) -> PriorityScheduler:
+    s = filling_lanes(batch=batch, wait_ms=100.0, policy="adaptive")
+    for n in (1, 2, 4, 8, 1, 3):
+        for lane in ("hi", "mid", "lo"):
+            s.observe(lane, n, a + b * n)
+    return s
+
+
+def test_adaptive_fill_stops_where_the_batch_would_miss_its_own_deadline() -> None:
+    s = trained_filling(a=0.010, b=0.001, batch=8)
+    feed(s, recs(10, "lo"), now=1.0)
+    urgent = rec("hi", deadline=1.0155)  # room for a + b*5 = 15 ms: itself and 4 more
+    feed(s, [urgent], now=1.0)
+    b = s.next_batch(1.0, idle=True)
+    assert b is not None and b.records[0] is urgent and len(b.records) == 5
+
+
+def test_adaptive_fill_leaves_alone_a_lane_whose_deadline_the_filled_batch_would_miss() -> None:
+    s = trained_filling(a=0.010, b=0.001, batch=8)
+    # One of these alone would end at 1.011, in time; the filled batch (up to 8 records) would end at 1.018.
+    tight = recs(3, "lo", deadline=1.012)
+    easy = recs(3, "mid", deadline=2.0)
+    feed(s, tight + easy, now=1.0)
+    feed(s, recs(1, "hi"), now=1.0)
+    b = s.next_batch(1.0, idle=True)
+    assert b is not None and b.lane == "hi" and ids(b.records[1:]) == ids(easy)
+    # Not taken, so not expired on the filled batch's account: still queued, and their own batch is next.
+    assert s.expire(1.0) == [] and s.queued("lo") == 3
+    own = s.next_batch(1.0, idle=True)  # (two of the three fit: 10 + 2 ms; the adaptive rule keeps those)
+    assert own is not None and own.lane == "lo" and len(own.records) == 2 and set(ids(own.records)) < set(ids(tight))

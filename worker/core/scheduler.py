@@ -41,6 +41,9 @@ its lane's service counter, so the fairness bound above holds per lane; the batc
 a high lane whose windows close by time under overload otherwise runs batches of a few records whose fixed
 cost takes most of the device (``tests/bench/overload_sim``: 0.49 of capacity served at a 10 ms window, 1.00
 with the option). Batches taken ahead are not filled (they are full), and with size buckets the option is off.
+Adaptive policy: the fill stops where the batch's earliest deadline would be missed (``a + b*n``), and a
+lower lane whose earliest deadline the filled batch would miss is skipped, so no record is expired on a
+filled batch's account.
 
 Deadlines (both policies)
 -------------------------
@@ -303,24 +306,35 @@ class PriorityScheduler:
         room = lane.max_batch - len(batch.records)
         if not lane.fill or room <= 0:
             return batch
+        if self._adaptive:
+            room = min(room, self._fill_room(lane, batch, now))
+            if room <= 0:
+                return batch
         added: list[Record] = []
         if donor is not None and donor.lane != batch.lane and self._lanes[donor.lane].priority < lane.priority:
             take = donor.records[:room]
             del donor.records[:room]
             added.extend(take)
             room -= len(take)
+        model = self._model(lane) if self._adaptive else None
         for other in self._order:
             if room <= 0:
                 break
             if other.priority >= lane.priority or not other.n:
                 continue
+            if model is not None:
+                # A lane whose earliest deadline the filled batch would miss is left alone: its records
+                # may still make it in a batch of their own, and must not be expired for this one.
+                d = other.earliest_deadline()
+                if d is not None and d < now + model.predict(len(batch.records) + len(added) + room):
+                    continue
             while room > 0 and other.n:
                 if not other.ready_n:
                     opened = other.batcher.take_open(now, room, "fill")
                     if opened is None:
                         break
                     self._push_ready(other, [opened])
-                part = self._finalize(self._pop_ready(other, room), now)
+                part = self._finalize(self._pop_ready(other, room), now, ahead=len(batch.records) + len(added))
                 if part is not None:
                     added.extend(part.records)
                     room -= len(part.records)
@@ -364,6 +378,14 @@ class PriorityScheduler:
                     return self._pop_ready(other)
                 return other.batcher.take_open(now, other.max_batch, "adaptive")
         return None
+
+    def _fill_room(self, lane: _Lane, batch: Batch, now: float) -> int:
+        """Adaptive: how many records may be added before the batch's earliest deadline would be missed."""
+        model = self._model(lane)
+        earliest = min((r.deadline for r in batch.records if r.deadline is not None), default=None)
+        if model is None or earliest is None or model.b <= 0:
+            return lane.max_batch
+        return math.floor((earliest - now - model.a) / model.b) - len(batch.records)
 
     def _lag_limit(self, cands: list[_Lane]) -> float:
         """A candidate is eligible while its normalized service is below this: one batch of lag."""
@@ -475,9 +497,10 @@ class PriorityScheduler:
         lane.ready_n -= taken
         return Batch(lane.name, out, first.opened_at, first.closed_at, first.reason, m)
 
-    def _finalize(self, batch: Batch, now: float) -> Batch | None:
-        """Account for a batch leaving the queue; adaptive: drop records predicted to miss their deadline.
-        Returns None when nothing is left to send."""
+    def _finalize(self, batch: Batch, now: float, ahead: int = 0) -> Batch | None:
+        """Account for a batch leaving the queue; adaptive: drop records predicted to miss their deadline
+        (``ahead``: records the device runs with them, a batch being filled). Returns None when nothing is
+        left to send."""
         lane = self._lanes[batch.lane]
         recs = batch.records
         dead = lane.dead
@@ -493,7 +516,7 @@ class PriorityScheduler:
         if self._adaptive and live:
             model = self._model(lane)
             if model is not None:
-                recs = self._drop_misses(lane, recs, now, model)
+                recs = self._drop_misses(lane, recs, now, model, ahead)
                 batch.records = recs
         n = len(recs)
         self._total -= n  # (dropped records were accounted for in _drop_misses)
@@ -511,8 +534,10 @@ class PriorityScheduler:
         lane.hold_until = None
         return batch
 
-    def _drop_misses(self, lane: _Lane, recs: list[Record], now: float, model: LatencyModel) -> list[Record]:
+    def _drop_misses(self, lane: _Lane, recs: list[Record], now: float, model: LatencyModel,
+                     ahead: int = 0) -> list[Record]:
         a, b = model.a, model.b
+        a += b * ahead  # the records already in the batch lengthen it as much as these do
         n = len(recs)
         earliest = min((r.deadline for r in recs if r.deadline is not None), default=None)
         if earliest is None or earliest >= now + a + b * n:
