@@ -289,14 +289,15 @@ def test_unsupported_file_suffix(tmp_path: Path) -> None:
 
 
 def test_docs_custom_model_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The handler example and YAML block in docs/fragments/models.md load and run as written."""
+    """The handler example and YAML block in README's Models section load and run as written."""
     import re
 
     import yaml
 
     from worker.adapters.torch_engine import Engine
 
-    doc = (Path(__file__).parents[2] / "docs" / "fragments" / "models.md").read_text()
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    doc = readme[readme.index("<!-- section: models -->"):readme.index("<!-- /section: models -->")]
     code = re.search(r"```python\n(.*?)```", doc, re.S)
     block = re.search(r"```yaml\n(.*?)```", doc, re.S)
     assert code and block
