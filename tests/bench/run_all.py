@@ -68,7 +68,7 @@ def _strip_samples(res: dict[str, Any]) -> None:
         sc = res.get(key)
         if not isinstance(sc, dict):
             continue
-        steps = sc.get("steps", []) + ([sc["tuned_overload"]] if "tuned_overload" in sc else [])
+        steps = sc.get("steps", []) + [sc[k] for k in ("tuned_overload", "filled_overload") if k in sc]
         holders = [st[lane] for st in steps for lane in ("high", "low", "all")]
         holders += [sc[k] for k in ("light_load", "light_load_b8") if k in sc]
         for h in holders:

@@ -93,11 +93,12 @@ def test_stored_results_keep_quantiles_not_samples() -> None:
     lane = {"e2e_ms": [float(i) for i in range(1000)], "p99_ms": 990.0}
     scenarios: dict[str, Any] = {
         "latency": {"steps": [{"high": dict(lane), "low": dict(lane), "all": dict(lane)}],
-                    "tuned_overload": {"high": dict(lane), "low": dict(lane), "all": dict(lane)}},
+                    "tuned_overload": {"high": dict(lane), "low": dict(lane), "all": dict(lane)},
+                    "filled_overload": {"high": dict(lane), "low": dict(lane), "all": dict(lane)}},
         "batching": {"light_load": dict(lane)}}
     _strip_samples(scenarios)
     holders = [*scenarios["latency"]["steps"][0].values(), *scenarios["latency"]["tuned_overload"].values(),
-               scenarios["batching"]["light_load"]]
+               *scenarios["latency"]["filled_overload"].values(), scenarios["batching"]["light_load"]]
     for h in holders:
         assert "e2e_ms" not in h and len(h["e2e_quantiles_ms"]) == 101
         assert h["e2e_quantiles_ms"][99] == pytest.approx(989.01)
