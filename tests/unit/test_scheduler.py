@@ -788,3 +788,29 @@ def test_adaptive_fill_leaves_alone_a_lane_whose_deadline_the_filled_batch_would
     assert s.expire(1.0) == [] and s.queued("lo") == 3
     own = s.next_batch(1.0, idle=True)  # (two of the three fit: 10 + 2 ms; the adaptive rule keeps those)
     assert own is not None and own.lane == "lo" and len(own.records) == 2 and set(ids(own.records)) < set(ids(tight))
+
+
+def test_adaptive_preempt_fills_from_the_displaced_batch_only_where_its_deadlines_hold() -> None:
+    s = trained_filling(a=0.010, b=0.001, batch=8)
+    low = recs(8, "lo")
+    for r in low:
+        r.deadline = 1.5
+    feed(s, low, now=1.0)
+    pre = s.next_batch(1.0, idle=False, full_only=True)
+    assert pre is not None and len(pre.records) == 8
+    feed(s, recs(2, "hi"), now=1.0)
+    b = s.preempt(pre, now=1.2)  # the high window closed by time (100 ms)
+    assert b is not None and ids(b.records[2:]) == ids(low[:6])  # 8 slots: 2 high + 6 from the displaced batch
+    s = trained_filling(a=0.010, b=0.001, batch=8)
+    low = recs(8, "lo")
+    for r in low:
+        r.deadline = 1.2165  # a batch of 8 started at 1.2 ends at 1.218: too late
+    feed(s, low, now=1.0)
+    pre = s.next_batch(1.0, idle=False, full_only=True)
+    assert pre is not None
+    feed(s, recs(2, "hi"), now=1.0)
+    b = s.preempt(pre, now=1.2)
+    # 2 high + 6 low would end at 1.218 > 1.2165: none is put where it would be late; the displaced batch
+    # goes back whole (the adaptive rules decide about it in its own turn).
+    assert b is not None and b.lane == "hi" and len(b.records) == 2 and not b.mixed
+    assert s.queued("lo") == 8

@@ -311,12 +311,15 @@ class PriorityScheduler:
             if room <= 0:
                 return batch
         added: list[Record] = []
+        model = self._model(lane) if self._adaptive else None
         if donor is not None and donor.lane != batch.lane and self._lanes[donor.lane].priority < lane.priority:
             take = donor.records[:room]
-            del donor.records[:room]
-            added.extend(take)
-            room -= len(take)
-        model = self._model(lane) if self._adaptive else None
+            # (adaptive: not if one of them would miss its deadline in the filled batch; they stay in theirs)
+            end = now + model.predict(len(batch.records) + len(take)) if model is not None else math.inf
+            if all(r.deadline is None or r.deadline >= end for r in take):
+                del donor.records[:room]
+                added.extend(take)
+                room -= len(take)
         for other in self._order:
             if room <= 0:
                 break
