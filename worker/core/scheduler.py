@@ -306,13 +306,13 @@ class PriorityScheduler:
         room = lane.max_batch - len(batch.records)
         if not lane.fill or room <= 0:
             return batch
-        if self._adaptive:
-            room = min(room, self._fill_room(lane, batch, now))
+        model = self._model(lane) if self._adaptive else None
+        if model is not None:
+            room = self._fill_room(model, batch, now, room)
             if room <= 0:
                 return batch
         added: list[Record] = []
-        model = self._model(lane) if self._adaptive else None
-        if donor is not None and donor.lane != batch.lane and self._lanes[donor.lane].priority < lane.priority:
+        if donor is not None and self._lanes[donor.lane].priority < lane.priority:
             take = donor.records[:room]
             # (adaptive: not if one of them would miss its deadline in the filled batch; they stay in theirs)
             end = now + model.predict(len(batch.records) + len(take)) if model is not None else math.inf
@@ -382,13 +382,13 @@ class PriorityScheduler:
                 return other.batcher.take_open(now, other.max_batch, "adaptive")
         return None
 
-    def _fill_room(self, lane: _Lane, batch: Batch, now: float) -> int:
-        """Adaptive: how many records may be added before the batch's earliest deadline would be missed."""
-        model = self._model(lane)
+    @staticmethod
+    def _fill_room(model: LatencyModel, batch: Batch, now: float, room: int) -> int:
+        """Adaptive: at most ``room`` records, and no more than fit before the batch's earliest deadline."""
         earliest = min((r.deadline for r in batch.records if r.deadline is not None), default=None)
-        if model is None or earliest is None or model.b <= 0:
-            return lane.max_batch
-        return math.floor((earliest - now - model.a) / model.b) - len(batch.records)
+        if earliest is None or model.b <= 0:
+            return room
+        return min(room, math.floor((earliest - now - model.a) / model.b) - len(batch.records))
 
     def _lag_limit(self, cands: list[_Lane]) -> float:
         """A candidate is eligible while its normalized service is below this: one batch of lag."""
