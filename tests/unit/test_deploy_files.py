@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support.readme import section
 from worker import config as worker_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,8 +98,7 @@ def test_metrics_code_exposes_the_dashboard_metrics() -> None:
 
 
 def test_operating_docs_list_every_metric() -> None:
-    readme = (ROOT / "README.md").read_text()
-    text = readme[readme.index("<!-- section: operating -->"):readme.index("<!-- /section: operating -->")]
+    text = section("operating")
     assert METRICS - _metric_names(text) == set()
 
 

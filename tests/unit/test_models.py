@@ -294,10 +294,10 @@ def test_docs_custom_model_example_runs(tmp_path: Path, monkeypatch: pytest.Monk
 
     import yaml
 
+    from tests.support.readme import section
     from worker.adapters.torch_engine import Engine
 
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    doc = readme[readme.index("<!-- section: models -->"):readme.index("<!-- /section: models -->")]
+    doc = section("models")
     code = re.search(r"```python\n(.*?)```", doc, re.S)
     block = re.search(r"```yaml\n(.*?)```", doc, re.S)
     assert code and block

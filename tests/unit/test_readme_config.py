@@ -5,24 +5,16 @@ drifts silently each time a key is added or a default changes."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 import msgspec
 import yaml
 
+from tests.support.readme import section
 from worker.config import Config, RedisConfig
 
-README = Path(__file__).resolve().parents[2] / "README.md"
 # Values the README shows as an example rather than the default.
 EXAMPLES = {"kafka.input_topics"}
-
-
-def _section(name: str) -> str:
-    text = README.read_text()
-    m = re.search(rf"<!-- section: {name} -->(.*?)<!-- /section: {name} -->", text, re.S)
-    assert m, f"README has no '{name}' section"
-    return m.group(1)
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -37,7 +29,7 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _readme_config() -> dict[str, Any]:
-    block = re.search(r"```yaml\n(kafka:.*?)```", _section("configuration"), re.S)
+    block = re.search(r"```yaml\n(kafka:.*?)```", section("configuration"), re.S)
     assert block, "the configuration section has no full YAML example"
     # `redis: {url: null, ...}` points to the Redis section, which is checked on its own below.
     return yaml.safe_load(block.group(1).replace("{url: null, ...}", "{url: null}"))
@@ -57,7 +49,7 @@ def test_the_reference_example_lists_every_key_with_its_default() -> None:
 
 
 def test_the_redis_table_lists_every_redis_key_with_its_default() -> None:
-    rows = re.findall(r"^\| (`[^|]+`) \| ([^|]+) \|", _section("redis"), re.M)
+    rows = re.findall(r"^\| (`[^|]+`) \| ([^|]+) \|", section("redis"), re.M)
     documented: dict[str, str] = {}
     for keys, defaults in rows:
         names = re.findall(r"`([a-z_]+)`", keys)
