@@ -4,6 +4,14 @@ A record is *done* only when everything it owes is delivered: its result (when i
 dead letter (when it has one). Then ``on_done(record)`` fires; the runner acks its offset. A failed
 delivery is retried ``max_retries`` times, then ``on_failed(record, error)`` fires (the runner stops without
 committing past it, so the record is reprocessed after restart).
+
+Delivery is confirmed by *settling*, not by a report per message: every message gets a callback, but only
+a failure calls it (``delivery.report.only.error``); a record is done when the producer it was sent on
+has nothing outstanding any more (``len(producer) == 0``: every message sent, acknowledged, and every
+failure report served) and none of its messages failed. A success report per message cost the loop
+thread 4-6 us per record (the client builds a Message object and calls into Python for each), about a
+fifth of its time with a cheap model. To settle without stopping the loop while results keep flowing,
+the emitter alternates between two producers: it sends on one while the other drains (``Settler``).
 """
 
 from __future__ import annotations
@@ -25,29 +33,25 @@ _msgpack = msgspec.msgpack.Encoder()
 
 
 class _Pending:
-    """What one record owes (its result and/or dead letter) and how much of it is delivered. It is also the
-    delivery callback of its first send round: one object per record instead of a closure per message."""
+    """What one record owes (its result and/or dead letter). It is also the delivery callback of its first
+    send round: one object per record instead of a closure per message."""
 
-    __slots__ = ("record", "remaining", "messages", "attempts", "round", "retry_at", "emitter")
+    __slots__ = ("record", "messages", "attempts", "round", "retry_at", "emitter")
 
     def __init__(self, record: Record, emitter: Emitter,
                  messages: list[tuple[str, bytes | None, bytes, list[tuple[str, bytes]] | None]] | None = None) -> None:
         self.record = record
         self.emitter = emitter
-        self.remaining = 0
         self.messages = messages if messages is not None else []
         self.attempts = 0
         self.round = 0  # callbacks of an earlier (failed) round are ignored
         self.retry_at = 0.0  # monotonic time before which a failed record is not re-sent (backoff)
 
     def __call__(self, err: Any, _msg: Any) -> None:
-        if self.round == 1:
-            if err is None:  # the common case, inlined: it runs once per message on the loop thread
-                self.remaining -= 1
-                if self.remaining == 0:
-                    self.emitter.on_done(self.record)
-            else:
-                self.emitter._delivered(self, err)
+        # Only a failure matters (a success report, if the producer is set to send them, changes nothing:
+        # the record is confirmed when its producer has settled).
+        if err is not None and self.round == 1:
+            self.emitter._failed(self, err)
 
 
 class _Retry:
@@ -60,16 +64,36 @@ class _Retry:
         self.round = p.round
 
     def __call__(self, err: Any, _msg: Any) -> None:
-        if self.round == self.p.round:
-            self.p.emitter._delivered(self.p, err)
+        if err is not None and self.round == self.p.round:
+            self.p.emitter._failed(self.p, err)
+
+
+class _Slot:
+    """One producer, and the callbacks of the records sent on it since it last settled."""
+
+    __slots__ = ("producer", "sent", "since")
+
+    def __init__(self, producer: Any) -> None:
+        self.producer = producer
+        self.sent: list[_Pending | _Retry] = []
+        self.since = 0.0  # monotonic time of the first of them
+
+
+# Sending moves to the drained producer once the current one has held unconfirmed records this long: not at
+# every loop turn, so that each producer still gets batches of a linger.ms (5 ms) worth of results.
+SWITCH_AFTER_S = 0.005
 
 
 class Emitter:
     def __init__(self, producer: Any, output_topic: str, dlq_topic: str, model_name: str, model_version: str | None,
                  fmt: str, on_done: Callable[[Record], None], on_failed: Callable[[Record, str], None],
                  max_retries: int = 5, is_stale: Callable[[Record], bool] | None = None,
-                 max_message_bytes: int = 1_000_000) -> None:
-        self.producer = producer
+                 max_message_bytes: int = 1_000_000, spare_producer: Any = None) -> None:
+        # With a spare, records are confirmed while results keep flowing: one producer takes new messages
+        # while the other drains. Without one (the transactional producer, which flushes at every checkpoint
+        # anyway), records are confirmed whenever the producer is idle or flushed.
+        self.slots = [_Slot(producer)] + ([_Slot(spare_producer)] if spare_producer is not None else [])
+        self.cur = self.slots[0]
         self.output_topic = output_topic
         self.dlq_topic = dlq_topic
         self.model_name = model_name
@@ -121,7 +145,11 @@ class Emitter:
         It is _send_result() unrolled into one loop per batch (one encode call and one produce per record):
         call frames are a good part of the per-record cost in CPython."""
         declined: list[int] = []
-        encode, produce, topic, limit = self._encode, self.producer.produce, self.output_topic, self.max_message_bytes
+        encode, topic, limit = self._encode, self.output_topic, self.max_message_bytes
+        slot = self.cur
+        produce, confirm_later = slot.producer.produce, slot.sent.append
+        if not slot.sent:
+            slot.since = now
         sent = 0
         for i, rec in enumerate(records):
             try:
@@ -135,12 +163,13 @@ class Emitter:
                 declined.append(i)
                 continue
             p = _Pending(rec, self, [(topic, key, value, None)])
-            p.remaining = p.round = 1
+            p.round = 1
             try:
                 produce(topic, value, key, -1, p)  # positional: see _produce
                 sent += 1
             except BufferError:
                 self._produce(topic, key, value, None, p)  # waits for room; counts it
+            confirm_later(p)
         self.produced += sent
         return declined
 
@@ -151,8 +180,7 @@ class Emitter:
         if len(value) + (len(key) if key else 0) > self.max_message_bytes:  # _size() without headers
             return False
         p = _Pending(rec, self, [(self.output_topic, key, value, None)])
-        p.remaining = p.round = 1  # what _send() sets for a first round of one message
-        self._produce(self.output_topic, key, value, None, p)
+        self._send(p)
         return True
 
     def emit(self, o: Outcome, now: float, now_wall_ms: float, result_bytes: bytes | None = None) -> None:
@@ -215,11 +243,14 @@ class Emitter:
         return len(key or b"") + len(value or b"") + sum(len(k) + len(v or b"") for k, v in headers or ())
 
     def _send(self, p: _Pending) -> None:
-        p.remaining = len(p.messages)
         p.round += 1
         cb = p if p.round == 1 else _Retry(p)
+        slot = self.cur  # all of a record's messages go on one producer: its settling confirms them together
         for topic, key, value, headers in p.messages:
             self._produce(topic, key, value, headers, cb)
+        if not slot.sent:
+            slot.since = time.monotonic()
+        slot.sent.append(cb)
 
     def _produce(self, topic: str, key: bytes | None, value: bytes, headers: Any, cb: Any) -> None:
         while True:
@@ -228,32 +259,76 @@ class Emitter:
                     # Positional (topic, value, key, partition, callback): confluent-kafka parses keyword
                     # arguments at about twice the cost, ~0.8 us per message. -1 is RD_KAFKA_PARTITION_UA, its
                     # default: the partitioner picks from the key.
-                    self.producer.produce(topic, value, key, -1, cb)
+                    self.cur.producer.produce(topic, value, key, -1, cb)
                 else:
-                    self.producer.produce(topic, value=value, key=key, headers=headers, on_delivery=cb)
+                    self.cur.producer.produce(topic, value=value, key=key, headers=headers, on_delivery=cb)
                 self.produced += 1
                 return
             except BufferError:
-                # Local queue full: serve delivery reports, then try again (bounded by the queue size).
-                self.producer.poll(0.05)
+                # Local queue full: serve failure reports, then try again (bounded by the queue size).
+                self.cur.producer.poll(0.05)
 
-    def _delivered(self, p: _Pending, err: Any) -> None:
-        if err is not None:
-            p.attempts += 1
-            log.warning("delivery failed (attempt %d): %s", p.attempts, err,
-                        extra={"id": p.record.id, "topic": p.record.tp.topic, "offset": p.record.offset})
-            if p.attempts <= self.max_retries:
-                # Re-send everything this record owes; duplicates of the part that did arrive are allowed
-                # by at-least-once and absorbed by the idempotent producer per message otherwise.
-                p.retry_at = time.monotonic() + min(0.05 * p.attempts, 0.5)
-                self.retry_queue.append(p)
-            else:
-                self.on_failed(p.record, str(err))
-            p.round += 1  # ignore the other callbacks of this round
-            return
-        p.remaining -= 1
-        if p.remaining == 0:
-            self.on_done(p.record)
+    def _failed(self, p: _Pending, err: Any) -> None:
+        p.attempts += 1
+        log.warning("delivery failed (attempt %d): %s", p.attempts, err,
+                    extra={"id": p.record.id, "topic": p.record.tp.topic, "offset": p.record.offset})
+        if p.attempts <= self.max_retries:
+            # Re-send everything this record owes; duplicates of the part that did arrive are allowed
+            # by at-least-once and absorbed by the idempotent producer per message otherwise.
+            p.retry_at = time.monotonic() + min(0.05 * p.attempts, 0.5)
+            self.retry_queue.append(p)
+        else:
+            self.on_failed(p.record, str(err))
+        p.round += 1  # the round failed: its other reports are ignored, and settling does not confirm it
+
+    # ------------------------------------------------------------------ settling
+    def poll(self, timeout: float = 0.0) -> None:
+        """Serve the producers' failure reports (the callbacks run here, on the calling thread)."""
+        for slot in self.slots:
+            slot.producer.poll(timeout / len(self.slots))
+
+    def settle(self, now: float) -> None:
+        """Never blocks. Confirms the records of every producer with nothing outstanding, then moves sending to
+        a producer that has nothing left to confirm, so that the current one can drain."""
+        for slot in self.slots:
+            # len(): messages not yet acknowledged plus reports not yet served. At 0, every message sent on it
+            # so far is on the broker or its failure was reported.
+            if slot.sent and len(slot.producer) == 0:
+                self._confirm(slot)
+        cur = self.cur
+        if cur.sent and now - cur.since >= SWITCH_AFTER_S:
+            for slot in self.slots:
+                if not slot.sent:
+                    self.cur = slot
+                    break
+
+    def flush(self, timeout: float) -> int:
+        """Wait up to ``timeout`` for every producer to drain; confirm what drained. Returns the number of
+        messages (and reports) still outstanding."""
+        deadline = time.monotonic() + timeout
+        left = 0
+        for slot in self.slots:
+            n = slot.producer.flush(max(0.0, deadline - time.monotonic()))
+            if n == 0 and slot.sent:
+                self._confirm(slot)
+            left += n
+        return left
+
+    @property
+    def unconfirmed(self) -> int:
+        return sum(len(slot.sent) for slot in self.slots)
+
+    def _confirm(self, slot: _Slot) -> None:
+        sent, slot.sent = slot.sent, []
+        on_done = self.on_done
+        for cb in sent:
+            # A failure bumped its record's round, so the entry of a failed round no longer matches; the
+            # re-sent round is an entry of its own, confirmed with the producer it went on.
+            if isinstance(cb, _Pending):
+                if cb.round == 1:
+                    on_done(cb.record)
+            elif cb.round == cb.p.round:
+                on_done(cb.p.record)
 
     def retry_failed(self) -> None:
         """Re-send the failed records whose backoff has passed. Never sleeps: it runs on the loop thread,

@@ -87,7 +87,8 @@ class Runner:
                  stop_at: dict[TopicPartition, int] | None = None,
                  on_assign_offsets: Callable[[Any, list[KTP]], None] | None = None,
                  group_id: str | None = None, install_signals: bool = False,
-                 health: Any = None, reached: set[TopicPartition] | None = None) -> None:
+                 health: Any = None, reached: set[TopicPartition] | None = None,
+                 spare_producer: bool = True) -> None:
         self.cfg = cfg
         self.metrics: Metrics = metrics or NullMetrics()
         self.store = store
@@ -122,6 +123,8 @@ class Runner:
         self._last_commit = time.monotonic()
         self.consumer: Any = None
         self.producer: Any = None
+        self.spare_producer: Any = None
+        self._want_spare = spare_producer  # at-least-once only: see Emitter
         self.workers: list[Any] = []
         self.ready = threading.Event()
         self._stop_devices = False  # set on close: device threads stop asking for batches
@@ -295,12 +298,15 @@ class Runner:
             log.info("exactly-once mode", extra={"transactional_id": tid})
         else:
             self.producer = make_producer(self.cfg)
+            if self._want_spare:
+                self.spare_producer = make_producer(self.cfg)
         self.emitter = Emitter(self.producer, self.cfg.kafka.output_topic, self.cfg.kafka.dlq_topic,
                                getattr(self.model, "name", "model"),
                                self.cfg.model.version or getattr(self.model, "version", None),
                                self.cfg.delivery.format, on_done=self._record_done, on_failed=self._record_failed,
                                is_stale=lambda r: self.epochs[r.tp] != r.epoch,
-                               max_message_bytes=int(self.cfg.kafka.producer.get("message.max.bytes", 1_000_000)))
+                               max_message_bytes=int(self.cfg.kafka.producer.get("message.max.bytes", 1_000_000)),
+                               spare_producer=self.spare_producer)
         for w in self.workers:
             w.start()
         topics = self.cfg.input_topics()
@@ -345,7 +351,8 @@ class Runner:
             self.consumer.poll(0)  # heartbeats / rebalance callbacks while draining (partitions paused)
         self._drain_completions()
         self._expire()
-        self.producer.poll(0)
+        self.emitter.poll(0)
+        self.emitter.settle(now)
         self.emitter.retry_failed()
         self._after_delivery_store_updates()
         if now >= self._next_lag_report:
@@ -740,7 +747,7 @@ class Runner:
         assert self.txn is not None
         t0 = time.monotonic()
         # Every produced result must be delivered before its offset can go into the transaction.
-        self.producer.flush(30)
+        self.emitter.flush(30)
         offsets = self.tracker.committable()
         try:
             ok = self.txn.checkpoint(offsets)
@@ -836,9 +843,10 @@ class Runner:
                     break
                 self._drain_completions()
                 self._expire()
-                self.producer.poll(0.005)
+                self.emitter.poll(0.005)
+                self.emitter.settle(time.monotonic())
                 self.emitter.retry_failed()
-            self.producer.flush(max(0.0, deadline - time.monotonic()))
+            self.emitter.flush(max(0.0, deadline - time.monotonic()))
             self._commit(only=tps)
         self.tracker.revoke(tps)
         if self.txn is not None:
@@ -870,8 +878,7 @@ class Runner:
         while self.tracker.in_flight() > 0 and time.monotonic() < deadline and self._fatal is None:
             self._iterate(consume=False)
             time.sleep(0.001)
-        self.producer.flush(max(1.0, deadline - time.monotonic()))
-        self.producer.poll(0)
+        self.emitter.flush(max(1.0, deadline - time.monotonic()))
         self._commit()
         left = self.tracker.in_flight()
         if left:
@@ -899,3 +906,5 @@ class Runner:
             if self.txn is not None:
                 self.txn.close()
             self.producer.flush(5.0)
+        if self.spare_producer is not None:
+            self.spare_producer.flush(5.0)

@@ -33,6 +33,7 @@ import pytest
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, OFFSET_INVALID, KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KTP
 
+from worker.adapters.kafka_clients import PRODUCER_DEFAULTS
 from worker.core.records import Batch, TopicPartition
 
 TIMESTAMP_CREATE_TIME = 1
@@ -583,7 +584,7 @@ class FakeProducer:
             self.delivered.append(p)
         else:
             self.failed.append(p)
-        if cb is not None:
+        if cb is not None and (p.error is not None or not self.config.get("delivery.report.only.error")):
             cb(p.error, _Report(p))
         return 1
 
@@ -783,7 +784,8 @@ class Harness:
     loop (then script the test with ``consumer.hooks``)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, cfg: Any = None, *, model: FakeModel | None = None,
-                 store: Any = None, devices: int = 1, metrics: Any = None, **runner_kw: Any) -> None:
+                 store: Any = None, devices: int = 1, metrics: Any = None, spare: bool = False,
+                 **runner_kw: Any) -> None:
         import worker.emit
         import worker.intake
         import worker.runner as wr
@@ -796,20 +798,29 @@ class Harness:
         self.consumer = FakeConsumer(self.clock)
         self.producer = FakeProducer(self.clock)
         self.producer.group_offsets = self.consumer.committed_offsets
+        # At-least-once runs with a spare producer (worker.emit); most tests read one producer's messages,
+        # so a test asks for the spare explicitly.
+        self.spare: FakeProducer | None = FakeProducer(self.clock) if spare else None
+        made: list[FakeProducer] = []
 
         def make_consumer(cfg: Any, **extra: Any) -> FakeConsumer:
             self.consumer.config = dict(extra)
             return self.consumer
 
         def make_producer(cfg: Any, **extra: Any) -> FakeProducer:
-            self.producer.config = dict(extra)
-            self.producer.transactional = "transactional.id" in extra
-            return self.producer
+            # The first call makes the producer, a second one the spare (Harness(spare=True)).
+            p = self.producer if not made else self.spare
+            made.append(p)
+            assert p is not None and len(made) <= 2, "the runner asked for more producers than the fakes have"
+            p.config = {**PRODUCER_DEFAULTS, **cfg.kafka.producer, **extra}
+            p.transactional = "transactional.id" in extra
+            return p
 
         monkeypatch.setattr(wr, "make_consumer", make_consumer)
         monkeypatch.setattr(wr, "make_producer", make_producer)
         self.model = model or FakeModel()
-        self.runner = wr.Runner(self.cfg, self.model, store=store, metrics=metrics, **runner_kw)
+        self.runner = wr.Runner(self.cfg, self.model, store=store, metrics=metrics, spare_producer=spare,
+                                **runner_kw)
         self.devices = [FakeDevice(self.runner, self.model, name=f"fake-{i}") for i in range(devices)]
         self.runner._build_models = self._build_models  # no torch, no engine, no threads
 

@@ -8,11 +8,13 @@ from typing import Any
 import msgspec
 import pytest
 from confluent_kafka import KafkaError
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from schemas import DeadLetter, Result
-from tests.unit.fakes_kafka import FakeProducer, FakeTime, Harness, make_config, request
+from tests.unit.fakes_kafka import FakeProducer, FakeTime, Harness, Produced, make_config, request
 from worker.core.records import Outcome, Record, TopicPartition
-from worker.emit import Emitter
+from worker.emit import SWITCH_AFTER_S, Emitter
 
 TP = TopicPartition("in", 3)
 
@@ -33,11 +35,11 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
 
 
 def emitter(producer: FakeProducer, calls: Calls, fmt: str = "json", stale: set[int] | None = None,
-            max_retries: int = 2) -> Emitter:
+            max_retries: int = 2, spare: FakeProducer | None = None) -> Emitter:
     return Emitter(producer, "out", "dlq", "m", "v1", fmt,
                    on_done=lambda r: calls.done.append(r.offset),
                    on_failed=lambda r, e: calls.failed.append((r.offset, e)),
-                   max_retries=max_retries, is_stale=lambda r: r.offset in (stale or set()))
+                   max_retries=max_retries, is_stale=lambda r: r.offset in (stale or set()), spare_producer=spare)
 
 
 def rec(offset: int = 0, id: str | None = "r", **kw: Any) -> Record:
@@ -48,8 +50,9 @@ def rec(offset: int = 0, id: str | None = "r", **kw: Any) -> Record:
 def test_result_record(clock: FakeTime) -> None:
     p, calls = FakeProducer(), Calls()
     r = rec(5, meta={"t": 1}, produced_at_ms=1_000)
-    emitter(p, calls).emit(Outcome(r, "ok", output=[1, 2], batch_size=4, timings={"queue": 0.002, "infer": 0.01}),
-                           now=10.5, now_wall_ms=1_250.0)
+    em = emitter(p, calls)
+    em.emit(Outcome(r, "ok", output=[1, 2], batch_size=4, timings={"queue": 0.002, "infer": 0.01}),
+            now=10.5, now_wall_ms=1_250.0)
     [m] = p.produced
     assert (m.topic, m.key, m.headers) == ("out", b"k", None)
     res = msgspec.json.decode(m.value or b"", type=Result)
@@ -58,8 +61,10 @@ def test_result_record(clock: FakeTime) -> None:
     assert (res.source.topic, res.source.partition, res.source.offset, res.meta) == ("in", 3, 5, {"t": 1})
     assert (res.timings.queue_ms, res.timings.inference_ms, res.timings.total_ms, res.timings.e2e_ms) == (
         2.0, 10.0, 500.0, 250.0)
+    em.settle(10.5)
     assert calls.done == []  # produced is not delivered
-    p.poll(0)
+    em.poll()
+    em.settle(10.5)
     assert calls.done == [5]
 
 
@@ -73,7 +78,8 @@ def test_error_with_id_owes_a_result_and_a_dead_letter(clock: FakeTime) -> None:
     p, calls = FakeProducer(), Calls()
     r = rec(7, headers=[("trace", b"x"), ("x-error", b"stale"), ("x-source-offset", b"99"), ("x-attempts", b"9")],
             attempts=2)
-    emitter(p, calls).emit(Outcome(r, "error", error="boom", dlq_stage="inference"), 10.0, 0.0)
+    em = emitter(p, calls)
+    em.emit(Outcome(r, "error", error="boom", dlq_stage="inference"), 10.0, 0.0)
     res, dl = p.produced
     assert res.topic == "out" and res.json()["status"] == "error" and res.json()["error"] == "boom"
     assert (dl.topic, dl.value, dl.key) == ("dlq", b'{"raw": 1}', b"k")
@@ -81,8 +87,10 @@ def test_error_with_id_owes_a_result_and_a_dead_letter(clock: FakeTime) -> None:
     assert DeadLetter.from_headers(dl.headers) == DeadLetter(error="boom", error_stage="inference", source_topic="in",
                                                              source_partition=3, source_offset=7, attempts=2)
     p.deliver(lambda m: m.topic == "out")
+    em.settle(10.0)
     assert calls.done == []  # the dead letter is still owed
-    p.poll(0)
+    em.poll()
+    em.settle(10.0)
     assert calls.done == [7]
 
 
@@ -104,12 +112,14 @@ def test_a_failed_round_resends_everything_and_ignores_its_other_reports(clock: 
     em = emitter(p, calls)
     em.emit(Outcome(rec(1), "error", error="e", dlq_stage="inference"), 10.0, 0.0)
     p.fail_next(1, topic="out")
-    p.poll(0)  # result failed, dead letter delivered in the same round: ignored
-    assert calls.done == [] and len(em.retry_queue) == 1
+    em.poll()  # result failed, dead letter delivered in the same round: ignored
+    em.settle(10.0)  # the producer has drained, but the round failed: not confirmed
+    assert calls.done == [] and len(em.retry_queue) == 1 and len(p) == 0
     clock.advance(1.0)  # past the backoff
     em.retry_failed()
     assert [m.topic for m in p.produced] == ["out", "dlq", "out", "dlq"]
-    p.poll(0)
+    em.poll()
+    em.settle(11.0)
     assert calls.done == [1] and calls.failed == []
 
 
@@ -142,7 +152,7 @@ def test_a_full_local_queue_serves_reports_then_produces(clock: FakeTime) -> Non
     em = emitter(p, calls)
     for i in range(5):
         em.emit(Outcome(rec(i), "ok", output=i), 10.0, 0.0)
-    p.flush()
+    assert em.flush(1.0) == 0
     assert len(p.delivered) == 5 and sorted(calls.done) == [0, 1, 2, 3, 4]
 
 
@@ -162,7 +172,7 @@ def test_the_batch_hot_path_writes_what_emit_writes_and_declines_what_it_cannot_
                                              timings={"queue": 10.002 - 10.0, "infer": 0.01}), 10.5, 1_250.0)
     assert [(m.topic, m.key, m.value) for m in p.produced] == [(m.topic, m.key, m.value) for m in ref.produced]
     assert em.produced == 2
-    p.flush()
+    em.flush(1.0)
     assert sorted(calls.done) == [0, 3]
 
 
@@ -170,7 +180,7 @@ def test_the_batch_hot_path_waits_for_room_in_a_full_local_queue(clock: FakeTime
     p, calls = FakeProducer(queue_limit=2), Calls()
     em = emitter(p, calls)
     assert em.emit_ok_many([rec(i) for i in range(5)], list(range(5)), 5, 10.0, 0.0, 10.0, 0.0) == []
-    p.flush()
+    em.flush(1.0)
     assert em.produced == 5 and len(p.delivered) == 5 and sorted(calls.done) == [0, 1, 2, 3, 4]
 
 
@@ -225,3 +235,153 @@ def test_delivery_error_types_are_reported(clock: FakeTime) -> None:
     p.fail_next(1, err=KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, "Broker: Message size too large"))
     p.poll(0)
     assert calls.failed and "size too large" in calls.failed[0][1]
+
+
+# -------------------------------------------------------------------- settling: done when its producer drains
+def ok(em: Emitter, offsets: list[int], now: float) -> None:
+    assert em.emit_ok_many([rec(i) for i in offsets], offsets, len(offsets), now, 0.0, now, 0.0) == []
+
+
+def test_success_reports_are_not_needed_and_change_nothing(clock: FakeTime) -> None:
+    """With delivery.report.only.error (the worker's default) a success calls nothing; without it, a success
+    report does not confirm the record either: only its producer draining does."""
+    for only_error in (True, False):
+        p, calls = FakeProducer(config={"delivery.report.only.error": only_error}), Calls()
+        em = emitter(p, calls)
+        ok(em, [0, 1], 10.0)
+        p.deliver(lambda m: m.json()["source"]["offset"] == 0)  # reported (or not); 1 still outstanding
+        em.settle(10.0)
+        assert calls.done == []
+        em.poll()
+        em.settle(10.0)
+        assert calls.done == [0, 1]
+
+
+def test_sending_moves_to_the_spare_producer_while_the_first_one_drains(clock: FakeTime) -> None:
+    a, b, calls = FakeProducer(), FakeProducer(), Calls()
+    em = emitter(a, calls, spare=b)
+    a.hold = b.hold = True  # nothing acknowledged until released
+    ok(em, [0, 1], 10.0)
+    em.settle(10.0 + SWITCH_AFTER_S / 2)  # too soon to move: batches of a linger's worth per producer
+    ok(em, [2], 10.003)
+    assert (len(a.produced), len(b.produced)) == (3, 0)
+    em.settle(10.0 + SWITCH_AFTER_S)
+    ok(em, [3], 10.006)
+    assert (len(a.produced), len(b.produced)) == (3, 1)
+    a.hold = False
+    em.poll()
+    em.settle(10.007)
+    assert calls.done == [0, 1, 2] and em.unconfirmed == 1  # a drained; b has not
+    em.settle(10.02)  # b has held its record long enough and a is confirmed: back to a
+    ok(em, [4], 10.02)
+    assert (len(a.produced), len(b.produced)) == (4, 1)
+    a.hold = True
+    em.settle(10.03)  # both hold unconfirmed records: sending stays where it is
+    ok(em, [5], 10.03)
+    assert (len(a.produced), len(b.produced)) == (5, 1)
+    b.hold = False
+    em.poll()
+    em.settle(10.031)
+    assert calls.done == [0, 1, 2, 3]
+    assert em.flush(0.0) == 2 and calls.done == [0, 1, 2, 3]  # a still holds 4 and 5
+    a.hold = False
+    assert em.flush(1.0) == 0 and calls.done == [0, 1, 2, 3, 4, 5] and em.unconfirmed == 0
+
+
+def test_a_failure_on_the_spare_is_retried_and_never_confirmed_by_draining(clock: FakeTime) -> None:
+    a, b, calls = FakeProducer(), FakeProducer(), Calls()
+    em = emitter(a, calls, spare=b)
+    ok(em, [0], 10.0)
+    em.settle(10.01)  # a still has 0 outstanding: sending moves to b
+    ok(em, [1, 2], 10.01)
+    assert [len(a.produced), len(b.produced)] == [1, 2]
+    b.fail_next(1)
+    em.poll()  # 0 delivered on a; 1 failed and 2 delivered on b
+    em.settle(10.011)
+    assert sorted(calls.done) == [0, 2] and len(em.retry_queue) == 1 and len(b) == 0
+    clock.advance(1.0)
+    em.retry_failed()  # re-sent on the current producer
+    em.poll()
+    em.settle(10.02)
+    assert sorted(calls.done) == [0, 1, 2] and calls.failed == []
+
+
+def test_a_retry_that_fails_again_is_not_confirmed(clock: FakeTime) -> None:
+    p, calls = FakeProducer(), Calls()
+    em = emitter(p, calls, max_retries=3)
+    ok(em, [0], 10.0)
+    p.fail_next(2)  # the first send and its retry
+    for _ in range(2):
+        em.poll()
+        em.settle(clock.t)
+        assert calls.done == [] and len(p) == 0
+        clock.advance(1.0)
+        em.retry_failed()
+    em.poll()
+    em.settle(clock.t)
+    assert calls.done == [0] and [m.error is None for m in p.produced] == [False, False, True]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["ok", "dlq", "deliver", "fail", "hold", "release", "settle", "retry"]),
+                          st.integers(0, 3), st.integers(1, 5)), max_size=60))
+def test_a_record_is_done_only_when_every_message_of_its_last_round_is_delivered(
+        ops: list[tuple[str, int, int]]) -> None:
+    """Random sends (one or two messages per record), acknowledgements in any order, failures and settling on
+    two producers: no record is done before each message of its last send round is delivered, none twice, and
+    once the broker takes everything, every record ends done or failed."""
+    with pytest.MonkeyPatch.context() as mp:
+        import worker.emit
+
+        clock = FakeTime()
+        mp.setattr(worker.emit, "time", clock)
+        prods = [FakeProducer(config={"delivery.report.only.error": True}) for _ in range(2)]
+        calls = Calls()
+        em = emitter(prods[0], calls, spare=prods[1], max_retries=3)
+        offset = 0
+
+        def sent(off: int) -> list[Produced]:
+            return [m for p in prods for m in p.produced
+                    if (int(m.header("x-source-offset") or -1) if m.topic == "dlq" else m.json()["source"]["offset"]) == off]
+
+        def check() -> None:
+            assert len(calls.done) == len(set(calls.done))
+            for off in calls.done:
+                msgs = sent(off)
+                last_round = msgs[-2:] if msgs[-1].topic == "dlq" else msgs[-1:]
+                for m in last_round:
+                    assert m.error is None and any(m is d for p in prods for d in p.delivered), (off, m)
+
+        for op, which, n in ops:
+            p = prods[which % 2]
+            if op == "ok":
+                ok(em, list(range(offset, offset + n)), clock.t)
+                offset += n
+            elif op == "dlq":
+                em.emit(Outcome(rec(offset), "error", error="e", dlq_stage="inference"), clock.t, 0.0)
+                offset += 1
+            elif op == "deliver":
+                chosen = iter([True] * n)
+                p.deliver(lambda _m, c=chosen: next(c, False))  # the first n outstanding
+            elif op == "fail":
+                p.fail_next(1)
+            elif op == "hold":
+                p.hold = True
+            elif op == "release":
+                p.hold = False
+            elif op == "settle":
+                em.poll()
+                em.settle(clock.t)
+            else:
+                clock.advance(0.03 * n)  # backoff: 50 ms after a first failure
+                em.retry_failed()
+            check()
+        for p in prods:
+            p.hold = False
+            p._fail_rules.clear()
+        for _ in range(10):
+            clock.advance(1.0)
+            em.retry_failed()
+            em.flush(1.0)
+            check()
+        assert sorted(calls.done + [o for o, _ in calls.failed]) == list(range(offset))

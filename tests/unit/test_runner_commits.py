@@ -63,8 +63,17 @@ def test_lanes_finishing_out_of_order_commit_only_the_delivered_prefix(monkeypat
     assert h.runner.tracker.in_flight() == 0
 
 
+ONE_BY_ONE = {"lanes": [{"name": "default", "max_batch_size": 1}]}
+
+
+def finish(h: Harness, batches: list[Any], offsets: set[int], tp: TopicPartition = IN0) -> None:
+    """Finish, in the order given, the one-record batches of ``tp`` whose offsets are listed."""
+    for b in [b for b in batches if b.records[0].tp == tp and b.records[0].offset in offsets]:
+        h.device.finish(b)
+
+
 def test_produced_but_undelivered_results_block_the_commit(monkeypatch: pytest.MonkeyPatch) -> None:
-    h = Harness(monkeypatch).start()
+    h = Harness(monkeypatch, make_config(batching=ONE_BY_ONE)).start()
     h.c.assign(("in", 0))
     h.send(5)
     h.iterate()
@@ -75,46 +84,93 @@ def test_produced_but_undelivered_results_block_the_commit(monkeypatch: pytest.M
     h.commit()
     assert h.c.commit_calls == []
 
-    h.p.deliver(lambda p: src_offset(p) in (0, 1, 3))  # acks arrive out of order: 2 is missing
+    # Acknowledged in part: nothing is confirmed while the producer still has messages outstanding (the
+    # record is done when its producer has drained, not by a report per message).
+    h.p.deliver(lambda p: src_offset(p) in (0, 1, 3))
+    h.iterate()
+    h.commit()
+    assert h.c.commit_calls == [] and h.runner.emitter.unconfirmed == 5
+    h.p.deliver(lambda p: True)
+    h.iterate()
+    h.commit()
+    assert all_commits(h) == [5]
+
+
+def test_records_finishing_out_of_order_commit_only_the_done_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
+    h = Harness(monkeypatch, make_config(batching=ONE_BY_ONE)).start()
+    h.c.assign(("in", 0))
+    h.send(5)
+    h.iterate()
+    batches = [h.device.take() for _ in range(5)]
+    finish(h, batches, {0, 1, 3})
+    h.iterate()
     h.commit()
     assert all_commits(h) == [2]  # never past the gap at 2
-    h.p.deliver(lambda p: src_offset(p) == 4)
+    finish(h, batches, {4})
+    h.iterate()
     h.commit()
     assert all_commits(h) == [2]  # nothing new committable: no second commit call
-    h.p.deliver(lambda p: True)
+    finish(h, batches, {2})
+    h.iterate()
     h.commit()
     assert all_commits(h) == [2, 5]
 
 
 def test_offset_gaps_from_compaction_are_not_holes(monkeypatch: pytest.MonkeyPatch) -> None:
-    h = Harness(monkeypatch).start()
+    h = Harness(monkeypatch, make_config(batching=ONE_BY_ONE)).start()
     h.c.assign(("in", 0))
     for off in (3, 4, 9, 20):
         h.c.append("in", 0, request(f"r{off}"), offset=off)
     h.iterate()
-    h.p.hold = True
-    h.device.run_all()
+    batches = [h.device.take() for _ in range(4)]
+    finish(h, batches, {3, 4, 20})
     h.iterate()
-    h.p.deliver(lambda p: src_offset(p) in (3, 4, 20))
     h.commit()
     assert all_commits(h) == [9]  # next to read is 9, still in flight
-    h.p.deliver(lambda p: True)
+    finish(h, batches, {9})
+    h.iterate()
     h.commit()
     assert all_commits(h) == [9, 21]
 
 
 def test_partitions_commit_independently(monkeypatch: pytest.MonkeyPatch) -> None:
-    h = Harness(monkeypatch).start()
+    h = Harness(monkeypatch, make_config(batching=ONE_BY_ONE)).start()
     h.c.assign(("in", 0), ("in", 1))
     h.send(3, partition=0)
     h.send(2, partition=1)
     h.iterate()
-    h.p.hold = True
-    h.device.run_all()
+    batches = [h.device.take() for _ in range(5)]
+    finish(h, batches, {0}, IN0)
+    finish(h, batches, {0, 1}, TopicPartition("in", 1))
     h.iterate()
-    h.p.deliver(lambda p: p.json()["source"]["partition"] == 1 or src_offset(p) == 0)
     h.commit()
     assert h.c.commit_calls == [{IN0: 1, TopicPartition("in", 1): 2}]
+
+
+def test_with_a_spare_producer_a_record_commits_once_the_producer_it_went_on_has_drained(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    h = Harness(monkeypatch, make_config(batching=ONE_BY_ONE), spare=True).start()
+    assert h.spare is not None and h.runner.emitter.slots[1].producer is h.spare
+    h.c.assign(("in", 0))
+    h.send(2)
+    h.iterate()
+    h.p.hold = h.spare.hold = True
+    first, second = h.device.take(), h.device.take()
+    h.device.finish(first)
+    h.iterate()  # result 0 goes on the first producer
+    h.clock.advance(0.01)
+    h.iterate()  # it has not drained: sending moves to the spare
+    h.device.finish(second)
+    h.iterate()
+    assert [src_offset(m) for m in h.p.produced] == [0] and [src_offset(m) for m in h.spare.produced] == [1]
+    h.spare.hold = False
+    h.iterate()
+    h.commit()
+    assert h.c.commit_calls == []  # 1 is confirmed, 0 is not: nothing committable
+    h.p.hold = False
+    h.iterate()
+    h.commit()
+    assert all_commits(h) == [2]
 
 
 def test_periodic_commit_follows_commit_interval(monkeypatch: pytest.MonkeyPatch) -> None:
