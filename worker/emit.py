@@ -11,7 +11,7 @@ has nothing outstanding any more (``len(producer) == 0``: every message sent, ac
 failure report served) and none of its messages failed. A success report per message cost the loop
 thread 4-6 us per record (the client builds a Message object and calls into Python for each), about a
 fifth of its time with a cheap model. To settle without stopping the loop while results keep flowing,
-the emitter alternates between two producers: it sends on one while the other drains (``Settler``).
+the emitter alternates between two producers: it sends on one while the other drains (``Emitter.settle``).
 """
 
 from __future__ import annotations
