@@ -15,7 +15,9 @@ What the fakes mimic of the real clients (confluent-kafka 2.x):
   ``OFFSET_INVALID`` for a partition without a commit; every client call after ``close`` raises
   ``RuntimeError("Consumer closed")``;
 - ``produce`` raises ``BufferError`` when the local queue is full and ``KafkaException(MSG_SIZE_TOO_LARGE)``
-  for a message over ``message.max.bytes``; delivery reports fire only from ``poll``/``flush``;
+  for a message over ``message.max.bytes``; delivery reports fire only from ``poll``/``flush``, and with
+  ``delivery.report.only.error`` (the worker's default) only for failures; ``len()`` is what is still
+  unreported (librdkafka's out-queue length);
 - a transactional producer keeps what each transaction produced: ``visible`` is what a ``read_committed``
   reader sees (committed transactions only, or every delivered message without transactions).
 """
