@@ -78,9 +78,14 @@ def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_
                     producer.produce(dl.source_topic, value=m.value(), key=m.key(), headers=headers, on_delivery=cb)
                 replayed += 1
             if to_commit and not dry_run:
-                producer.flush(60)
+                left = producer.flush(60)
                 if failures:
                     print(f"dlq replay: {len(failures)} records failed to deliver: {failures[0]}")
+                    return 1
+                if left:
+                    # Not delivered yet (broker down or slow): committing now would skip dead letters that were
+                    # never replayed. The next run starts again from the last commit.
+                    print(f"dlq replay: {left} records still undelivered after 60 s; nothing more committed")
                     return 1
                 consumer.commit(offsets=[KTP(topic, p, o) for p, o in to_commit.items()], asynchronous=False)
     finally:
