@@ -42,6 +42,8 @@ def main() -> int:
                          "sampling (low overhead, truer proportions); none: just the records/s")
     ap.add_argument("--gc", default="on", choices=["on", "off", "freeze"],
                     help="Python's cyclic GC once the model is loaded: as is, disabled, or gc.freeze() (A/B tests)")
+    ap.add_argument("--mode", default="at_least_once", choices=["at_least_once", "exactly_once"],
+                    help="delivery.mode (exactly_once: one transactional producer, a checkpoint per commit interval)")
     args = ap.parse_args()
 
     from worker.config import from_dict
@@ -63,6 +65,7 @@ def main() -> int:
             "model": model,
             "batching": {"lanes": [{"name": "default", "max_batch_size": args.max_batch,
                                     "max_wait_ms": args.max_wait_ms}]},
+            "delivery": {"mode": args.mode},
             "metrics": {"enabled": False},
             "logging": {"level": "WARNING", "format": "text"},
         }, environ={})
