@@ -186,6 +186,9 @@ class FakeConsumer:
         self.config = dict(config or {})
         self.logs: dict[TopicPartition, list[FakeMessage]] = defaultdict(list)
         self.positions: dict[TopicPartition, int] = {}
+        # librdkafka's application position: after the last message returned, unknown (OFFSET_INVALID) after an
+        # assign or a seek until a message is returned (what position() answers).
+        self.app_positions: dict[TopicPartition, int] = {}
         self.committed_offsets: dict[TopicPartition, int] = {}
         self.assignment_set: list[TopicPartition] = []
         self.paused: set[TopicPartition] = set()
@@ -238,6 +241,7 @@ class FakeConsumer:
             if tp not in self.assignment_set:
                 self.assignment_set.append(tp)
             self.positions[tp] = max(self.committed_offsets.get(tp, 0), 0)
+            self.app_positions.pop(tp, None)
         cb = self.callbacks.get("on_assign")
         if cb is not None:
             cb(self, ktps(parts))
@@ -303,7 +307,7 @@ class FakeConsumer:
                 if nxt is None:
                     continue
                 out.append(nxt)
-                self.positions[tp] = nxt.offset() + 1
+                self.positions[tp] = self.app_positions[tp] = nxt.offset() + 1
                 progress = True
                 self._cursor = (self._cursor + i + 1) % k  # the next call goes on with the next partition
                 break
@@ -377,7 +381,7 @@ class FakeConsumer:
 
     def position(self, partitions: list[KTP]) -> list[KTP]:
         self._check_open()
-        return [KTP(k.topic, k.partition, self.positions.get(tp_of(k), OFFSET_INVALID)) for k in partitions]
+        return [KTP(k.topic, k.partition, self.app_positions.get(tp_of(k), OFFSET_INVALID)) for k in partitions]
 
     def seek(self, partition: KTP) -> None:
         self._check_open()
@@ -389,6 +393,7 @@ class FakeConsumer:
             off = self.high_watermark(tp)
         self.seek_calls.append((tp, partition.offset))
         self.positions[tp] = off
+        self.app_positions.pop(tp, None)
 
     def list_topics(self, topic: str | None = None, timeout: float = -1) -> _ClusterMeta:
         self._check_open()

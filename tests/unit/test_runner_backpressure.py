@@ -110,3 +110,27 @@ def test_records_routed_to_a_full_lane_by_field_do_not_pause_other_lanes_topics(
     h.iterate()
     assert h.runner.scheduler.queued("hi") == 6  # the fetch stops at max_in_flight
     assert h.c.paused == {IN0}  # by max_in_flight, not by the lane (in -> default lane)
+
+
+def test_a_resumed_partition_is_sought_to_its_own_position_to_wake_the_fetcher(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """librdkafka resumes fetching only at its broker thread's next wake-up (~1 s); a seek wakes it. The seek
+    goes to the partition's own position, so nothing is skipped or read twice; a partition with nothing read
+    yet (no position) is not sought."""
+    cfg = make_config(kafka={"poll_max_records": 4},
+                      batching={"max_in_flight": 10, "resume_ratio": 0.5,
+                                "lanes": [{"name": "default", "max_batch_size": 2, "max_wait_ms": 60_000}]})
+    h = Harness(monkeypatch, cfg).start()
+    h.c.assign(("in", 0), ("in", 1))
+    h.send(14, partition=0)
+    h.iterate(3)
+    assert h.c.paused == {IN0, IN1} and h.c.seek_calls == []
+    finish_records(h, 6)
+    h.iterate()
+    assert h.c.paused == set() and h.c.seek_calls == [(IN0, 10)]  # in/1: nothing read, left alone
+    for _ in range(10):
+        h.iterate()
+        h.device.run_all()
+    h.iterate()
+    ids = h.result_ids()
+    assert sorted(ids) == sorted(f"in-0-{i}" for i in range(14))  # each once: nothing skipped, nothing re-read
