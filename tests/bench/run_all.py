@@ -131,6 +131,7 @@ def write_fragment(results: dict[str, Any]) -> None:
         "PYTHONPATH=. python -m tests.bench.profile_worker --tool none --metrics # CPU per record, split by thread",
         "PYTHONPATH=. python -m tests.bench.stage_costs       # CPU per record of each loop-thread step",
         "PYTHONPATH=. python -m tests.bench.overload_sim      # the 2x-overload step replayed on the scheduler, no Kafka",
+        "PYTHONPATH=. python -m tests.bench.resume_fetch      # first record after a resume, with and without the wake-up",
         "```",
         "",
         "They start their own Kafka broker unless `KAFKA_BOOTSTRAP_SERVERS` is set. Baselines: a plain",
