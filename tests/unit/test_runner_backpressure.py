@@ -24,14 +24,20 @@ def finish_records(h: Harness, n: int) -> None:
     assert done == n
 
 
-def test_pauses_all_at_max_in_flight_and_resumes_only_below_the_low_watermark(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def fourteen_on_in0_bound_10(monkeypatch: pytest.MonkeyPatch) -> Harness:
+    """in/0 and in/1 assigned, 14 requests on in/0; max_in_flight 10, resume at 5, batches of 2, reads of 4."""
     cfg = make_config(kafka={"poll_max_records": 4},
                       batching={"max_in_flight": 10, "resume_ratio": 0.5,
                                 "lanes": [{"name": "default", "max_batch_size": 2, "max_wait_ms": 60_000}]})
     h = Harness(monkeypatch, cfg).start()
     h.c.assign(("in", 0), ("in", 1))
     h.send(14, partition=0)
+    return h
+
+
+def test_pauses_all_at_max_in_flight_and_resumes_only_below_the_low_watermark(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    h = fourteen_on_in0_bound_10(monkeypatch)
     h.iterate(2)
     assert h.runner.tracker.in_flight() == 8 and h.c.pause_calls == []
     h.iterate()  # reads only up to the bound (2 of the 4 offered): 10 >= 10, everything assigned pauses
@@ -117,12 +123,7 @@ def test_a_resumed_partition_is_sought_to_its_own_position_to_wake_the_fetcher(
     """librdkafka resumes fetching only at its broker thread's next wake-up (~1 s); a seek wakes it. The seek
     goes to the partition's own position, so nothing is skipped or read twice; a partition with nothing read
     yet (no position) is not sought."""
-    cfg = make_config(kafka={"poll_max_records": 4},
-                      batching={"max_in_flight": 10, "resume_ratio": 0.5,
-                                "lanes": [{"name": "default", "max_batch_size": 2, "max_wait_ms": 60_000}]})
-    h = Harness(monkeypatch, cfg).start()
-    h.c.assign(("in", 0), ("in", 1))
-    h.send(14, partition=0)
+    h = fourteen_on_in0_bound_10(monkeypatch)
     h.iterate(3)
     assert h.c.paused == {IN0, IN1} and h.c.seek_calls == []
     finish_records(h, 6)
