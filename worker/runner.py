@@ -690,7 +690,7 @@ class Runner:
     def _wake_fetcher(self, parts: list[KTP]) -> None:
         """librdkafka does not wake a broker thread that had nothing left to fetch when its partitions are
         resumed: their first fetch waited for its next wake-up, 0.9 s on average (a bare consumer paused and
-        resumed every 12,000 records read 15k records/s; with this, 150k/s: ``tests/bench/resume_fetch``).
+        resumed every 12,000 records read 15k records/s; with this, 150-200k/s: ``tests/bench/resume_fetch``).
         Seeking a resumed partition to its own position, which is where the fetch resumes anyway, wakes its
         broker thread. A partition without a position (nothing read since it was assigned or rewound) is left
         as it is: its fetch starts where librdkafka decides, at most a wake-up later."""

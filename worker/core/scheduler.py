@@ -121,7 +121,7 @@ class _Lane:
         self.queue_bound = cfg.queue_bound
         self.max_batch = cfg.max_batch_size
         self.cfg_max_batch = cfg.max_batch_size
-        self.fill = bool(getattr(cfg, "fill_with_lower", False)) and bucket_width == 0
+        self.fill = cfg.fill_with_lower and bucket_width == 0
         self.batcher = MicroBatcher(cfg.name, cfg.max_batch_size, cfg.max_wait_ms / 1000.0, bucket_width)
         self.ready: deque[Batch] = deque()
         self.ready_n = 0  # records physically in ready batches (expired ones included until dropped)
