@@ -6,8 +6,9 @@ Threads:
 - one **device thread** per device (``DeviceWorker``) takes the next batch from the scheduler, runs the
   model and hands the outputs back through ``self._completions``.
 
-Commit order (at-least-once): result/DLQ produced -> delivery report OK -> tracker.ack -> the contiguous
-done prefix is committed every ``commit_interval_ms``, on revoke and on shutdown. Never past a gap.
+Commit order (at-least-once): result/DLQ produced -> delivered (the emitter settles it: design note 12) ->
+tracker.ack -> the contiguous done prefix is committed every ``commit_interval_ms``, on revoke and on
+shutdown. Never past a gap. The optional store (ledger, cache, attempt counters) is in ``StoreGate``.
 Exactly-once: the same prefix goes into the producer's transaction with the results it covers.
 """
 
@@ -25,26 +26,25 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KTP
 
 from worker.adapters.kafka_clients import make_consumer, make_producer, retry_transient
 from worker.config import Config
+from worker.core.backpressure import partitions_to_pause
 from worker.core.offsets import OffsetTracker
-from worker.core.ports import Metrics, Model, NullMetrics
+from worker.core.ports import Metrics, Model, NullMetrics, Store
 from worker.core.records import Batch, Outcome, Record, TopicPartition
 from worker.core.scheduler import PriorityScheduler
 from worker.emit import Emitter
 from worker.intake import Intake
+from worker.store_gate import StoreGate
 from worker.transactions import Fenced, TransactionalCommitter
 
 log = logging.getLogger("worker.runner")
 # Records are acyclic and freed by reference counting; young-generation passes every 700 allocations (the
 # default) only burn CPU on the hot path.
 GC_THRESHOLD = (20_000, 20, 20)
-_cache_enc = msgspec.msgpack.Encoder()
-_cache_dec = msgspec.msgpack.Decoder()
 
 
 def _by_lane(records: list[Record]) -> Iterable[tuple[str, list[Record]]]:
@@ -52,10 +52,6 @@ def _by_lane(records: list[Record]) -> Iterable[tuple[str, list[Record]]]:
     for r in records:
         groups.setdefault(r.lane, []).append(r)
     return groups.items()
-
-
-def _attempt_key(rec: Record) -> str:
-    return f"{rec.tp.topic}:{rec.tp.partition}:{rec.offset}"
 
 
 @dataclass
@@ -83,7 +79,7 @@ class FatalDeliveryError(RuntimeError):
 
 class Runner:
     def __init__(self, cfg: Config, model: Model | None = None, *, metrics: Metrics | None = None,
-                 store: Any = None, devices: list[str] | None = None,
+                 store: Store | None = None, devices: list[str] | None = None,
                  stop_at: dict[TopicPartition, int] | None = None,
                  on_assign_offsets: Callable[[Any, list[KTP]], None] | None = None,
                  group_id: str | None = None, install_signals: bool = False,
@@ -128,17 +124,11 @@ class Runner:
         self.workers: list[Any] = []
         self.ready = threading.Event()
         self._stop_devices = False  # set on close: device threads stop asking for batches
-        # Store features: the ledger and cache follow their flags (in memory without a Redis url); attempt
-        # counters only mean something across process restarts, so they need Redis.
-        self._use_ledger = store is not None and cfg.redis.ledger and cfg.delivery.mode == "at_least_once"
-        self._use_attempts = store is not None and cfg.redis.url is not None
-        self._delivered_ids: list[str] = []
-        self._attempts_done: list[str] = []
+        self.gate = StoreGate(store, cfg, self.stats, self.metrics)
         # Records that were on a device when an earlier process died (attempt count > 0): each one goes to the
         # device alone, so the innocent ones clear themselves and only the killer keeps counting.
         self._suspects: deque[Record] = deque()
         self._isolated = 0  # suspects on a device now: nothing else is dispatched meanwhile
-        self._cache_puts: list[tuple[str, bytes]] = []
         self._broker_ok = True
         self._next_lag_report = 0.0
         self._done_at_last_lag = 0
@@ -189,8 +179,8 @@ class Runner:
     # ------------------------------------------------------------------ device side (device threads)
     def _take(self, timeout: float) -> Batch | None:
         batch = self._next_batch(timeout)
-        if batch is not None and self._use_attempts:
-            self._count_dispatch(batch)
+        if batch is not None:
+            self.gate.count_dispatch(batch)
         return batch
 
     def _swap(self, batch: Batch) -> Batch | None:
@@ -207,24 +197,8 @@ class Runner:
                 return None
             better.closed_at = now
             self.metrics.event("preemptions_total", lane=batch.lane)
-        if self._use_attempts:
-            self._count_dispatch(better)
+        self.gate.count_dispatch(better)
         return better
-
-    def _count_dispatch(self, batch: Batch) -> None:
-        """An attempt is a dispatch to the device: count it (one MULTI round trip per batch, bounded by
-        redis.timeout_ms and the breaker) before the model can crash the process on it. A record put back
-        by a preemption was counted when first taken and is not counted again."""
-        assert self.store is not None
-        todo = [r for r in batch.records if not r.counted]
-        if not todo:
-            return
-        keys = [_attempt_key(r) for r in todo]
-        counts = (self.store.incr_attempts_many(keys) if hasattr(self.store, "incr_attempts_many")
-                  else [self.store.incr_attempts(k) for k in keys])
-        for r, c in zip(todo, counts, strict=True):
-            r.attempts = c
-            r.counted = True
 
     def _next_batch(self, timeout: float) -> Batch | None:
         deadline = time.monotonic() + timeout
@@ -261,11 +235,8 @@ class Runner:
                 self.cv.wait(max(until - now, 0.0002))
 
     def _done(self, batch: Batch, outputs: list[Any], timings: dict[str, float]) -> None:
-        if batch.reason == "isolate" and self._use_attempts:
-            # The suspect came back from the device: it did not kill the process. Clear its counter before
-            # the next batch can be taken (bounded by redis.timeout_ms; on outage the count stays, harmless).
-            assert self.store is not None
-            self.store.clear_attempts([_attempt_key(r) for r in batch.records])
+        if batch.reason == "isolate":
+            self.gate.came_back(batch)
         with self.cv:
             self._device_busy -= 1
             if batch.reason == "isolate":
@@ -354,7 +325,7 @@ class Runner:
         self.emitter.poll(0)
         self.emitter.settle(now)
         self.emitter.retry_failed()
-        self._after_delivery_store_updates()
+        self.gate.flush()
         if now >= self._next_lag_report:
             self._report_lag(now)
         if consume:
@@ -413,7 +384,7 @@ class Runner:
                 admitted.append(rec)
         self.stats.records_in += n_in
         if admitted and self.store is not None:
-            admitted = self._consult_store(admitted, outcomes)
+            admitted = self.gate.admit(admitted, outcomes, ack=self._ack_delivered_before, isolate=self._isolate)
         if admitted:
             lane_counts: Counter[str] = Counter()
             with self.cv:
@@ -427,86 +398,15 @@ class Runner:
         if outcomes:
             self._emit_all(outcomes, now)
 
-    def _consult_store(self, admitted: list[Record], outcomes: list[Outcome]) -> list[Record]:
-        """Attempt counters (crash-loop quarantine), the delivered-id ledger and the result cache; one
-        round trip each per consumed batch. On a Redis outage these answer "unknown" and nothing is lost."""
-        st = self.store
-        assert st is not None
-        max_attempts = self.cfg.delivery.max_attempts
-        if self._use_attempts:
-            # Read only: a fetched record is not an attempt (thousands are fetched ahead of the device and
-            # would all be counted at every crash). Attempts are counted at dispatch (_count_dispatch).
-            keys = [_attempt_key(r) for r in admitted]
-            counts = st.get_attempts_many(keys) if hasattr(st, "get_attempts_many") else [0] * len(keys)
-            keep = []
-            suspects = []
-            for r, c in zip(admitted, counts, strict=True):
-                r.attempts = c
-                if c >= max_attempts:
-                    outcomes.append(Outcome(r, "error", dlq_stage="quarantine", error=(
-                        f"quarantined: the worker process died {c} times while this record was on the device "
-                        f"(delivery.max_attempts={max_attempts})")))
-                elif c > 0:
-                    suspects.append(r)
-                else:
-                    keep.append(r)
-            if suspects:
-                with self.cv:
-                    self._suspects.extend(suspects)
-                    self.cv.notify_all()
-                self.metrics.event("suspects_isolated", len(suspects))
-            admitted = keep
-        if self._use_ledger and admitted:
-            seen = st.delivered_many([r.id for r in admitted if r.id])
-            if seen:
-                keep = []
-                for r in admitted:
-                    if r.id in seen:
-                        # Its result was delivered before (redelivery after a crash or rebalance): done.
-                        self.tracker.ack(r.tp, r.offset)
-                        self.stats.ledger_skips += 1
-                        self.metrics.event("ledger_skips")
-                    else:
-                        keep.append(r)
-                admitted = keep
-        if self.cfg.redis.cache and admitted:
-            keys = [r.cache_key for r in admitted if r.cache_key]
-            hits = (st.get_cached_many(keys) if hasattr(st, "get_cached_many")
-                    else {k: v for k in keys if (v := st.get_cached(k)) is not None})
-            if hits:
-                keep = []
-                for r in admitted:
-                    raw = hits.get(r.cache_key) if r.cache_key else None
-                    if raw is None:
-                        keep.append(r)
-                        continue
-                    try:
-                        out = _cache_dec.decode(raw)
-                    except Exception:  # a corrupt entry is a miss
-                        keep.append(r)
-                        continue
-                    outcomes.append(Outcome(r, "ok", output=out, batch_size=0, timings={"cached": 1.0}))
-                    self.stats.cache_hits += 1
-                admitted = keep
-        return admitted
+    def _ack_delivered_before(self, rec: Record) -> None:
+        """The ledger says the record's result was delivered before (redelivery after a crash or rebalance)."""
+        self.tracker.ack(rec.tp, rec.offset)
 
-    def _after_delivery_store_updates(self) -> None:
-        st = self.store
-        if st is None:
-            return
-        if self._delivered_ids:
-            ids, self._delivered_ids = self._delivered_ids, []
-            st.mark_delivered(ids)
-        if self._attempts_done:
-            keys, self._attempts_done = self._attempts_done, []
-            st.clear_attempts(keys)
-        if self._cache_puts:
-            puts, self._cache_puts = self._cache_puts, []
-            if hasattr(st, "put_cached_many"):
-                st.put_cached_many(puts)
-            else:
-                for k, v in puts:
-                    st.put_cached(k, v)
+    def _isolate(self, suspects: list[Record]) -> None:
+        """Records that were on a device when an earlier process died: each goes to the device alone."""
+        with self.cv:
+            self._suspects.extend(suspects)
+            self.cv.notify_all()
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -551,11 +451,8 @@ class Runner:
                 outcomes.append(Outcome(rec, "error", error=f"{type(out).__name__}: {out}", dlq_stage="inference",
                                         batch_size=n, timings={"queue": closed - rec.received_at, "infer": infer_s}))
                 continue
-            if rec.cache_key is not None and self.store is not None:
-                try:
-                    self._cache_puts.append((rec.cache_key, _cache_enc.encode(out)))
-                except (TypeError, msgspec.EncodeError):
-                    pass  # not cacheable (the result itself is still produced)
+            if rec.cache_key is not None:
+                self.gate.cache_put(rec, out)
             ok_recs.append(rec)
             ok_outs.append(out)
         declined: Iterable[int] = (range(len(ok_recs)) if self.txn is not None else
@@ -612,10 +509,7 @@ class Runner:
     def _record_done(self, rec: Record) -> None:
         if self.epochs[rec.tp] == rec.epoch:
             self.tracker.ack(rec.tp, rec.offset)
-        if self._use_ledger and rec.id:
-            self._delivered_ids.append(rec.id)
-        if self._use_attempts and rec.attempts > 0:  # dispatched (counted) or read with a count
-            self._attempts_done.append(_attempt_key(rec))
+        self.gate.delivered(rec)
 
     def _record_failed(self, rec: Record, err: str) -> None:
         if self.epochs[rec.tp] != rec.epoch:
@@ -659,21 +553,14 @@ class Runner:
     def _backpressure(self) -> None:
         in_flight = self.tracker.in_flight()
         self.metrics.gauge("in_flight", in_flight)
-        bound = self.cfg.batching.max_in_flight
-        want: set[TopicPartition]
-        if in_flight >= bound:
-            want = set(self.assigned)
-        elif self.paused and in_flight > bound * self.cfg.batching.resume_ratio:
-            want = set(self.paused) & self.assigned  # hysteresis: stay paused until the low watermark
-        else:
-            want = set()
-        if self.stop_at is not None:
-            want |= self.reached & self.assigned  # backfill: nothing more to read there
         with self.cv:
             full = self.scheduler.over_bound()
-        if full:
-            lanes_of = self.intake.topic_lanes
-            want |= {tp for tp in self.assigned if lanes_of.get(tp.topic, self.cfg.batching.default_lane) in full}
+        lanes_of, default_lane = self.intake.topic_lanes, self.cfg.batching.default_lane
+        bound = self.cfg.batching.max_in_flight
+        want = partitions_to_pause(in_flight=in_flight, bound=bound,
+                                   resume_ratio=self.cfg.batching.resume_ratio, assigned=self.assigned,
+                                   paused=self.paused, reached=self.reached if self.stop_at is not None else set(),
+                                   full_lanes=full, lane_of=lambda tp: lanes_of.get(tp.topic, default_lane))
         if want != self.paused:
             to_pause = want - self.paused
             to_resume = (self.paused - want) & self.assigned

@@ -1,0 +1,41 @@
+"""Which partitions the consumer should hold paused: the backpressure decision (ARCHITECTURE section 3).
+
+Why: Kafka keeps delivering as fast as the broker serves, while the device drains at its own pace. Reading
+must stop before memory does, and resume only once there is room for a useful amount, or the consumer
+flaps between paused and resumed at every loop turn. The runner applies the answer with
+``consumer.pause``/``resume``; this module only decides.
+
+Three reasons to hold a partition paused, any of which is enough:
+
+- **In-flight bound**: at ``max_in_flight`` records read and not yet done (delivered), every assigned
+  partition pauses; they stay paused until in-flight falls to ``bound * resume_ratio`` (hysteresis).
+- **A full lane**: a lane whose queue is at its bound pauses the partitions of the topics routed to it,
+  so a flood on a low-priority topic cannot crowd out a high-priority one.
+- **Backfill**: a partition read up to its end snapshot has nothing more to read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Set
+
+from worker.core.records import TopicPartition
+
+
+def partitions_to_pause(*, in_flight: int, bound: int, resume_ratio: float, assigned: Set[TopicPartition],
+                        paused: Set[TopicPartition], reached: Set[TopicPartition] = frozenset(),
+                        full_lanes: Collection[str] = (),
+                        lane_of: Callable[[TopicPartition], str] | None = None) -> set[TopicPartition]:
+    """The assigned partitions to hold paused now. ``paused`` is what is paused at present (for the
+    hysteresis); ``reached``, the backfill partitions read to their end; ``full_lanes``, the lanes at their
+    queue bound, and ``lane_of`` the lane a partition's topic is routed to."""
+    want: set[TopicPartition]
+    if in_flight >= bound:
+        want = set(assigned)
+    elif paused and in_flight > bound * resume_ratio:
+        want = set(paused) & assigned  # hysteresis: stay paused until the low watermark
+    else:
+        want = set()
+    want |= reached & assigned
+    if full_lanes and lane_of is not None:
+        want |= {tp for tp in assigned if lane_of(tp) in full_lanes}
+    return want

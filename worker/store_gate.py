@@ -1,0 +1,161 @@
+"""What the runner asks of the optional store (Redis, or in memory): the delivered-id ledger, the result cache
+and the attempt counters (ARCHITECTURE section 4, "Redis"; README "Redis: result cache, delivered-id ledger,
+attempt counters").
+
+One round trip per feature per consumed batch on the way in (``admit``), one per batch dispatched to a
+device (``count_dispatch``), and what delivery settled is written once per loop turn (``flush``). Every store
+call fails softly: on a Redis outage the store answers "unknown" (not delivered, no count, no cache hit) and
+the record is simply processed, so nothing is lost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from worker.config import Config
+from worker.core.ports import Metrics, Store
+from worker.core.records import Batch, Outcome, Record
+
+_cache_enc = msgspec.msgpack.Encoder()
+_cache_dec = msgspec.msgpack.Decoder()
+
+
+def attempt_key(rec: Record) -> str:
+    """Attempts are counted per source position: the same record read again after a crash has the same key."""
+    return f"{rec.tp.topic}:{rec.tp.partition}:{rec.offset}"
+
+
+class StoreGate:
+    def __init__(self, store: Store | None, cfg: Config, stats: Any, metrics: Metrics) -> None:
+        self.store = store
+        # The ledger and cache follow their flags (in memory without a Redis url). The ledger would skip a
+        # record whose result an aborted transaction discarded, so exactly-once mode does without it. Attempt
+        # counters only mean something across process restarts, so they need Redis.
+        self.ledger = store is not None and cfg.redis.ledger and cfg.delivery.mode == "at_least_once"
+        self.cache = store is not None and cfg.redis.cache
+        self.attempts = store is not None and cfg.redis.url is not None
+        self.max_attempts = cfg.delivery.max_attempts
+        self.stats = stats
+        self.metrics = metrics
+        # Written after delivery, once per loop turn (flush): one round trip for many records.
+        self._delivered_ids: list[str] = []
+        self._attempts_done: list[str] = []
+        self._cache_puts: list[tuple[str, bytes]] = []
+
+    # ------------------------------------------------------------------ on the way in
+    def admit(self, admitted: list[Record], outcomes: list[Outcome], *, ack: Callable[[Record], None],
+              isolate: Callable[[list[Record]], None]) -> list[Record]:
+        """The records of a consumed batch that still need the model. The others: quarantined ones (attempt
+        count at ``delivery.max_attempts``) and cache hits become ``outcomes``; records with a lower count
+        (suspects) go to ``isolate``; records whose result was already delivered go to ``ack``."""
+        st = self.store
+        if st is None:
+            return admitted
+        if self.attempts:
+            # Read only: a fetched record is not an attempt (thousands are fetched ahead of the device and
+            # would all be counted at every crash). Attempts are counted at dispatch (count_dispatch).
+            counts = st.get_attempts_many([attempt_key(r) for r in admitted])
+            keep = []
+            suspects = []
+            for r, c in zip(admitted, counts, strict=True):
+                r.attempts = c
+                if c >= self.max_attempts:
+                    outcomes.append(Outcome(r, "error", dlq_stage="quarantine", error=(
+                        f"quarantined: the worker process died {c} times while this record was on the device "
+                        f"(delivery.max_attempts={self.max_attempts})")))
+                elif c > 0:
+                    suspects.append(r)
+                else:
+                    keep.append(r)
+            if suspects:
+                isolate(suspects)
+                self.metrics.event("suspects_isolated", len(suspects))
+            admitted = keep
+        if self.ledger and admitted:
+            seen = st.delivered_many([r.id for r in admitted if r.id])
+            if seen:
+                keep = []
+                for r in admitted:
+                    if r.id in seen:
+                        # Its result was delivered before (redelivery after a crash or rebalance): done.
+                        ack(r)
+                        self.stats.ledger_skips += 1
+                        self.metrics.event("ledger_skips")
+                    else:
+                        keep.append(r)
+                admitted = keep
+        if self.cache and admitted:
+            hits = st.get_cached_many([r.cache_key for r in admitted if r.cache_key])
+            if hits:
+                keep = []
+                for r in admitted:
+                    raw = hits.get(r.cache_key) if r.cache_key else None
+                    if raw is None:
+                        keep.append(r)
+                        continue
+                    try:
+                        out = _cache_dec.decode(raw)
+                    except Exception:  # a corrupt entry is a miss
+                        keep.append(r)
+                        continue
+                    outcomes.append(Outcome(r, "ok", output=out, batch_size=0, timings={"cached": 1.0}))
+                    self.stats.cache_hits += 1
+                admitted = keep
+        return admitted
+
+    # ------------------------------------------------------------------ device threads
+    def count_dispatch(self, batch: Batch) -> None:
+        """An attempt is a dispatch to the device: count it (one MULTI round trip per batch, bounded by
+        redis.timeout_ms and the breaker) before the model can crash the process on it. A record put back
+        by a preemption was counted when first taken and is not counted again."""
+        if not self.attempts:
+            return
+        assert self.store is not None
+        todo = [r for r in batch.records if not r.counted]
+        if not todo:
+            return
+        counts = self.store.incr_attempts_many([attempt_key(r) for r in todo])
+        for r, c in zip(todo, counts, strict=True):
+            r.attempts = c
+            r.counted = True
+
+    def came_back(self, batch: Batch) -> None:
+        """A suspect's batch came back from the device: it did not kill the process. Its counter is cleared
+        before the next batch can be taken (bounded by redis.timeout_ms; on outage the count stays, harmless)."""
+        if self.attempts:
+            assert self.store is not None
+            self.store.clear_attempts([attempt_key(r) for r in batch.records])
+
+    # ------------------------------------------------------------------ after delivery (loop thread)
+    def cache_put(self, rec: Record, output: Any) -> None:
+        """Remember an ok output under the record's cache key (written at the next flush)."""
+        if rec.cache_key is None or not self.cache:
+            return
+        try:
+            self._cache_puts.append((rec.cache_key, _cache_enc.encode(output)))
+        except (TypeError, msgspec.EncodeError):
+            pass  # not cacheable (the result itself is still produced)
+
+    def delivered(self, rec: Record) -> None:
+        """The record's result (or dead letter) is delivered: enter it in the ledger and clear its count."""
+        if self.ledger and rec.id:
+            self._delivered_ids.append(rec.id)
+        if self.attempts and rec.attempts > 0:  # dispatched (counted) or read with a count
+            self._attempts_done.append(attempt_key(rec))
+
+    def flush(self) -> None:
+        st = self.store
+        if st is None:
+            return
+        if self._delivered_ids:
+            ids, self._delivered_ids = self._delivered_ids, []
+            st.mark_delivered(ids)
+        if self._attempts_done:
+            keys, self._attempts_done = self._attempts_done, []
+            st.clear_attempts(keys)
+        if self._cache_puts:
+            puts, self._cache_puts = self._cache_puts, []
+            st.put_cached_many(puts)
