@@ -35,6 +35,7 @@ def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_
     replayed = skipped = 0
     failures: list[str] = []
     last_activity = time.monotonic()
+    gave_up = False  # replayed records left undelivered: exit without waiting for them
 
     def cb(err: Any, _m: Any) -> None:
         if err is not None:
@@ -81,15 +82,21 @@ def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_
                 left = producer.flush(60)
                 if failures:
                     print(f"dlq replay: {len(failures)} records failed to deliver: {failures[0]}")
+                    gave_up = True
                     return 1
                 if left:
                     # Not delivered yet (broker down or slow): committing now would skip dead letters that were
                     # never replayed. The next run starts again from the last commit.
                     print(f"dlq replay: {left} records still undelivered after 60 s; nothing more committed")
+                    gave_up = True
                     return 1
                 consumer.commit(offsets=[KTP(topic, p, o) for p, o in to_commit.items()], asynchronous=False)
     finally:
-        producer.flush(60)
+        if gave_up:
+            # Their dead letters are not committed, so the next run replays them: another minute of waiting
+            # for the broker here would only hold up the exit (and any that got through would be sent twice).
+            producer.purge()
+        producer.flush(1 if gave_up else 60)
         consumer.close()
     verb = "would replay" if dry_run else "replayed"
     print(f"dlq replay: {verb} {replayed} dead letters, skipped {skipped}")

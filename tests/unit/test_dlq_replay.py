@@ -53,12 +53,18 @@ class StuckProducer:
 
     def __init__(self, conf: dict[str, Any]) -> None:
         self.produced: list[Any] = []
+        self.flushes: list[float] = []
+        self.purged = False
 
     def produce(self, topic: str, **kw: Any) -> None:
         self.produced.append((topic, kw["value"]))
 
     def flush(self, timeout: float = -1) -> int:
-        return len(self.produced)
+        self.flushes.append(timeout)
+        return 0 if self.purged else len(self.produced)
+
+    def purge(self) -> None:
+        self.purged = True
 
 
 def test_nothing_is_committed_while_replayed_records_are_undelivered(monkeypatch: pytest.MonkeyPatch,
@@ -70,3 +76,5 @@ def test_nothing_is_committed_while_replayed_records_are_undelivered(monkeypatch
     assert worker.dlq.replay(make_config()) == 1
     assert [v for _, v in producers[0].produced] == [b"v0", b"v1"] and consumer.commits == []
     assert "still undelivered" in capsys.readouterr().out
+    # One wait for delivery, then the exit: no second minute-long flush of what will be replayed anyway.
+    assert producers[0].purged and producers[0].flushes[0] == 60 and sum(producers[0].flushes[1:]) <= 1
