@@ -204,6 +204,7 @@ class FakeConsumer:
         self.seek_calls: list[tuple[TopicPartition, int]] = []
         self.consume_calls = 0
         self.poll_calls = 0
+        self.poll_timeouts: list[float | None] = []
         self._cursor = 0
         self.broker_down = False
         self.closed = False
@@ -325,6 +326,7 @@ class FakeConsumer:
     def poll(self, timeout: float | None = None) -> FakeMessage | None:
         self._check_open()
         self.poll_calls += 1
+        self.poll_timeouts.append(timeout)
         self._run_hooks()
         out = self._fetch(1)
         if not out and self.clock is not None and timeout:

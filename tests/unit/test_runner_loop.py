@@ -1,0 +1,38 @@
+"""The loop thread's turn: how long it may wait in consumer.poll()."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.fakes_kafka import Harness, make_config
+
+SHORT = 0.002
+
+
+def test_the_loop_polls_in_short_steps_while_anything_is_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device that finishes cannot wake consumer.poll(): while a record is queued, on the device or waiting
+    for its delivery to settle, the loop must come back within SHORT to emit and confirm it, not wait out
+    poll_timeout_ms for the next record to arrive. Idle, it waits the whole poll_timeout_ms."""
+    h = Harness(monkeypatch, make_config(kafka={"poll_timeout_ms": 20})).start()
+    h.c.assign(("in", 0))
+    polls = h.c.poll_timeouts
+
+    h.iterate()
+    assert polls[-1] == 0.02  # nothing read: idle
+    h.send(1)
+    h.iterate()  # read and queued; the device has not taken it yet
+    h.iterate()
+    assert polls[-1] == SHORT
+    batch = h.device.take()
+    assert batch is not None
+    h.iterate()
+    assert polls[-1] == SHORT  # on the device
+    h.p.hold = True
+    h.device.finish(batch)
+    h.iterate()  # emitted; its delivery not acknowledged yet
+    h.iterate()
+    assert h.p.produced and polls[-1] == SHORT
+    h.p.hold = False
+    h.iterate()  # acknowledged and confirmed
+    h.iterate()
+    assert h.runner.tracker.in_flight() == 0 and polls[-1] == 0.02
