@@ -70,6 +70,16 @@ _LOG4J2 = """\
 """
 
 
+def new_cluster_id() -> str:
+    """A random cluster id as Kafka writes them (URL-safe base64 of a UUID), never starting with "-": the
+    storage tool would read such an id as an option and fail (1 start in 64). Kafka's own Uuid.randomUuid()
+    skips those for the same reason."""
+    while True:
+        cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cid.startswith("-"):
+            return cid
+
+
 class LocalKafka:
     """One KRaft broker+controller process. ``stop()`` then ``start()`` keeps data and ports (restart)."""
 
@@ -135,7 +145,7 @@ class LocalKafka:
         (self.workdir / "server.properties").write_text(self._props())
         (self.workdir / "log4j2.xml").write_text(_LOG4J2.format(log=self.log_path))
         if not self._formatted and not (self.workdir / "data" / "meta.properties").exists():
-            cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+            cluster_id = new_cluster_id()
             fmt = subprocess.run(
                 self._java(libs, "kafka.tools.StorageTool", "format", "-t", cluster_id,
                            "-c", str(self.workdir / "server.properties"), "--ignore-formatted"),
