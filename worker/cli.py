@@ -65,8 +65,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if getattr(args, name) <= 0:
             print(f"usage error: --{name} must be > 0", file=sys.stderr)
             return 2
+    if args.warm_up_s is not None and args.warm_up_s < 0:
+        print("usage error: --warm-up-s must be >= 0", file=sys.stderr)
+        return 2
     return demo(records=args.records, model=args.model, bootstrap=args.bootstrap, partitions=args.partitions,
-                rate=args.rate)
+                rate=args.rate, warm_up_s=args.warm_up_s)
 
 
 def cmd_load(args: argparse.Namespace) -> int:
@@ -118,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--rate", type=float, default=2000.0, help="records/s the requests are produced at (default 2000)")
     d.add_argument("--model", default="tiny", help="built-in model: tiny (default), synthetic, identity, minilm")
     d.add_argument("--bootstrap", default=None, help="use this broker instead of starting one")
+    d.add_argument("--warm-up-s", type=float, default=None, help=(
+        "seconds of throwaway traffic through the broker before the measured run, while the model loads "
+        "(default 5 with the demo's own freshly started broker, whose JVM is still cold; 0 with --bootstrap)"))
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("backfill", help="process the input topics up to their current end, then exit",

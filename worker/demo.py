@@ -24,7 +24,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def demo(records: int = 5000, model: str = "tiny", bootstrap: str | None = None, partitions: int = 4,
-         rate: float = 2000.0) -> int:
+         rate: float = 2000.0, warm_up_s: float | None = None) -> int:
     from confluent_kafka import Consumer
 
     from worker.adapters.kafka_clients import ensure_topics
@@ -42,10 +42,14 @@ def demo(records: int = 5000, model: str = "tiny", bootstrap: str | None = None,
         broker = LocalKafka().start()
         bootstrap = broker.bootstrap
         print(f"  broker {broker.version} ready at {bootstrap} in {time.monotonic() - t_start:.1f}s", flush=True)
+    if warm_up_s is None:
+        warm_up_s = 5.0 if broker is not None else 0.0
     run_id = uuid.uuid4().hex[:6]
-    topics = {"in": f"demo-requests-{run_id}", "out": f"demo-results-{run_id}", "dlq": f"demo-dlq-{run_id}"}
+    topics = {"in": f"demo-requests-{run_id}", "out": f"demo-results-{run_id}", "dlq": f"demo-dlq-{run_id}",
+              "warm": f"demo-warmup-{run_id}"}
     try:
-        ensure_topics(bootstrap, {topics["in"]: partitions, topics["out"]: partitions, topics["dlq"]: 1})
+        ensure_topics(bootstrap, {topics["in"]: partitions, topics["out"]: partitions, topics["dlq"]: 1,
+                                  **({topics["warm"]: partitions} if warm_up_s > 0 else {})})
         cfg = from_dict({
             "kafka": {"bootstrap_servers": bootstrap, "group_id": f"demo-{run_id}", "input_topics": [topics["in"]],
                       "output_topic": topics["out"], "dlq_topic": topics["dlq"]},
@@ -57,6 +61,15 @@ def demo(records: int = 5000, model: str = "tiny", bootstrap: str | None = None,
         runner = Runner(cfg)
         t = threading.Thread(target=runner.run, name="worker-loop", daemon=True)
         t.start()
+        # One producer for everything: its first flush waits for its idempotent producer id (~0.5 s on a fresh
+        # broker), which would otherwise show as the first records' latency.
+        p = load_producer(bootstrap)
+        if warm_up_s > 0:
+            # While the model loads. A broker just started has not compiled its request paths yet: for its first
+            # seconds a produce -> fetch round trip took 20-80 ms at p50 instead of 5-10 (2-core VM), and the
+            # summary showed that rather than the worker. A broker given with --bootstrap is warm already.
+            print(f"warming up the broker ({warm_up_s:g} s of throwaway traffic) ...", flush=True)
+            _warm_broker(bootstrap, topics["warm"], partitions, p, seconds=warm_up_s, rate=rate)
         if not runner.ready.wait(300):
             print("worker did not start in time")
             return 1
@@ -71,9 +84,6 @@ def demo(records: int = 5000, model: str = "tiny", bootstrap: str | None = None,
             t.join(60)
             return 1
         print(f"producing {records} requests (+2 malformed) at {rate:.0f}/s to {topics['in']} ...", flush=True)
-        # One producer for both: the first flush waits for its idempotent producer id (~0.5 s on a fresh
-        # broker), which would otherwise show as the first records' latency.
-        p = load_producer(bootstrap)
         produce(bootstrap, topics["in"], iter([(b"bad-1", b"{not json"), (b"bad-2", b'{"id": "bad-2"}')]), producer=p)
         t0_ms = time.time() * 1000
         produce(bootstrap, topics["in"], requests(records, kind=model, id_prefix=f"demo-{run_id}"), rate=rate,
@@ -107,6 +117,33 @@ def demo(records: int = 5000, model: str = "tiny", bootstrap: str | None = None,
         if broker is not None:
             broker.close()
             print("local broker stopped")
+
+
+def _warm_broker(bootstrap: str, topic: str, partitions: int, producer: Any, seconds: float = 5.0,
+                 rate: float = 2000.0) -> None:
+    """A throwaway stream through the broker, produced and fetched at the demo's pace: what warms its JIT is
+    the number of produce and fetch requests it serves, not their size."""
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+    from worker.load import produce, requests
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"demo-warmup-{uuid.uuid4().hex[:6]}",
+                  "enable.auto.commit": False, "fetch.wait.max.ms": 50})
+    c.assign([TopicPartition(topic, i, OFFSET_BEGINNING) for i in range(partitions)])  # no group join
+    done = threading.Event()
+
+    def fetch() -> None:
+        while not done.is_set():
+            c.poll(0.1)
+
+    reader = threading.Thread(target=fetch, name="demo-warmup", daemon=True)
+    reader.start()
+    try:
+        produce(bootstrap, topic, requests(int(seconds * rate), id_prefix="warmup"), rate=rate, producer=producer)
+    finally:
+        done.set()
+        reader.join(5)
+        c.close()
 
 
 def _collect(consumer_cls: Any, bootstrap: str, topic: str, want: int,

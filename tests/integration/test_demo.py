@@ -17,8 +17,9 @@ pytestmark = pytest.mark.integration
 def test_demo_summary_accounts_for_every_request(kafka):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("KAFKA_BOOTSTRAP_SERVERS", None)
+    # --warm-up-s: the warm-up a freshly started local broker gets, here through the session's broker.
     p = subprocess.run([sys.executable, "-m", "worker", "demo", "--records", "400", "--rate", "1000",
-                        "--bootstrap", kafka.bootstrap], capture_output=True, text=True, timeout=300, env=env,
+                        "--bootstrap", kafka.bootstrap, "--warm-up-s", "0.5"], capture_output=True, text=True, timeout=300, env=env,
                        cwd=str(ROOT))
     out = p.stdout + p.stderr
     print(out[-1500:])
@@ -26,3 +27,4 @@ def test_demo_summary_accounts_for_every_request(kafka):
     assert "distinct ok ids   400 of 400" in out
     assert "results out       401 (400 ok, 1 error)" in out  # the invalid request with a readable id
     assert "dead letters      2" in out
+    assert "warming up the broker (0.5 s" in out
