@@ -51,60 +51,73 @@ class StoreGate:
         """The records of a consumed batch that still need the model. The others: quarantined ones (attempt
         count at ``delivery.max_attempts``) and cache hits become ``outcomes``; records with a lower count
         (suspects) go to ``isolate``; records whose result was already delivered go to ``ack``."""
-        st = self.store
-        if st is None:
+        if self.store is None:
             return admitted
-        if self.attempts:
-            # Read only: a fetched record is not an attempt (thousands are fetched ahead of the device and
-            # would all be counted at every crash). Attempts are counted at dispatch (count_dispatch).
-            counts = st.get_attempts_many([attempt_key(r) for r in admitted])
-            keep = []
-            suspects = []
-            for r, c in zip(admitted, counts, strict=True):
-                r.attempts = c
-                if c >= self.max_attempts:
-                    outcomes.append(Outcome(r, "error", dlq_stage="quarantine", error=(
-                        f"quarantined: the worker process died {c} times while this record was on the device "
-                        f"(delivery.max_attempts={self.max_attempts})")))
-                elif c > 0:
-                    suspects.append(r)
-                else:
-                    keep.append(r)
-            if suspects:
-                isolate(suspects)
-                self.metrics.event("suspects_isolated", len(suspects))
-            admitted = keep
+        if self.attempts and admitted:
+            admitted = self._sort_by_attempts(admitted, outcomes, isolate)
         if self.ledger and admitted:
-            seen = st.delivered_many([r.id for r in admitted if r.id])
-            if seen:
-                keep = []
-                for r in admitted:
-                    if r.id in seen:
-                        # Its result was delivered before (redelivery after a crash or rebalance): done.
-                        ack(r)
-                        self.stats.ledger_skips += 1
-                        self.metrics.event("ledger_skips")
-                    else:
-                        keep.append(r)
-                admitted = keep
+            admitted = self._skip_delivered(admitted, ack)
         if self.cache and admitted:
-            hits = st.get_cached_many([r.cache_key for r in admitted if r.cache_key])
-            if hits:
-                keep = []
-                for r in admitted:
-                    raw = hits.get(r.cache_key) if r.cache_key else None
-                    if raw is None:
-                        keep.append(r)
-                        continue
-                    try:
-                        out = _cache_dec.decode(raw)
-                    except Exception:  # a corrupt entry is a miss
-                        keep.append(r)
-                        continue
-                    outcomes.append(Outcome(r, "ok", output=out, batch_size=0, timings={"cached": 1.0}))
-                    self.stats.cache_hits += 1
-                admitted = keep
+            admitted = self._serve_cached(admitted, outcomes)
         return admitted
+
+    def _sort_by_attempts(self, admitted: list[Record], outcomes: list[Outcome],
+                          isolate: Callable[[list[Record]], None]) -> list[Record]:
+        # Read only: a fetched record is not an attempt (thousands are fetched ahead of the device and would
+        # all be counted at every crash). Attempts are counted at dispatch (count_dispatch).
+        assert self.store is not None
+        counts = self.store.get_attempts_many([attempt_key(r) for r in admitted])
+        keep = []
+        suspects = []
+        for r, c in zip(admitted, counts, strict=True):
+            r.attempts = c
+            if c >= self.max_attempts:
+                outcomes.append(Outcome(r, "error", dlq_stage="quarantine", error=(
+                    f"quarantined: the worker process died {c} times while this record was on the device "
+                    f"(delivery.max_attempts={self.max_attempts})")))
+            elif c > 0:
+                suspects.append(r)
+            else:
+                keep.append(r)
+        if suspects:
+            isolate(suspects)
+            self.metrics.event("suspects_isolated", len(suspects))
+        return keep
+
+    def _skip_delivered(self, admitted: list[Record], ack: Callable[[Record], None]) -> list[Record]:
+        assert self.store is not None
+        seen = self.store.delivered_many([r.id for r in admitted if r.id])
+        if not seen:
+            return admitted
+        keep = []
+        for r in admitted:
+            if r.id not in seen:
+                keep.append(r)
+                continue
+            # Its result was delivered before (redelivery after a crash or rebalance): done.
+            ack(r)
+            self.stats.ledger_skips += 1
+            self.metrics.event("ledger_skips")
+        return keep
+
+    def _serve_cached(self, admitted: list[Record], outcomes: list[Outcome]) -> list[Record]:
+        assert self.store is not None
+        hits = self.store.get_cached_many([r.cache_key for r in admitted if r.cache_key])
+        if not hits:
+            return admitted
+        keep = []
+        for r in admitted:
+            raw = hits.get(r.cache_key) if r.cache_key else None
+            try:
+                out = _cache_dec.decode(raw) if raw is not None else None
+            except Exception:  # a corrupt entry is a miss
+                raw = None
+            if raw is None:
+                keep.append(r)
+                continue
+            outcomes.append(Outcome(r, "ok", output=out, batch_size=0, timings={"cached": 1.0}))
+            self.stats.cache_hits += 1
+        return keep
 
     # ------------------------------------------------------------------ device threads
     def count_dispatch(self, batch: Batch) -> None:
