@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+from confluent_kafka import KafkaError, KafkaException
 
 from schemas import DeadLetter, Result, Source, Timings
 from worker.core.records import Outcome, Record
@@ -30,6 +31,25 @@ log = logging.getLogger("worker.emit")
 
 _json = msgspec.json.Encoder()
 _msgpack = msgspec.msgpack.Encoder()
+
+
+class FatalDeliveryError(RuntimeError):
+    """The producer refuses a message outright (not a delivery that may succeed on retry): a topic that does
+    not exist where the broker does not create topics, a fatal idempotence or transaction error. The worker
+    stops; nothing past the record is committed, so it is processed again once the cause is fixed."""
+
+
+_NO_TOPIC = (KafkaError._UNKNOWN_TOPIC, KafkaError.UNKNOWN_TOPIC_OR_PART)
+
+
+def describe(err: Any) -> str:
+    """A producer error as an operator reads it, with what to do where that is known."""
+    if not isinstance(err, KafkaError):
+        return str(err)
+    if err.code() in _NO_TOPIC:
+        return (f"{err.str()} - the topic does not exist and the broker does not create topics on first use "
+                "(auto.create.topics.enable): create it, or fix the name")
+    return str(err.str())
 
 
 class _Pending:
@@ -108,6 +128,12 @@ class Emitter:
         self.is_stale = is_stale or (lambda _r: False)
         self.retry_queue: list[_Pending] = []
         self.produced = 0
+        self._topic_keys = {output_topic: "kafka.output_topic", dlq_topic: "kafka.dlq_topic"}
+
+    def _refused(self, topic: str, err: KafkaException) -> FatalDeliveryError:
+        e = err.args[0] if err.args else err
+        key = self._topic_keys.get(topic, "topic")
+        return FatalDeliveryError(f"cannot produce to {topic!r} ({key}): {describe(e)}")
 
     def result_bytes(self, o: Outcome, now: float, now_wall_ms: float) -> bytes:
         rec = o.record
@@ -169,6 +195,9 @@ class Emitter:
                 sent += 1
             except BufferError:
                 self._produce(topic, key, value, None, p)  # waits for room; counts it
+            except KafkaException as e:
+                self.produced += sent
+                raise self._refused(topic, e) from None
             confirm_later(p)
         self.produced += sent
         return declined
@@ -267,6 +296,8 @@ class Emitter:
             except BufferError:
                 # Local queue full: serve failure reports, then try again (bounded by the queue size).
                 self.cur.producer.poll(0.05)
+            except KafkaException as e:
+                raise self._refused(topic, e) from None
 
     def _failed(self, p: _Pending, err: Any) -> None:
         p.attempts += 1
@@ -278,7 +309,7 @@ class Emitter:
             p.retry_at = time.monotonic() + min(0.05 * p.attempts, 0.5)
             self.retry_queue.append(p)
         else:
-            self.on_failed(p.record, str(err))
+            self.on_failed(p.record, describe(err))
         p.round += 1  # the round failed: its other reports are ignored, and settling does not confirm it
 
     # ------------------------------------------------------------------ settling

@@ -36,7 +36,7 @@ from worker.core.offsets import OffsetTracker
 from worker.core.ports import Metrics, Model, NullMetrics, Store
 from worker.core.records import Batch, Outcome, Record, TopicPartition
 from worker.core.scheduler import PriorityScheduler
-from worker.emit import Emitter
+from worker.emit import Emitter, FatalDeliveryError
 from worker.intake import Intake
 from worker.store_gate import StoreGate
 from worker.transactions import Fenced, TransactionalCommitter
@@ -71,10 +71,6 @@ class RunStats:
     @property
     def mean_batch(self) -> float:
         return self.batched_records / self.batches if self.batches else 0.0
-
-
-class FatalDeliveryError(RuntimeError):
-    pass
 
 
 class Runner:
@@ -291,7 +287,11 @@ class Runner:
         self.ready.set()
         try:
             while not self._stop.is_set() and self._fatal is None:
-                self._iterate()
+                try:
+                    self._iterate()
+                except FatalDeliveryError as e:
+                    self._fatal = str(e)
+                    break
                 if self.stop_at is not None and self._backfill_complete():
                     break
             return self._shutdown()
@@ -523,11 +523,20 @@ class Runner:
 
     def _check_broker(self) -> None:
         try:
-            self.consumer.list_topics(timeout=10)
+            md = self.consumer.list_topics(timeout=10)
             ok = True
         except KafkaException as e:
             log.warning("broker not reachable: %s", e)
             ok = False
+        else:
+            k = self.cfg.kafka
+            for key, topic in (("kafka.output_topic", k.output_topic), ("kafka.dlq_topic", k.dlq_topic)):
+                if topic not in md.topics:
+                    # Not fatal: a broker with auto.create.topics.enable creates it on the first result. One
+                    # without refuses the first result, and the worker stops then (FatalDeliveryError).
+                    log.warning("%s %r does not exist on the broker yet: the first message creates it if the "
+                                "broker creates topics on first use, and otherwise the worker stops", key, topic,
+                                extra={"topic": topic})
         if self.health is not None:
             self.health.broker_reachable = ok
 
@@ -789,7 +798,10 @@ class Runner:
             self.cv.notify_all()
         deadline = time.monotonic() + self.cfg.delivery.shutdown_timeout_s
         while self.tracker.in_flight() > 0 and time.monotonic() < deadline and self._fatal is None:
-            self._iterate(consume=False)
+            try:
+                self._iterate(consume=False)
+            except FatalDeliveryError as e:
+                self._fatal = str(e)
             time.sleep(0.001)
         self.emitter.flush(max(1.0, deadline - time.monotonic()))
         self._commit()

@@ -500,6 +500,7 @@ class FakeProducer:
         self._fail_rules: list[list[Any]] = []  # [remaining (None = forever), topic or None, err]
         self.fail_if: Callable[[Produced], KafkaError | None] | None = None
         self.hooks: list[Hook] = []  # run at the start of every poll/flush
+        self.unknown_topics: set[str] = set()  # produce() raises _UNKNOWN_TOPIC for these
         self._offsets: dict[str, itertools.count[int]] = defaultdict(itertools.count)
         # transactions
         self.txn_calls: list[tuple[Any, ...]] = []
@@ -551,6 +552,8 @@ class FakeProducer:
                 headers: list[tuple[str, bytes]] | None = None, callback: Callable[..., None] | None = None) -> None:
         if self.fatal_error is not None:
             raise KafkaException(self.fatal_error)
+        if topic in self.unknown_topics:  # librdkafka, once metadata says the topic does not exist
+            raise KafkaException(KafkaError(KafkaError._UNKNOWN_TOPIC, "Unable to produce message: Local: Unknown topic"))
         if len(self.pending) >= self.queue_limit:
             raise BufferError("Local: Queue full")
         size = len(value or b"") + len(key or b"") + sum(len(k) + len(v or b"") for k, v in headers or ())

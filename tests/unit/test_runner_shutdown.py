@@ -104,6 +104,29 @@ def test_a_fatal_consumer_error_stops_with_exit_1(monkeypatch: pytest.MonkeyPatc
     assert h.committed() == 2  # work done before the error is still committed on the way out
 
 
+@pytest.mark.parametrize("missing, key", [("out", "kafka.output_topic"), ("dlq", "kafka.dlq_topic")])
+def test_a_topic_the_producer_refuses_stops_with_exit_1_and_a_clear_error(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, missing: str, key: str) -> None:
+    """A missing output or DLQ topic on a broker that does not create topics: produce() raises. The worker
+    warns at start, then stops with an error that names the config key, instead of a traceback; nothing at
+    or past the refused record is committed."""
+    h = Harness(monkeypatch)
+    h.p.unknown_topics.add(missing)
+    h.c.append("in", 0, b"{not json", key=b"bad")  # a dead letter, at offset 0
+    h.send(3)
+    h.c.schedule(lambda: h.c.assign(("in", 0)))
+    h.device.auto = True
+    h.c.hooks.append(h.device.hook)
+    with caplog.at_level(logging.WARNING, logger="worker.runner"):
+        assert h.run() == 1
+    fatal = h.runner._fatal or ""
+    assert f"cannot produce to '{missing}' ({key})" in fatal and "does not exist" in fatal
+    assert f"{key} '{missing}' does not exist on the broker" in caplog.text
+    # Offset 0 owes only a dead letter, offsets 1-3 only results: the commit stops before the first refused.
+    assert (h.committed() or 0) <= (0 if missing == "dlq" else 1)
+    assert h.c.closed
+
+
 def test_transient_consume_errors_and_partition_eof_are_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
     h = Harness(monkeypatch).start()
     h.c.assign(("in", 0))
