@@ -132,6 +132,7 @@ def write_fragment(results: dict[str, Any]) -> None:
         "PYTHONPATH=. python -m tests.bench.stage_costs       # CPU per record of each loop-thread step",
         "PYTHONPATH=. python -m tests.bench.overload_sim      # the 2x-overload step replayed on the scheduler, no Kafka",
         "PYTHONPATH=. python -m tests.bench.resume_fetch      # first record after a resume, with and without the wake-up",
+        "PYTHONPATH=. python -m tests.bench.light_load        # e2e latency of one worker at 100-2000 records/s, warm broker",
         "```",
         "",
         "They start their own Kafka broker unless `KAFKA_BOOTSTRAP_SERVERS` is set. Baselines: a plain",
