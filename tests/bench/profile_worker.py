@@ -44,6 +44,8 @@ def main() -> int:
                     help="Python's cyclic GC once the model is loaded: as is, disabled, or gc.freeze() (A/B tests)")
     ap.add_argument("--mode", default="at_least_once", choices=["at_least_once", "exactly_once"],
                     help="delivery.mode (exactly_once: one transactional producer, a checkpoint per commit interval)")
+    ap.add_argument("--commit-interval-ms", type=int, default=1000,
+                    help="kafka.commit_interval_ms (exactly_once: the transaction checkpoint interval)")
     args = ap.parse_args()
 
     from worker.config import from_dict
@@ -60,6 +62,7 @@ def main() -> int:
         cfg = from_dict({
             "kafka": {"bootstrap_servers": b.bootstrap, "group_id": f"prof-{r}", "input_topics": [inp],
                       "output_topic": out, "dlq_topic": f"prof-dlq-{r}",
+                      "commit_interval_ms": args.commit_interval_ms,
                       "producer": dict(kv.split("=", 1) for kv in args.producer),
                       "consumer": dict(kv.split("=", 1) for kv in args.consumer)},
             "model": model,
