@@ -83,7 +83,6 @@ class Runner:
                  spare_producer: bool = True) -> None:
         self.cfg = cfg
         self.metrics: Metrics = metrics or NullMetrics()
-        self.store = store
         self.health = health
         self._models: list[Model] = []
         self._model_arg = model
@@ -287,11 +286,7 @@ class Runner:
         self.ready.set()
         try:
             while not self._stop.is_set() and self._fatal is None:
-                try:
-                    self._iterate()
-                except FatalDeliveryError as e:
-                    self._fatal = str(e)
-                    break
+                self._iterate()
                 if self.stop_at is not None and self._backfill_complete():
                     break
             return self._shutdown()
@@ -299,6 +294,14 @@ class Runner:
             self._close()
 
     def _iterate(self, consume: bool = True) -> None:
+        """One loop turn. A message the producer refuses ends the turn and sets ``_fatal``: the run loop and the
+        shutdown drain both stop on it."""
+        try:
+            self._turn(consume)
+        except FatalDeliveryError as e:
+            self._fatal = str(e)
+
+    def _turn(self, consume: bool) -> None:
         now = time.monotonic()
         if self.health is not None:
             self.health.heartbeat = now
@@ -324,11 +327,7 @@ class Runner:
                 self._ingest(msgs)
         else:
             self.consumer.poll(0)  # heartbeats / rebalance callbacks while draining (partitions paused)
-        self._drain_completions()
-        self._expire()
-        self.emitter.poll(0)
-        self.emitter.settle(now)
-        self.emitter.retry_failed()
+        self._serve_results(0.0, now)
         self.gate.flush()
         if now >= self._next_lag_report:
             self._report_lag(now)
@@ -387,7 +386,7 @@ class Runner:
             else:
                 admitted.append(rec)
         self.stats.records_in += n_in
-        if admitted and self.store is not None:
+        if admitted:
             admitted = self.gate.admit(admitted, outcomes, ack=self._ack_delivered_before, isolate=self._isolate)
         if admitted:
             lane_counts: Counter[str] = Counter()
@@ -411,6 +410,15 @@ class Runner:
         with self.cv:
             self._suspects.extend(suspects)
             self.cv.notify_all()
+
+    def _serve_results(self, poll_s: float, now: float) -> None:
+        """Everything between the device and a confirmed record, once: emit what the devices finished and what
+        expired, serve failure reports (waiting up to ``poll_s``), confirm what settled, re-send what failed."""
+        self._drain_completions()
+        self._expire()
+        self.emitter.poll(poll_s)
+        self.emitter.settle(now)
+        self.emitter.retry_failed()
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -763,11 +771,7 @@ class Runner:
             while time.monotonic() < deadline:
                 if all(settled(tp) for tp in tps):
                     break
-                self._drain_completions()
-                self._expire()
-                self.emitter.poll(0.005)
-                self.emitter.settle(time.monotonic())
-                self.emitter.retry_failed()
+                self._serve_results(0.005, time.monotonic())
             self.emitter.flush(max(0.0, deadline - time.monotonic()))
             self._commit(only=tps)
         self.tracker.revoke(tps)
@@ -798,10 +802,7 @@ class Runner:
             self.cv.notify_all()
         deadline = time.monotonic() + self.cfg.delivery.shutdown_timeout_s
         while self.tracker.in_flight() > 0 and time.monotonic() < deadline and self._fatal is None:
-            try:
-                self._iterate(consume=False)
-            except FatalDeliveryError as e:
-                self._fatal = str(e)
+            self._iterate(consume=False)
             time.sleep(0.001)
         self.emitter.flush(max(1.0, deadline - time.monotonic()))
         self._commit()
