@@ -128,11 +128,11 @@ class Emitter:
         self.is_stale = is_stale or (lambda _r: False)
         self.retry_queue: list[_Pending] = []
         self.produced = 0
-        self._topic_keys = {output_topic: "kafka.output_topic", dlq_topic: "kafka.dlq_topic"}
+        self.topic_keys = {output_topic: "kafka.output_topic", dlq_topic: "kafka.dlq_topic"}  # for messages
 
     def _refused(self, topic: str, err: KafkaException) -> FatalDeliveryError:
         e = err.args[0] if err.args else err
-        key = self._topic_keys.get(topic, "topic")
+        key = self.topic_keys.get(topic, "topic")
         return FatalDeliveryError(f"cannot produce to {topic!r} ({key}): {describe(e)}")
 
     def result_bytes(self, o: Outcome, now: float, now_wall_ms: float) -> bytes:

@@ -537,8 +537,7 @@ class Runner:
             log.warning("broker not reachable: %s", e)
             ok = False
         else:
-            k = self.cfg.kafka
-            for key, topic in (("kafka.output_topic", k.output_topic), ("kafka.dlq_topic", k.dlq_topic)):
+            for topic, key in self.emitter.topic_keys.items():
                 if topic not in md.topics:
                     # Not fatal: a broker with auto.create.topics.enable creates it on the first result. One
                     # without refuses the first result, and the worker stops then (FatalDeliveryError).
