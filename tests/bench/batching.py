@@ -5,7 +5,9 @@ batcher can do at max batch ``B`` is ``B / (a + b*B)`` records/s ("ideal"). For 
 worker process runs two phases on its own topic: a paced phase at 50% of that ideal (end-to-end latency
 p50/p99 from ``timings.e2e_ms``), then a backlog (saturated throughput). At the main ``B`` the same backlog is
 also run through the two seed batchers (``seed_batchers.py``: seed 000's ``DynamicBatcher``, seed 003's
-``BatchInferenceServer``) at the same max batch and wait. Issue 3's latency at 10% load is measured with one
+``BatchInferenceServer``) at the same max batch and wait, and once more with host work in the model's
+``collate`` (``host_ms`` per record, the GIL held, as a tokenizer) equal to its device time: the case where
+overlapping the two (the worker collates batch n+1 while batch n is on the device) pays, up to 2x. Issue 3's latency at 10% load is measured with one
 lane at the main ``B`` and at ``LIGHT_B`` = 8, where 10% load leaves the device idle between arrivals.
 """
 
@@ -38,6 +40,9 @@ A_MS, B_MS = 20.0, 1.0
 MAIN_B = 32
 LIGHT_B = 8  # the 10%-load check at a batch size where 10% load leaves the device idle between arrivals
 WAIT_MS = 10.0
+# Host work per record for the pipelining pass: per batch of MAIN_B it equals the device time a + b*B, so a
+# batcher that overlaps them can be at most (host + device) / max(host, device) = 2x one that does not.
+HOST_MS = (A_MS + B_MS * MAIN_B) / MAIN_B
 PARTITIONS = 4
 
 
@@ -54,8 +59,8 @@ def requests(prefix: str, n: int) -> Any:
         yield rid.encode(), enc.encode({"id": rid, "inputs": {"x": i}})
 
 
-def synthetic_model() -> dict[str, Any]:
-    return {"name": "synthetic", "options": {"a_ms": A_MS, "b_ms": B_MS}, "warmup": False}
+def synthetic_model(host_ms: float = 0.0) -> dict[str, Any]:
+    return {"name": "synthetic", "options": {"a_ms": A_MS, "b_ms": B_MS, "host_ms": host_ms}, "warmup": False}
 
 
 def _point(ctx: Ctx, bs: int, backlog: int, paced_s: float) -> dict[str, Any]:
@@ -135,14 +140,14 @@ def _light(ctx: Ctx, seconds: float, bs: int = MAIN_B) -> dict[str, Any]:
     return res
 
 
-def _one_lane_worker(ctx: Ctx, kind: str, bs: int) -> tuple[str, str, Proc]:
+def _one_lane_worker(ctx: Ctx, kind: str, bs: int, host_ms: float = 0.0) -> tuple[str, str, Proc]:
     """Input, output and DLQ topics plus a worker process with one lane of max batch ``bs``."""
     r = f"{ctx.run}-{kind}{bs}"
     inp, out, dlq = f"{kind}-in-{r}", f"{kind}-out-{r}", f"{kind}-dlq-{r}"
     create_topics(ctx.bootstrap, {inp: PARTITIONS, out: PARTITIONS, dlq: 1}, log_append_time=[out])
     cfg = worker_config(ctx.bootstrap, f"{kind}-{r}", out, dlq, topics=[inp],
                         lanes=[{"name": "default", "max_batch_size": bs, "max_wait_ms": WAIT_MS}],
-                        model=synthetic_model())
+                        model=synthetic_model(host_ms))
     return inp, out, start_worker(f"{kind}{bs}-worker", cfg, ctx.work)
 
 
@@ -161,35 +166,67 @@ def _ideal(paced: Any, bs: int, t_from: float) -> tuple[list[float], float]:
     return kept, sum(n * n for n in sizes.values()) / max(len(done), 1)
 
 
-def _seed(ctx: Ctx, seed: str, inp: str, n: int, paced_s: float) -> dict[str, Any]:
-    """One seed batcher: the shared backlog (throughput), then paced requests at 50% of the ideal rate on its
-    own topic (latency at the same load as the worker's paced phase)."""
-    out = f"seed{seed}-out-{ctx.run}"
-    paced_in = f"seed{seed}-paced-{ctx.run}"
+def _seed(ctx: Ctx, seed: str, inp: str, n: int, paced_s: float, host_ms: float = 0.0) -> dict[str, Any]:
+    """One seed batcher: the shared backlog (throughput), then, unless ``paced_s`` is 0, paced requests at 50%
+    of the ideal rate on its own topic (latency at the same load as the worker's paced phase)."""
+    tag = f"seed{seed}" + ("-host" if host_ms else "")
+    out = f"{tag}-out-{ctx.run}"
+    paced_in = f"{tag}-paced-{ctx.run}"
     create_topics(ctx.bootstrap, {out: PARTITIONS, paced_in: PARTITIONS}, log_append_time=[out])
-    p = Proc(f"seed{seed}", [sys.executable, "-m", "tests.bench.seed_batchers", "--seed", seed,
-                             "--bootstrap", ctx.bootstrap, "--input", f"^({inp}|{paced_in})$", "--output", out,
-                             "--group", f"seed{seed}-{ctx.run}", "--max-batch", str(MAIN_B),
-                             "--timeout-ms", str(WAIT_MS), "--a-ms", str(A_MS), "--b-ms", str(B_MS)], ctx.work)
+    p = Proc(tag, [sys.executable, "-m", "tests.bench.seed_batchers", "--seed", seed,
+                   "--bootstrap", ctx.bootstrap, "--input", f"^({inp}|{paced_in})$", "--output", out,
+                   "--group", f"{tag}-{ctx.run}", "--max-batch", str(MAIN_B), "--timeout-ms", str(WAIT_MS),
+                   "--a-ms", str(A_MS), "--b-ms", str(B_MS), "--host-ms", str(host_ms)], ctx.work)
     rate = 0.5 * ideal(MAIN_B)
+    n_paced = 0
     try:
         got = wait_count(ctx.bootstrap, out, n, timeout=900, alive=p.alive)
-        paced = produce_paced(ctx.bootstrap, ((paced_in, k, v) for k, v in requests("lat", 10**9)), rate, paced_s,
-                              PARTITIONS)
-        # Seed 000 never runs a partial batch while records keep coming: the paced tail may need a while.
-        total = wait_count(ctx.bootstrap, out, n + len(paced.sent), timeout=120, alive=p.alive)
+        total = got
+        if paced_s > 0:
+            paced = produce_paced(ctx.bootstrap, ((paced_in, k, v) for k, v in requests("lat", 10**9)), rate,
+                                  paced_s, PARTITIONS)
+            n_paced = len(paced.sent)
+            # Seed 000 never runs a partial batch while records keep coming: the paced tail may need a while.
+            total = wait_count(ctx.bootstrap, out, n + n_paced, timeout=120, alive=p.alive)
     finally:
         p.stop()
     rows = decode_results(read_topic(ctx.bootstrap, out, want=total))
     rate_thr = window_rate([ts for ts, d in rows if d["id"].startswith("thr-")])
-    skip = int(rate * 1.0)
-    e2e = [d["timings"]["e2e_ms"] for _, d in rows
-           if d["id"].startswith("lat-") and int(d["id"].split("-")[1]) >= skip and d["timings"].get("e2e_ms")]
-    res = {"results": got, "throughput_per_s": rate_thr, "paced_rate_per_s": rate, "paced_sent": len(paced.sent),
-           "paced_results": len(e2e), "e2e_p50_ms": percentile(e2e, 50), "e2e_p99_ms": percentile(e2e, 99)}
-    log(f"  seed {seed}: {got}/{n} results, {rate_thr:.0f}/s; at 50% load p50 {res['e2e_p50_ms']:.1f} ms, "
-        f"p99 {res['e2e_p99_ms']:.1f} ms")
+    res: dict[str, Any] = {"results": got, "throughput_per_s": rate_thr, "host_ms": host_ms}
+    if paced_s > 0:
+        skip = int(rate * 1.0)
+        e2e = [d["timings"]["e2e_ms"] for _, d in rows
+               if d["id"].startswith("lat-") and int(d["id"].split("-")[1]) >= skip and d["timings"].get("e2e_ms")]
+        res.update({"paced_rate_per_s": rate, "paced_sent": n_paced, "paced_results": len(e2e),
+                    "e2e_p50_ms": percentile(e2e, 50), "e2e_p99_ms": percentile(e2e, 99)})
+        log(f"  seed {seed}: {got}/{n} results, {rate_thr:.0f}/s; at 50% load p50 {res['e2e_p50_ms']:.1f} ms, "
+            f"p99 {res['e2e_p99_ms']:.1f} ms")
+    else:
+        log(f"  seed {seed}, host work {host_ms:g} ms per record: {got}/{n} results, {rate_thr:.0f}/s")
     return res
+
+
+def _host_work(ctx: Ctx, n: int) -> dict[str, Any]:
+    """The worker and both seeds on the same backlog, with ``HOST_MS`` of host work per record in collate."""
+    inp, out, w = _one_lane_worker(ctx, "host", MAIN_B, host_ms=HOST_MS)
+    try:
+        wait_assigned(w)
+        produce_backlog(ctx.bootstrap, inp, requests("thr", n), PARTITIONS)
+        wait_count(ctx.bootstrap, out, n, timeout=600, alive=w.alive)
+    finally:
+        w.stop()
+    rows = decode_results(read_topic(ctx.bootstrap, out, want=n))
+    worker_rate = window_rate([ts for ts, _ in rows])
+    log(f"  worker, host work {HOST_MS:g} ms per record: {worker_rate:.0f}/s "
+        f"(mean batch {sum(d['batch_size'] for _, d in rows) / max(len(rows), 1):.1f})")
+    seed_in = f"seed-host-in-{ctx.run}"
+    create_topics(ctx.bootstrap, {seed_in: PARTITIONS})
+    produce_backlog(ctx.bootstrap, seed_in, requests("thr", n), PARTITIONS)
+    seeds = {s: _seed(ctx, s, seed_in, n, 0.0, host_ms=HOST_MS) for s in ("000", "003")}
+    return {"host_ms": HOST_MS, "backlog": n, "worker_per_s": worker_rate,
+            "ideal_pipelined_per_s": MAIN_B / (max(HOST_MS * MAIN_B, A_MS + B_MS * MAIN_B) / 1000.0),
+            "ideal_serial_per_s": MAIN_B / ((HOST_MS * MAIN_B + A_MS + B_MS * MAIN_B) / 1000.0),
+            "seeds": {s: r["throughput_per_s"] for s, r in seeds.items()}}
 
 
 def run(ctx: Ctx) -> dict[str, Any]:
@@ -213,6 +250,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
     create_topics(ctx.bootstrap, {inp: PARTITIONS})
     produce_backlog(ctx.bootstrap, inp, requests("thr", main_backlog), PARTITIONS)
     seeds = {s: _seed(ctx, s, inp, main_backlog, paced_s) for s in ("000", "003")}
+    host = _host_work(ctx, 1000 if ctx.quick else 3000)
     wr = main["throughput_per_s"]
     note = f"a={A_MS:g} ms, b={B_MS:g} ms, B={MAIN_B}, wait {WAIT_MS:g} ms, backlog {main_backlog}"
     rows = [
@@ -237,8 +275,17 @@ def run(ctx: Ctx) -> dict[str, Any]:
                         name, seeds[s]["e2e_p99_ms"], "info", 0, "ms",
                         f"same max batch and wait, {main['paced_rate_per_s']:.0f} requests/s evenly spaced; "
                         f"p50 worker {main['e2e_p50_ms']:.0f} ms, seed {seeds[s]['e2e_p50_ms']:.0f} ms"))
+    bound = (HOST_MS * MAIN_B + A_MS + B_MS * MAIN_B) / max(HOST_MS * MAIN_B, A_MS + B_MS * MAIN_B)
+    for s, name in (("000", "seed 000 DynamicBatcher"), ("003", "seed 003 BatchInferenceServer")):
+        rows.append(row("7.2 batching vs seeds, host work = device time", "worker records/s", host["worker_per_s"],
+                        name, host["seeds"][s], "info", 0, "rec/s",
+                        f"{HOST_MS:g} ms of host work per record in collate (GIL held), {HOST_MS * MAIN_B:g} ms per "
+                        f"batch of {MAIN_B} = its device time; a batcher that overlaps them can be at most "
+                        f"{bound:.2f}x one that does not; worker at {host['worker_per_s'] / host['ideal_pipelined_per_s']:.2f} "
+                        f"of the overlapped ideal {host['ideal_pipelined_per_s']:.0f}/s, backlog {host['backlog']}"))
     for s in ("000", "003"):
         seeds[s]["efficiency"] = seeds[s]["throughput_per_s"] / ideal(MAIN_B)
     return {"a_ms": A_MS, "b_ms": B_MS, "main_batch": MAIN_B, "max_wait_ms": WAIT_MS, "sweep": sweep, "seeds": seeds,
+            "host_work": host,
             "light_load": light, "light_load_b8": light8, "rows": rows}
 

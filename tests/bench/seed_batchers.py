@@ -31,7 +31,7 @@ producer is thread-safe); the loop only consumes, submits, polls and commits. No
 article's queue is unbounded, so the loop reads as fast as Kafka delivers.
 
 ``python -m tests.bench.seed_batchers --seed 000|003 --bootstrap B --input T --output T --group G
---max-batch 32 --timeout-ms 10 --a-ms 20 --b-ms 1``; SIGTERM stops it.
+--max-batch 32 --timeout-ms 10 --a-ms 20 --b-ms 1 [--host-ms 0]``; SIGTERM stops it.
 """
 
 from __future__ import annotations
@@ -215,6 +215,7 @@ def main() -> int:
     ap.add_argument("--timeout-ms", type=float, default=10.0)
     ap.add_argument("--a-ms", type=float, default=20.0)
     ap.add_argument("--b-ms", type=float, default=1.0)
+    ap.add_argument("--host-ms", type=float, default=0.0, help="the synthetic model's host work per record (collate)")
     ap.add_argument("--commit-interval-ms", type=float, default=1000.0)
     args = ap.parse_args()
     running = threading.Event()
@@ -222,7 +223,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: running.clear())
     signal.signal(signal.SIGINT, lambda *_: running.clear())
     g = Glue(args)
-    model = SyntheticModel(a_ms=args.a_ms, b_ms=args.b_ms)
+    model = SyntheticModel(a_ms=args.a_ms, b_ms=args.b_ms, host_ms=args.host_ms)
     g.consumer.subscribe([args.input])
     print(f"seed {args.seed} batcher started", flush=True)
     (run_000 if args.seed == "000" else run_003)(args, g, model, running)

@@ -94,6 +94,21 @@ def test_synthetic_cost_model_sleeps_a_plus_b_n() -> None:
     assert time.perf_counter() - t >= 0.011
 
 
+def test_synthetic_host_ms_is_cpu_time_spent_in_collate() -> None:
+    import time
+
+    m: Any = load_model(ModelConfig(name="synthetic", options={"a_ms": 0, "b_ms": 0, "host_ms": 2}))
+    assert m.version.endswith("-h2")
+    t = time.thread_time()
+    m.collate(list(range(10)))
+    assert time.thread_time() - t >= 0.020  # 10 records x 2 ms of this thread's own CPU
+    t = time.thread_time()
+    m.forward([m.decode(1), m.decode(2)])
+    assert time.thread_time() - t < 0.020  # the device part stays a sleep
+    with pytest.raises(ValueError, match="host_ms must be >= 0"):
+        load_model(ModelConfig(name="synthetic", options={"host_ms": -1}))
+
+
 @pytest.mark.parametrize(
     ("cfg", "match"),
     [

@@ -1,7 +1,10 @@
 """``synthetic``: an accelerator stand-in whose batch costs ``a_ms + b_ms * n``.
 
 ``forward`` sleeps (``time.sleep`` releases the GIL, as a GPU kernel wait does), so pipelines, batching
-policies and lanes can be measured and tested without a GPU. Outputs echo the inputs.
+policies and lanes can be measured and tested without a GPU. Outputs echo the inputs. ``host_ms`` adds host
+work per record to ``collate``: CPU time burnt in Python with the GIL held, as a tokenizer or feature
+extraction in the handler would. The worker collates batch n+1 while batch n is on the device; a serial
+batcher pays both.
 
 Test hooks (options): ``fail_on`` - a record whose inputs contain this string makes ``forward`` raise
 ValueError (a poison record); ``oom_above`` - a batch larger than this raises a simulated CUDA
@@ -25,6 +28,7 @@ from worker.models.inputs import SyntheticInput
 class SyntheticOptions(Options):
     a_ms: float = 2.0
     b_ms: float = 0.1
+    host_ms: float = 0.0
     fail_on: str | None = None
     oom_above: int | None = None
     crash_on: str | None = None
@@ -46,6 +50,14 @@ def simulated_oom(n: int, limit: int) -> BaseException:
         return RuntimeError(msg)
 
 
+def burn_cpu(seconds: float) -> None:
+    """Spend ``seconds`` of this thread's CPU time in the interpreter (GIL held, but for the interpreter's
+    regular switches). CPU time, not wall time: a thread that waits for the GIL does no work meanwhile."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
 class SyntheticModel:
     name: ClassVar[str] = "synthetic"
     input_type: ClassVar[Any] = SyntheticInput
@@ -54,9 +66,9 @@ class SyntheticModel:
 
     def __init__(self, **options: Any) -> None:
         self.opts = parse_options(options, SyntheticOptions, self.name)
-        if self.opts.a_ms < 0 or self.opts.b_ms < 0:
-            raise ValueError("$.model.options: a_ms and b_ms must be >= 0")
-        self.version = f"a{self.opts.a_ms:g}-b{self.opts.b_ms:g}"
+        if self.opts.a_ms < 0 or self.opts.b_ms < 0 or self.opts.host_ms < 0:
+            raise ValueError("$.model.options: a_ms, b_ms and host_ms must be >= 0")
+        self.version = f"a{self.opts.a_ms:g}-b{self.opts.b_ms:g}" + (f"-h{self.opts.host_ms:g}" if self.opts.host_ms else "")
         self.calls = 0  # forward calls, for tests
         self.sizes: list[int] = []  # batch size of every forward call, for tests
 
@@ -75,6 +87,8 @@ class SyntheticModel:
         )
 
     def collate(self, items: Sequence[Item]) -> list[Item]:
+        if self.opts.host_ms:
+            burn_cpu(self.opts.host_ms * len(items) / 1000.0)
         return list(items)
 
     def forward(self, batch: list[Item]) -> list[Any]:
