@@ -7,8 +7,9 @@ p50/p99 from ``timings.e2e_ms``), then a backlog (saturated throughput). At the 
 also run through the two seed batchers (``seed_batchers.py``: seed 000's ``DynamicBatcher``, seed 003's
 ``BatchInferenceServer``) at the same max batch and wait, and once more with host work in the model's
 ``collate`` (``host_ms`` per record, the GIL held, as a tokenizer) equal to its device time: the case where
-overlapping the two (the worker collates batch n+1 while batch n is on the device) pays, up to 2x. Issue 3's latency at 10% load is measured with one
-lane at the main ``B`` and at ``LIGHT_B`` = 8, where 10% load leaves the device idle between arrivals.
+overlapping the two (the worker collates batch n+1 while batch n is on the device) pays, up to 2x. Issue
+3's latency at 10% load is measured with one lane at the main ``B`` and at ``LIGHT_B`` = 8, where 10% load
+leaves the device idle between arrivals.
 """
 
 from __future__ import annotations
