@@ -159,18 +159,18 @@ _PASSTHROUGH = {("kafka", "consumer"), ("kafka", "producer")}
 SECRET_WORDS = ("password", "secret", "token", "sasl.jaas", "key.pem", "private")
 
 
-def _resolve_secrets(value: Any, path: str) -> Any:
+def _resolve_secrets(value: Any, path: str, environ: dict[str, str]) -> Any:
     if isinstance(value, dict):
-        return {k: _resolve_secrets(v, f"{path}.{k}") for k, v in value.items()}
+        return {k: _resolve_secrets(v, f"{path}.{k}", environ) for k, v in value.items()}
     if isinstance(value, list):
-        return [_resolve_secrets(v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return [_resolve_secrets(v, f"{path}[{i}]", environ) for i, v in enumerate(value)]
     if isinstance(value, str) and "${" in value:
         def sub(m: re.Match[str]) -> str:
             kind, ref = m.group(1), m.group(2).strip()
             if kind == "env":
-                if ref not in os.environ:
+                if ref not in environ:
                     raise ConfigError(f"{path}: environment variable {ref!r} is not set")
-                return os.environ[ref]
+                return environ[ref]
             try:
                 return Path(ref).read_text().strip()
             except OSError as e:
@@ -179,7 +179,51 @@ def _resolve_secrets(value: Any, path: str) -> Any:
     return value
 
 
-def _apply_env(data: dict[str, Any], environ: dict[str, str]) -> None:
+def _field_type(parts: list[str]) -> Any:
+    """The type the config declares at a key path (``["kafka", "group_id"]``), None where it declares none."""
+    t: Any = msgspec.inspect.type_info(Config)
+    for part in parts:
+        if isinstance(t, msgspec.inspect.StructType):
+            t = next((f.type for f in t.fields if f.name == part), None)
+        elif isinstance(t, msgspec.inspect.ListType):
+            t = t.item_type
+        elif isinstance(t, msgspec.inspect.DictType):
+            t = t.value_type
+        else:
+            return None
+        while isinstance(t, msgspec.inspect.Metadata):
+            t = t.type
+    return t
+
+
+def _wants_text(parts: list[str]) -> bool:
+    """The key takes a string, and no number or boolean: ``str`` or ``str | None``."""
+    t = _field_type(parts)
+    if isinstance(t, msgspec.inspect.UnionType):
+        kinds = {type(x) for x in t.types} - {msgspec.inspect.NoneType}
+        return kinds == {msgspec.inspect.StrType}
+    return isinstance(t, msgspec.inspect.StrType)
+
+
+def _env_value(name: str, raw: str, parts: list[str], path: str) -> Any:
+    """An override's value: YAML (``5``, ``true``, ``[a, b]``), except where the key takes text, so that
+    ``WORKER__KAFKA__GROUP_ID=123`` or ``WORKER__MODEL__VERSION=2024-06-01`` mean the text as written."""
+    if raw == "":
+        return ""
+    if _wants_text(parts):
+        return raw
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{path} (from {name}): not a valid YAML value ({problem}); "
+                          "to pass it as text, put it in quotes") from None
+
+
+def _apply_env(data: dict[str, Any], environ: dict[str, str]) -> dict[str, str]:
+    """Applies the ``WORKER__*`` overrides; returns the path each one set, with the variable's name, so an
+    error about that key can say where its value came from."""
+    set_by: dict[str, str] = {}
     for name, raw in sorted(environ.items()):
         if not name.startswith("WORKER__"):
             continue
@@ -187,27 +231,47 @@ def _apply_env(data: dict[str, Any], environ: dict[str, str]) -> None:
         if not parts:
             continue
         node: Any = data
+        path = "$"
         for i, part in enumerate(parts[:-1]):
             if tuple(parts[:i]) in _PASSTHROUGH:
-                part = part.replace("_", ".")
+                part = parts[i] = part.replace("_", ".")
             if isinstance(node, list):
                 if not part.isdigit() or int(part) >= len(node):
-                    raise ConfigError(f"{name}: no list item {part!r} at $.{'.'.join(parts[:i])}")
+                    raise ConfigError(f"{name}: no list item {part!r} at {path}")
                 node = node[int(part)]
+                path += f"[{int(part)}]"
                 continue
             node = node.setdefault(part, {})
+            path += f".{part}"
             if not isinstance(node, dict | list):
-                raise ConfigError(f"{name}: $.{'.'.join(parts[: i + 1])} is not a section")
+                raise ConfigError(f"{name}: {path} is not a section")
         leaf = parts[-1]
         if tuple(parts[:-1]) in _PASSTHROUGH:
-            leaf = leaf.replace("_", ".")
-        value = yaml.safe_load(raw) if raw != "" else ""
+            leaf = parts[-1] = leaf.replace("_", ".")
         if isinstance(node, list):
             if not leaf.isdigit() or int(leaf) >= len(node):
-                raise ConfigError(f"{name}: no list item {leaf!r}")
-            node[int(leaf)] = value
+                raise ConfigError(f"{name}: no list item {leaf!r} at {path}")
+            path += f"[{int(leaf)}]"
+            node[int(leaf)] = _env_value(name, raw, parts, path)
         else:
-            node[leaf] = value
+            path += f".{leaf}"
+            node[leaf] = _env_value(name, raw, parts, path)
+        set_by[path] = name
+    return set_by
+
+
+def _check_passthrough(data: dict[str, Any]) -> None:
+    """librdkafka properties are scalars; msgspec would name the bad one only as ``consumer[...]``."""
+    kafka = data.get("kafka")
+    for section in ("consumer", "producer"):
+        props = kafka.get(section) if isinstance(kafka, dict) else None
+        if not isinstance(props, dict):
+            continue  # msgspec reports a section that is not a mapping
+        for k, v in props.items():
+            if not isinstance(v, str | int | float | bool):
+                got = "nothing (null)" if v is None else f"a {type(v).__name__}"
+                raise ConfigError(f"$.kafka.{section}.{k}: a librdkafka property takes a string, number or boolean, "
+                                  f"got {got}")
 
 
 def _check_semantics(cfg: Config) -> None:
@@ -227,8 +291,15 @@ def _check_semantics(cfg: Config) -> None:
             seen[t] = lane.name
     if not cfg.input_topics():
         raise ConfigError("$.kafka.input_topics: no input topics (set kafka.input_topics or batching.lanes[].topics)")
-    if cfg.kafka.output_topic in seen or cfg.kafka.output_topic in cfg.kafka.input_topics:
+    inputs = set(cfg.input_topics())
+    if cfg.kafka.output_topic in inputs:
         raise ConfigError("$.kafka.output_topic: must differ from the input topics (it would feed itself)")
+    if cfg.kafka.dlq_topic in inputs:
+        raise ConfigError("$.kafka.dlq_topic: must differ from the input topics (dead letters would be read back "
+                          "as requests and fail again, forever)")
+    if cfg.kafka.dlq_topic == cfg.kafka.output_topic:
+        raise ConfigError("$.kafka.dlq_topic: must differ from kafka.output_topic (readers of results would get "
+                          "the original request bytes of every dead letter)")
     for key in ("enable.auto.commit", "enable.auto.offset.store"):
         if str(cfg.kafka.consumer.get(key, "false")).lower() == "true":
             raise ConfigError(f"$.kafka.consumer.{key}: must stay false; offsets are committed only after delivery")
@@ -254,12 +325,18 @@ def from_dict(data: dict[str, Any] | None, environ: dict[str, str] | None = None
         raise ConfigError(f"$: expected a mapping at the top of the config, got {type(data).__name__}")
     # Start from the defaults so env overrides can address keys the file leaves out (lanes[0], ...).
     data = _merge(msgspec.to_builtins(Config()), data or {})
-    _apply_env(data, dict(os.environ) if environ is None else environ)
-    data = _resolve_secrets(data, "$")
+    env = dict(os.environ) if environ is None else environ
+    set_by = _apply_env(data, env)
+    data = _resolve_secrets(data, "$", env)
+    _check_passthrough(data)
     try:
         cfg = msgspec.convert(data, Config, strict=False)
     except msgspec.ValidationError as e:
-        raise ConfigError(_explain(str(e))) from None
+        msg = _explain(str(e))
+        path = msg.split(": ", 1)[0]
+        if path in set_by:
+            msg += f" (set by {set_by[path]})"
+        raise ConfigError(msg) from None
     _check_semantics(cfg)
     return cfg
 
@@ -279,6 +356,31 @@ def _explain(msg: str) -> str:
     return f"$: {msg}"
 
 
+class _DuplicateKey(yaml.YAMLError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML keeps the last of two equal keys and drops the first without a word: two ``batching:`` sections
+    would lose a lane. A config file with a repeated key is an error instead."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # "<<: *anchor": explicit keys may override merged ones; the base class merges
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in first:
+                    raise _DuplicateKey(f"line {line}: duplicate key {key!r} (first on line {first[key]}); YAML "
+                                        "would keep only the last one")
+                first[key] = line
+            except TypeError:
+                continue  # an unhashable key: the base class reports it
+        return super().construct_mapping(node, deep)
+
+
 def load(path: str | Path | None, environ: dict[str, str] | None = None) -> Config:
     if path is None:
         return from_dict({}, environ)
@@ -288,7 +390,9 @@ def load(path: str | Path | None, environ: dict[str, str] | None = None) -> Conf
     except OSError as e:
         raise ConfigError(f"cannot read config file {str(p)!r}: {e.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+    except _DuplicateKey as e:
+        raise ConfigError(f"{p}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML: {e}") from None
     if data is None:

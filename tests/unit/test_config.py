@@ -50,6 +50,25 @@ def test_semantic_errors():
         from_dict({**BASE, "batching": {"lanes": [{"name": "a"}, {"name": "a"}], "default_lane": "a"}}, environ={})
 
 
+@pytest.mark.parametrize("kafka, message", [
+    ({"input_topics": ["in"], "dlq_topic": "in"}, r"\$.kafka.dlq_topic: must differ from the input topics"),
+    ({"dlq_topic": "hi-topic"}, r"\$.kafka.dlq_topic: must differ from the input topics"),
+    ({"input_topics": ["in"], "dlq_topic": "out", "output_topic": "out"},
+     r"\$.kafka.dlq_topic: must differ from kafka.output_topic"),
+    ({"input_topics": ["in"], "output_topic": "hi-topic"}, r"\$.kafka.output_topic: must differ from the input"),
+])
+def test_output_and_dead_letter_topics_must_not_feed_the_inputs(kafka, message):
+    lanes = {"lanes": [{"name": "default"}, {"name": "hi", "topics": ["hi-topic"]}]}
+    with pytest.raises(ConfigError, match=message):
+        from_dict({"kafka": kafka, "batching": lanes}, environ={})
+
+
+def test_librdkafka_property_errors_name_the_property():
+    for value, got in ((None, "nothing"), ([1], "a list"), ({"a": 1}, "a dict")):
+        with pytest.raises(ConfigError, match=rf"^\$.kafka.producer.sasl.password: .* got {got}"):
+            from_dict({"kafka": {"input_topics": ["in"], "producer": {"sasl.password": value}}}, environ={})
+
+
 def test_env_overrides_sections_lists_and_passthrough():
     env = {
         "WORKER__KAFKA__GROUP_ID": "g2",
@@ -65,17 +84,51 @@ def test_env_overrides_sections_lists_and_passthrough():
     assert cfg.model.warmup is False
 
 
-def test_env_override_bad_value_names_path():
-    with pytest.raises(ConfigError, match=r"\$.delivery.max_attempts"):
+def test_env_override_bad_value_names_path_and_variable():
+    with pytest.raises(ConfigError, match=r"^\$.delivery.max_attempts: .*\(set by WORKER__DELIVERY__MAX_ATTEMPTS\)$"):
         from_dict(BASE, environ={"WORKER__DELIVERY__MAX_ATTEMPTS": "many"})
+    with pytest.raises(ConfigError, match=r"^\$.kafka.groupid: unknown key \(set by WORKER__KAFKA__GROUPID\)$"):
+        from_dict(BASE, environ={"WORKER__KAFKA__GROUPID": "g"})
+    # Not YAML: a clear error naming the variable, never a traceback (the CLI exits 2 on ConfigError).
+    with pytest.raises(ConfigError, match=r"^\$.batching.lanes\[0\].topics \(from WORKER__BATCHING__LANES__0__TOPICS\): "
+                                          r"not a valid YAML value"):
+        from_dict(BASE, environ={"WORKER__BATCHING__LANES__0__TOPICS": "[a, b"})
+
+
+def test_env_override_of_a_text_key_keeps_the_text_as_written():
+    # YAML would read these as an int, a date, a bool and a list: the keys take text, so the text stands.
+    cfg = from_dict(BASE, environ={"WORKER__KAFKA__GROUP_ID": "123", "WORKER__MODEL__VERSION": "2024-06-01",
+                                   "WORKER__REDIS__PASSWORD": "yes", "WORKER__KAFKA__DLQ_TOPIC": "[dlq"})
+    assert (cfg.kafka.group_id, cfg.model.version, cfg.redis.password, cfg.kafka.dlq_topic) == (
+        "123", "2024-06-01", "yes", "[dlq")
+    # Numbers, booleans and lists still parse where the key takes them.
+    cfg = from_dict(BASE, environ={"WORKER__METRICS__PORT": "9500", "WORKER__KAFKA__INPUT_TOPICS": "[a, b]",
+                                   "WORKER__KAFKA__CONSUMER__FETCH_MIN_BYTES": "10"})
+    assert (cfg.metrics.port, cfg.kafka.input_topics, cfg.kafka.consumer["fetch.min.bytes"]) == (9500, ["a", "b"], 10)
+
+
+def test_a_repeated_key_in_the_file_is_an_error(tmp_path):
+    f = tmp_path / "dup.yaml"
+    f.write_text("kafka:\n  input_topics: [in]\nbatching:\n  lanes: [{name: hi}, {name: default}]\n"
+                 "batching:\n  max_in_flight: 100\n")
+    with pytest.raises(ConfigError, match=r"dup.yaml: line 5: duplicate key 'batching' \(first on line 3\)"):
+        load(f, environ={})
+    f.write_text("kafka:\n  input_topics: [in]\n  consumer: {a.b: 1, a.b: 2}\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'a.b'"):
+        load(f, environ={})
+    # A YAML merge ("<<: *anchor") is not a repeat: an explicit key overrides the merged one.
+    f.write_text("kafka:\n  input_topics: [in]\n  consumer: &props {client.id: a, linger.ms: 1}\n"
+                 "  producer:\n    <<: *props\n    client.id: b\n")
+    assert load(f, environ={}).kafka.producer == {"client.id": "b", "linger.ms": 1}
 
 
 def test_secret_references(tmp_path, monkeypatch):
     secret = tmp_path / "pw"
     secret.write_text("s3cret\n")
-    monkeypatch.setenv("SASL_PW", "envpw")
+    # ${env:...} reads the same environment as the WORKER__ overrides: the one passed in, not os.environ.
+    monkeypatch.setenv("SASL_PW", "not-this-one")
     cfg = from_dict({"kafka": {"input_topics": ["in"], "consumer": {
-        "sasl.password": "${env:SASL_PW}", "ssl.key.password": f"${{file:{secret}}}"}}}, environ={})
+        "sasl.password": "${env:SASL_PW}", "ssl.key.password": f"${{file:{secret}}}"}}}, environ={"SASL_PW": "envpw"})
     assert cfg.kafka.consumer["sasl.password"] == "envpw"
     assert cfg.kafka.consumer["ssl.key.password"] == "s3cret"
     assert redact(dict(cfg.kafka.consumer))["sasl.password"] == "***"
@@ -111,6 +164,28 @@ def test_check_config_cli_exit_codes(tmp_path):
     assert "$.batching.lanes[0].max_wait_ms" in r.stderr
     r = _cli("check-config", "--config", str(good), env={"WORKER__KAFKA__NOPE": "1"})
     assert r.returncode == 2 and "$.kafka.nope: unknown key" in r.stderr
+    r = _cli("check-config", "--config", str(good), env={"WORKER__KAFKA__INPUT_TOPICS": "[a"})
+    assert r.returncode == 2 and "WORKER__KAFKA__INPUT_TOPICS" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("model, message", [
+    ("{name: tinyy}", "$.model.name: unknown model 'tinyy'"),
+    ("{name: tiny, options: {hiden: 3}}", "$.model.options.hiden: unknown option"),
+    ("{name: /nonexistent/model.pt}", "$.model.name: file '/nonexistent/model.pt' not found"),
+    ("{name: 'no_such_module_kiw:build'}", "$.model.name: cannot import 'no_such_module_kiw'"),
+])
+def test_check_config_checks_the_model_name_and_options(tmp_path, model, message):
+    f = tmp_path / "c.yaml"
+    f.write_text(f"kafka:\n  input_topics: [requests]\nmodel: {model}\n")
+    r = _cli("check-config", "--config", str(f))
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_check_config_reports_how_the_model_resolved(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("kafka:\n  input_topics: [requests]\nmodel: {name: tiny, options: {hidden: 8}}\n")
+    r = _cli("check-config", "--config", str(f))
+    assert r.returncode == 0 and "model 'tiny' (built-in)" in r.stdout, r.stderr
 
 
 def test_cli_help_and_usage_errors():
