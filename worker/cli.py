@@ -21,6 +21,9 @@ def _config(path: str | None) -> Config:
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     cfg = _config(args.config)
+    from worker.models.registry import check_model
+
+    model_kind = check_model(cfg.model)
     if args.print:
         import yaml
 
@@ -28,7 +31,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     else:
         print(f"{args.config}: OK ({len(cfg.batching.lanes)} lane(s), topics {cfg.input_topics()}, "
-              f"model {cfg.model.name!r}, delivery {cfg.delivery.mode})")
+              f"model {cfg.model.name!r} ({model_kind}), delivery {cfg.delivery.mode})")
     return 0
 
 
@@ -108,7 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("check-config", help="validate a config file and exit (0 valid, 2 invalid)", description=(
         "Loads the file with WORKER__* environment overrides and secret references applied, validates every "
-        "key, and exits 0, or 2 with a message naming the bad key's path. Connects to nothing."))
+        "key, checks that model.name resolves (a built-in and its options, an existing model file, an importable "
+        "factory; no weights are loaded), and exits 0, or 2 with a message naming the bad key's path. Connects "
+        "to nothing."))
     c.add_argument("--config", "-c", required=True, help="worker YAML config file")
     c.add_argument("--print", action="store_true", help="print the effective config (defaults and env applied)")
     c.set_defaults(func=cmd_check_config)
@@ -119,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--records", type=int, default=5000, help="sample requests to produce (default 5000)")
     d.add_argument("--partitions", type=int, default=4, help="partitions of the demo's topics (default 4)")
     d.add_argument("--rate", type=float, default=2000.0, help="records/s the requests are produced at (default 2000)")
-    d.add_argument("--model", default="tiny", help="built-in model: tiny (default), synthetic, identity, minilm")
+    d.add_argument("--model", default="tiny", choices=["tiny", "synthetic", "identity", "minilm"],
+                   help="built-in model (default tiny)")
     d.add_argument("--bootstrap", default=None, help="use this broker instead of starting one")
     d.add_argument("--warm-up-s", type=float, default=None, help=(
         "seconds of throwaway traffic through the broker before the measured run, while the model loads "

@@ -245,7 +245,7 @@ class OnnxModel:
         return [ex[self.inputs[0][0]]] if len(self.inputs) == 1 else [ex]
 
 
-def _import_callable(spec: str) -> Callable[..., Any]:
+def import_callable(spec: str) -> Callable[..., Any]:
     mod_name, _, attr = spec.partition(":")
     if not mod_name or not attr:
         raise ConfigError(f"$.model.name: expected 'package.module:callable', got {spec!r}")
@@ -306,11 +306,11 @@ def _complete(model: Any, name: str, version: str) -> Any:
 
 
 def from_factory(spec: str, options: dict[str, Any], state_dict: Path | None = None) -> Any:
-    factory = _import_callable(spec)
+    factory = import_callable(spec)
     kwargs = {k: v for k, v in options.items() if k not in RESERVED_OPTIONS}
     sd_opt = options.get("state_dict")
     if state_dict is None and sd_opt is not None:
-        state_dict = _existing(str(sd_opt), "$.model.options.state_dict")
+        state_dict = existing_file(str(sd_opt), "$.model.options.state_dict")
     try:
         obj = factory(**kwargs)
     except TypeError as e:
@@ -337,7 +337,7 @@ def from_factory(spec: str, options: dict[str, Any], state_dict: Path | None = N
     return _complete(obj, name, "0")
 
 
-def _existing(path: str, key: str) -> Path:
+def existing_file(path: str, key: str) -> Path:
     p = Path(path).expanduser()
     if not p.is_file():
         raise ConfigError(f"{key}: file {path!r} not found")
@@ -345,7 +345,7 @@ def _existing(path: str, key: str) -> Path:
 
 
 def from_file(path_str: str, options: dict[str, Any]) -> Any:
-    path = _existing(path_str, "$.model.name")
+    path = existing_file(path_str, "$.model.name")
     suffix = path.suffix.lower()
     if "factory" in options:  # a weights file for the factory's module
         if suffix not in STATE_DICT_SUFFIXES:

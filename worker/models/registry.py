@@ -45,6 +45,21 @@ def expected() -> str:
     )
 
 
+def _kind(name: str) -> str:
+    """How ``$.model.name`` resolves: "builtin", "file" or "factory" (ConfigError otherwise)."""
+    from worker.models import loaders
+
+    if not name:
+        raise ConfigError(f"$.model.name: empty; {expected()}")
+    if name in BUILTINS:
+        return "builtin"
+    if Path(name).suffix.lower() in loaders.MODEL_FILE_SUFFIXES:
+        return "file"
+    if ":" in name and "/" not in name:
+        return "factory"
+    raise ConfigError(f"$.model.name: unknown model {name!r}; {expected()}")
+
+
 def load_model(cfg: ModelConfig) -> Model:
     """Build (not set up) the handler; ``Engine.setup`` moves it to its device. Raises ConfigError (a
     ValueError) naming ``$.model.*`` for unknown names, missing files and bad options."""
@@ -53,19 +68,34 @@ def load_model(cfg: ModelConfig) -> Model:
     name = cfg.name.strip()
     options = dict(cfg.options)
     model: Any
-    if not name:
-        raise ConfigError(f"$.model.name: empty; {expected()}")
-    if name in BUILTINS:
+    kind = _kind(name)
+    if kind == "builtin":
         model = _builtin(name)(**options)
-    elif Path(name).suffix.lower() in loaders.MODEL_FILE_SUFFIXES:
+    elif kind == "file":
         model = loaders.from_file(name, options)
-    elif ":" in name and "/" not in name:
-        model = loaders.from_factory(name, options)
     else:
-        raise ConfigError(f"$.model.name: unknown model {name!r}; {expected()}")
+        model = loaders.from_factory(name, options)
     if cfg.version:
         try:
             model.version = cfg.version
         except AttributeError:
             raise ConfigError("$.model.version: the handler's version cannot be overridden") from None
     return model
+
+
+def check_model(cfg: ModelConfig) -> str:
+    """What ``check-config`` can tell without loading weights or touching a device: the name resolves, a
+    built-in accepts its options (built-ins load their weights in ``setup``), a model file exists, a factory
+    imports. Returns how the name resolved, for the report. Raises ConfigError like ``load_model``."""
+    from worker.models import loaders
+
+    name = cfg.name.strip()
+    kind = _kind(name)
+    if kind == "builtin":
+        _builtin(name)(**dict(cfg.options))
+        return "built-in"
+    if kind == "file":
+        loaders.existing_file(name, "$.model.name")
+        return "model file, found; loaded at start"
+    loaders.import_callable(name)
+    return "factory, importable; called at start"
