@@ -160,6 +160,18 @@ else
   fail "terminationGracePeriodSeconds follows an extraEnv shutdown timeout" "$(grep -n terminationGrace "$work/grace-from-env.yaml")"
 fi
 
+# The metrics port (Service, probes) and the consumer group (KEDA's lag query) follow extraEnv overrides too.
+render port-group-from-env --set autoscaling.enabled=true \
+  --set 'extraEnv[0].name=WORKER__METRICS__PORT' --set-string 'extraEnv[0].value=9555' \
+  --set 'extraEnv[1].name=WORKER__KAFKA__GROUP_ID' --set-string 'extraEnv[1].value=group-from-env'
+if grep -q ' port: 9555$' "$work/port-group-from-env.yaml" && grep -q 'containerPort: 9555$' "$work/port-group-from-env.yaml" \
+   && grep -q 'consumerGroup: "group-from-env"$' "$work/port-group-from-env.yaml"; then
+  pass "metrics port and consumer group follow extraEnv overrides"
+else
+  fail "metrics port and consumer group follow extraEnv overrides" \
+    "$(grep -nE 'port:|consumerGroup' "$work/port-group-from-env.yaml")"
+fi
+
 # ------------------------------------------------------------------------------- 4. negative cases
 echo "negative cases"
 bad_render() {  # bad_render NAME EXPECTED-SUBSTRING [helm args...]

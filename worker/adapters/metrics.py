@@ -64,7 +64,7 @@ class PrometheusMetrics:
                                             ["lane"], buckets=LATENCY_BUCKETS, registry=r)
         self.inference_seconds = Histogram("kiw_inference_seconds", "Collate + forward + split time per batch",
                                            ["lane"], buckets=LATENCY_BUCKETS, registry=r)
-        self.end_to_end_seconds = Histogram("kiw_end_to_end_seconds", "Receipt to delivery report, per record",
+        self.end_to_end_seconds = Histogram("kiw_end_to_end_seconds", "Request's Kafka timestamp to its result handed to the producer, per record",
                                             ["lane"], buckets=LATENCY_BUCKETS, registry=r)
         self.in_flight = Gauge("kiw_in_flight", "Records consumed and not yet delivered or dead-lettered",
                                registry=r)
@@ -88,7 +88,7 @@ class PrometheusMetrics:
                                         ["kind"], registry=r)
         self.preemptions_total = Counter("kiw_preemptions", "Prefetched batches put back for a higher-priority "
                                          "lane's batch, by the lane put back", ["lane"], registry=r)
-        self.batches_total = Counter("kiw_batches", "Batches closed, by lane and reason (full|timeout|drain|...)",
+        self.batches_total = Counter("kiw_batches", "Batches closed, by lane and reason (count|time|idle|flush|adaptive)",
                                      ["lane", "reason"], registry=r)
 
         self._gauges: dict[str, Gauge] = {

@@ -50,17 +50,32 @@ app.kubernetes.io/component: inference-worker
 {{- end }}
 {{- end }}
 
-{{/* Settings read from the worker config (with the worker's own defaults). */}}
+{{/*
+The literal value of an extraEnv entry (name given), or "" when there is none. The worker reads WORKER__ env
+over the file, so a setting the chart also needs (port, group, brokers, shutdown budget) follows such an
+override. A valueFrom cannot be read at render time: then the config value stands.
+*/}}
+{{- define "kiw.envValue" -}}
+{{- $name := .name }}
+{{- range .ctx.Values.extraEnv }}
+{{- if and (eq .name $name) (hasKey . "value") }}{{ .value }}{{ end }}
+{{- end }}
+{{- end }}
+
+{{/* Settings read from the worker config (with the worker's own defaults), or from an extraEnv override. */}}
 {{- define "kiw.metricsPort" -}}
-{{- dig "metrics" "port" 9400 (.Values.config | default dict) | int }}
+{{- $env := include "kiw.envValue" (dict "ctx" . "name" "WORKER__METRICS__PORT") }}
+{{- if $env }}{{ $env | int }}{{ else }}{{ dig "metrics" "port" 9400 (.Values.config | default dict) | int }}{{ end }}
 {{- end }}
 
 {{- define "kiw.groupId" -}}
-{{- dig "kafka" "group_id" "kafka-inference-worker" (.Values.config | default dict) }}
+{{- $env := include "kiw.envValue" (dict "ctx" . "name" "WORKER__KAFKA__GROUP_ID") }}
+{{- if $env }}{{ $env }}{{ else }}{{ dig "kafka" "group_id" "kafka-inference-worker" (.Values.config | default dict) }}{{ end }}
 {{- end }}
 
 {{- define "kiw.bootstrapServers" -}}
-{{- dig "kafka" "bootstrap_servers" "127.0.0.1:9092" (.Values.config | default dict) }}
+{{- $env := include "kiw.envValue" (dict "ctx" . "name" "WORKER__KAFKA__BOOTSTRAP_SERVERS") }}
+{{- if $env }}{{ $env }}{{ else }}{{ dig "kafka" "bootstrap_servers" "127.0.0.1:9092" (.Values.config | default dict) }}{{ end }}
 {{- end }}
 
 {{/* Every input topic of the config: kafka.input_topics plus batching.lanes[].topics, as a JSON list. */}}
@@ -80,13 +95,8 @@ to exit. Kubernetes counts the preStop hook inside the grace period, so both mus
 */}}
 {{- define "kiw.shutdownBudget" -}}
 {{- $shutdown := dig "delivery" "shutdown_timeout_s" 30 (.Values.config | default dict) | float64 | ceil | int }}
-{{- /* An extraEnv override wins in the worker (WORKER__ env over the file), so it wins here too. A valueFrom
-       cannot be read at render time: then the config value stands. */}}
-{{- range .Values.extraEnv }}
-{{- if and (eq .name "WORKER__DELIVERY__SHUTDOWN_TIMEOUT_S") (hasKey . "value") }}
-{{- $shutdown = .value | float64 | ceil | int }}
-{{- end }}
-{{- end }}
+{{- $env := include "kiw.envValue" (dict "ctx" . "name" "WORKER__DELIVERY__SHUTDOWN_TIMEOUT_S") }}
+{{- if $env }}{{ $shutdown = $env | float64 | ceil | int }}{{ end }}
 {{- $preStop := .Values.lifecycle.preStopSleepSeconds | default 0 | int }}
 {{- add $shutdown $preStop }}
 {{- end }}
