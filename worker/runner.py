@@ -300,6 +300,13 @@ class Runner:
             self._turn(consume)
         except FatalDeliveryError as e:
             self._fatal = str(e)
+        for w in self.workers:
+            err = w.error
+            if err is not None and self._fatal is None:
+                # A thread of its pipeline died (a handler raised SystemExit, say): the batches it held never
+                # come back, and waiting for them would stall the worker with a healthy heartbeat.
+                self._fatal = (f"{w.name}: a device pipeline thread died ({type(err).__name__}: {err}); its records "
+                               "are not committed and are processed again after a restart")
 
     def _turn(self, consume: bool) -> None:
         now = time.monotonic()

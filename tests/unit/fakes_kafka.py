@@ -739,6 +739,7 @@ class FakeDevice:
         self.started = False
         self.stopped = False
         self.auto = False  # when True, every consumer/producer poll runs all ready batches
+        self.error: BaseException | None = None  # as DeviceWorker: set when a pipeline thread died
 
     def start(self) -> None:
         self.started = True

@@ -438,3 +438,27 @@ def test_device_worker_passes_empty_batches_through() -> None:
     assert feeder.all_done.wait(10)
     w.stop(5)
     assert seen == [[]]
+
+
+class Exits(Fake):
+    """A handler that ends its thread: SystemExit from forward (a library calling sys.exit(), say)."""
+
+    def forward(self, batch: list[Any]) -> list[Any]:
+        if 99 in batch:
+            raise SystemExit(3)
+        return super().forward(batch)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread dies: intended
+def test_a_pipeline_thread_that_dies_is_reported_in_error() -> None:
+    # The runner reads .error every loop turn and stops the worker (tests/unit/test_runner_loop.py): the
+    # batches the dead thread held would never reach done().
+    feeder = Feeder([make_batch([1], offset=0), make_batch([99], offset=1), make_batch([2], offset=2)])
+    w = DeviceWorker(Engine(Exits(), "cpu", warmup=False), feeder.take, feeder.done, poll_s=0.01)
+    w.start()
+    deadline = time.monotonic() + 10
+    while w.error is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    w.stop(5)
+    assert isinstance(w.error, SystemExit) and not w.alive
+    assert 1 not in feeder.results  # the batch it held never came back

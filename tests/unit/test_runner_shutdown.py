@@ -183,3 +183,28 @@ def test_a_sigterm_before_run_is_a_graceful_stop(monkeypatch: pytest.MonkeyPatch
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def test_a_dead_device_thread_stops_the_worker_with_exit_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pipeline thread that dies (a handler raising SystemExit) never hands back the batch it held. The loop
+    used to keep its heartbeat and wait for it forever, reading up to max_in_flight and then nothing. Now
+    it stops with exit 1 at once (no shutdown_timeout_s wait), commits what was done, and not the held batch."""
+    cfg = make_config(batching={"lanes": [{"name": "default", "max_batch_size": 2}]},
+                      delivery={"shutdown_timeout_s": 30})
+    h = Harness(monkeypatch, cfg)
+    h.send(4)
+    h.c.schedule(lambda: h.c.assign(("in", 0)))
+
+    def die() -> None:
+        first = h.device.take()
+        assert first is not None
+        h.device.finish(first)  # 0, 1 done
+        assert h.device.take() is not None  # 2, 3 taken, never finished
+        h.device.error = SystemExit(3)
+
+    h.on_polls({2: die})
+    t0 = h.clock.t
+    assert h.run(max_polls=200) == 1
+    assert "fake-0: a device pipeline thread died (SystemExit: 3)" in (h.runner._fatal or "")
+    assert h.clock.t - t0 < 3.0  # did not wait out shutdown_timeout_s for the held batch
+    assert h.committed() == 2
