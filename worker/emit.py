@@ -32,6 +32,23 @@ log = logging.getLogger("worker.emit")
 _json = msgspec.json.Encoder()
 _msgpack = msgspec.msgpack.Encoder()
 
+# What a result's encoder may raise for an output it cannot write: an unsupported type (a tensor, a numpy
+# scalar), an int beyond 64 bits (msgpack), nesting deeper than the encoder's recursion limit.
+UNENCODABLE = (TypeError, ValueError, OverflowError, RecursionError, msgspec.EncodeError)
+
+# librdkafka refuses a message when its largest possible size on the wire is over message.max.bytes
+# (rd_kafka_msg_max_wire_size): key + value + headers + this much record overhead (varints at their widest).
+RECORD_OVERHEAD = 36
+
+
+def _varint_len(n: int) -> int:
+    """Bytes of a length as a zigzag varint (how a record writes its header name and value lengths)."""
+    v, size = n << 1, 1
+    while v >= 0x80:
+        v >>= 7
+        size += 1
+    return size
+
 
 class FatalDeliveryError(RuntimeError):
     """The producer refuses a message outright (not a delivery that may succeed on retry): a topic that does
@@ -130,6 +147,11 @@ class Emitter:
         self.produced = 0
         self.topic_keys = {output_topic: "kafka.output_topic", dlq_topic: "kafka.dlq_topic"}  # for messages
 
+    @property
+    def max_payload(self) -> int:
+        """Key + value of a message without headers may be this long at most (see _size)."""
+        return self.max_message_bytes - RECORD_OVERHEAD
+
     def _refused(self, topic: str, err: KafkaException) -> FatalDeliveryError:
         e = err.args[0] if err.args else err
         key = self.topic_keys.get(topic, "topic")
@@ -171,7 +193,7 @@ class Emitter:
         It is _send_result() unrolled into one loop per batch (one encode call and one produce per record):
         call frames are a good part of the per-record cost in CPython."""
         declined: list[int] = []
-        encode, topic, limit = self._encode, self.output_topic, self.max_message_bytes
+        encode, topic, limit = self._encode, self.output_topic, self.max_payload
         slot = self.cur
         produce, confirm_later = slot.producer.produce, slot.sent.append
         if not slot.sent:
@@ -181,7 +203,7 @@ class Emitter:
             try:
                 value = encode(rec, "ok", outputs[i], None, batch_size, closed_at - rec.received_at, infer_s, now,
                                now_wall_ms)
-            except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
+            except UNENCODABLE:
                 declined.append(i)
                 continue
             key = rec.key
@@ -206,7 +228,7 @@ class Emitter:
         """Send ``value`` as the record's only message (a result, no dead letter). False, nothing sent, when it
         is over message.max.bytes: the general path turns that into an error result and a dead letter."""
         key = rec.key
-        if len(value) + (len(key) if key else 0) > self.max_message_bytes:  # _size() without headers
+        if len(value) + (len(key) if key else 0) > self.max_payload:  # _size() without headers
             return False
         p = _Pending(rec, self, [(self.output_topic, key, value, None)])
         self._send(p)
@@ -218,7 +240,7 @@ class Emitter:
             # Hot path: one result message, no dead letter.
             try:
                 value = self.result_bytes(o, now, now_wall_ms)
-            except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
+            except UNENCODABLE:
                 value = None  # handled below as an output error
             if value is not None and self._send_result(rec, value):
                 return
@@ -228,7 +250,7 @@ class Emitter:
             if value is None:
                 try:
                     value = self.result_bytes(o, now, now_wall_ms)
-                except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as e:
+                except UNENCODABLE as e:
                     # An output the encoder rejects (a numpy scalar, a tensor...) is the record's error, not
                     # the worker's: raised here it would kill the loop and crash-loop on the record.
                     o = Outcome(rec, "error", error=f"result not encodable: {type(e).__name__}: {e}",
@@ -255,6 +277,8 @@ class Emitter:
                 dl_value = b""
                 headers = kept + self._dead_letter(rec, o.dlq_stage, error).headers()
             p.messages.append((self.dlq_topic, rec.key, dl_value, headers))
+        if o.status != "ok":
+            rec.failed = True  # o is the final outcome here (an unencodable or oversize ok became an error)
         if not p.messages:  # nothing owed (cannot happen with a DLQ stage set); done at once
             self.on_done(rec)
             return
@@ -268,8 +292,13 @@ class Emitter:
 
     @staticmethod
     def _size(key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes]] | None = None) -> int:
-        """What librdkafka compares with message.max.bytes (key + value + headers)."""
-        return len(key or b"") + len(value or b"") + sum(len(k) + len(v or b"") for k, v in headers or ())
+        """What librdkafka compares with message.max.bytes: key + value + each header's name and value with
+        their varint lengths + the record overhead."""
+        size = RECORD_OVERHEAD + len(key or b"") + len(value or b"")
+        for k, v in headers or ():
+            name = len(k.encode())
+            size += _varint_len(name) + name + _varint_len(len(v or b"")) + len(v or b"")
+        return size
 
     def _send(self, p: _Pending) -> None:
         p.round += 1

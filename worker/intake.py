@@ -20,6 +20,7 @@ from worker.config import Config
 from worker.core.ports import Model
 from worker.core.records import Outcome, Record
 from worker.core.scheduler import PriorityScheduler
+from worker.emit import UNENCODABLE
 
 
 class _IdOnly(msgspec.Struct):
@@ -86,7 +87,8 @@ class Intake:
         except msgspec.ValidationError as e:
             rec.id = salvage_id(value, self.fmt)
             return Outcome(rec, "error", error=f"invalid request: {e}", dlq_stage="validate")
-        except msgspec.DecodeError as e:
+        except (msgspec.DecodeError, RecursionError) as e:
+            # RecursionError: nesting deeper than the decoder's limit (a request like {"meta": [[[[...]]]]}).
             return Outcome(rec, "error", error=f"undecodable {self.fmt}: {e}", dlq_stage="decode")
         rec.id = req.id
         rec.meta = req.meta
@@ -110,7 +112,10 @@ class Intake:
         if rec.deadline is not None and rec.deadline <= now:
             return Outcome(rec, "expired", error="deadline passed before the record was read", dlq_stage="expired")
         if self.cache_on:
-            rec.cache_key = cache_key(*self.model_id, _cache_input.encode(req.inputs))
+            try:
+                rec.cache_key = cache_key(*self.model_id, _cache_input.encode(req.inputs))
+            except UNENCODABLE:
+                pass  # inputs msgpack cannot write (an int beyond 64 bits): not cached, still processed
         try:
             rec.item = self.model.decode(req.inputs)
             if self._size_of is not None:

@@ -18,6 +18,7 @@ import msgspec
 from worker.config import Config
 from worker.core.ports import Metrics, Store
 from worker.core.records import Batch, Outcome, Record
+from worker.emit import UNENCODABLE
 
 _cache_enc = msgspec.msgpack.Encoder()
 _cache_dec = msgspec.msgpack.Decoder()
@@ -149,12 +150,14 @@ class StoreGate:
             return
         try:
             self._cache_puts.append((rec.cache_key, _cache_enc.encode(output)))
-        except (TypeError, msgspec.EncodeError):
-            pass  # not cacheable (the result itself is still produced)
+        except UNENCODABLE:
+            pass  # not cacheable, e.g. an int beyond 64 bits for msgpack (the result itself is still produced)
 
     def delivered(self, rec: Record) -> None:
-        """The record's result (or dead letter) is delivered: enter it in the ledger and clear its count."""
-        if self.ledger and rec.id:
+        """The record's result (or dead letter) is delivered: enter it in the ledger and clear its count. Only
+        an ok result enters the ledger: a request that got an error or expired result may be sent again under
+        the same id (a client's retry), and must then be processed, not acknowledged without a result."""
+        if self.ledger and rec.id and not rec.failed:
             self._delivered_ids.append(rec.id)
         if self.attempts and rec.attempts > 0:  # dispatched (counted) or read with a count
             self._attempts_done.append(attempt_key(rec))

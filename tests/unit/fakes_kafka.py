@@ -556,7 +556,13 @@ class FakeProducer:
             raise KafkaException(KafkaError(KafkaError._UNKNOWN_TOPIC, "Unable to produce message: Local: Unknown topic"))
         if len(self.pending) >= self.queue_limit:
             raise BufferError("Local: Queue full")
-        size = len(value or b"") + len(key or b"") + sum(len(k) + len(v or b"") for k, v in headers or ())
+        # librdkafka's rule (rd_kafka_msg_max_wire_size): 36 bytes of record overhead + key + value + each
+        # header's name and value, each after its length as a zigzag varint.
+        def varint(n: int) -> int:
+            return max(1, ((n << 1).bit_length() + 6) // 7)
+
+        size = 36 + len(value or b"") + len(key or b"") + sum(
+            varint(len(k.encode())) + len(k.encode()) + varint(len(v or b"")) + len(v or b"") for k, v in headers or ())
         if size > self.max_message_bytes:
             raise KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, "Unable to produce message: Broker: Message size too large"))
         if self.transactional and not self.in_txn:

@@ -385,3 +385,52 @@ def test_a_record_is_done_only_when_every_message_of_its_last_round_is_delivered
             em.flush(1.0)
             check()
         assert sorted(calls.done + [o for o, _ in calls.failed]) == list(range(offset))
+
+
+# -------------------------------------------------------------------- message size, as librdkafka counts it
+def _real_producer(limit: int) -> Any:
+    """A real librdkafka producer (no broker: produce() only checks and enqueues, which is what is tested)."""
+    from confluent_kafka import Producer
+
+    return Producer({"bootstrap.servers": "127.0.0.1:1", "message.max.bytes": limit, "log_level": 0})
+
+
+def test_the_size_check_agrees_with_librdkafka_at_the_boundary() -> None:
+    from confluent_kafka import KafkaException
+
+    limit = 100_000
+    real = _real_producer(limit)
+
+    def accepted(key: bytes | None, value: bytes, headers: list[tuple[str, bytes]] | None) -> bool:
+        try:
+            real.produce("t", value=value, key=key, headers=headers)
+            return True
+        except KafkaException:
+            return False
+
+    # Header lengths of 1-, 2- and 3-byte varints.
+    for key, headers in [(None, None), (b"k" * 30, None), (b"k", [("x-error", b"e" * 200), ("x-source-topic", b"in")]),
+                         (b"k", [("h" * 70, b"v" * 9_000)]), (b"", DeadLetter(
+                             error="e" * 500, error_stage="validate", source_topic="in", source_partition=1,
+                             source_offset=2, attempts=1).headers())]:
+        room = limit - Emitter._size(key, b"", headers)  # the longest value the emitter lets through
+        assert accepted(key, b"x" * room, headers), (key, headers)
+        assert not accepted(key, b"x" * (room + 1), headers), (key, headers)
+    real.purge()
+
+
+def test_a_message_within_librdkafkas_record_overhead_does_not_stop_the_worker() -> None:
+    # key + value under message.max.bytes, but not with the record overhead: produce() refused it, and the
+    # worker stopped with FatalDeliveryError on every restart instead of writing an error result.
+    limit = 1_000
+    real, calls = _real_producer(limit), Calls()
+    em = Emitter(real, "out", "dlq", "m", "v1", "json", on_done=lambda r: calls.done.append(r.offset),
+                 on_failed=lambda r, e: calls.failed.append((r.offset, e)), max_message_bytes=limit)
+    r = rec(8, id="r")
+    out = "a" * (limit - 10 - len(em._encode(r, "ok", "", None, 1, 0.0, 0.0, 10.0, 0.0)) - len(r.key or b""))
+    assert em.emit_ok_many([r], [out], 1, 10.0, 0.0, 10.0, 0.0) == [0]  # declined: the general path handles it
+    em.emit(Outcome(r, "ok", output=out, batch_size=1), 10.0, 0.0)  # an error result and a dead letter
+    big = Record(tp=TP, offset=9, value=b"x" * (limit - 10), key=None, received_at=10.0)
+    em.emit(Outcome(big, "error", error="invalid request", dlq_stage="validate"), 10.0, 0.0)  # bytes dropped
+    assert em.produced == 3 and r.failed and big.failed  # (len(producer) also counts client events here)
+    real.purge()

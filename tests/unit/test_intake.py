@@ -206,3 +206,18 @@ def test_rejected_records_go_to_the_dlq_with_their_bytes_and_never_block_the_par
         assert (dl.source_topic, dl.source_partition, dl.source_offset) == ("in", 0, off)
     assert "$.inputs.x" in (dead[3].header("x-error") or "")
     assert h.runner.stats.dlq == 5 and h.runner.stats.results_expired == 1
+
+
+def test_nesting_deeper_than_the_decoder_allows_is_a_decode_error(clock: FakeTime) -> None:
+    # msgspec raises RecursionError here, not DecodeError: it used to escape admit() and stop the worker on
+    # every restart (the record is never committed past).
+    deep = b'{"id": "deep", "inputs": {"x": 1}, "meta": {"m": ' + b"[" * 5000 + b"]" * 5000 + b"}}"
+    o = intake().admit(record(deep), clock.t)
+    assert o is not None and (o.status, o.dlq_stage) == ("error", "decode")
+    assert "recursion" in (o.error or "")
+
+
+def test_inputs_msgpack_cannot_write_are_not_cached_but_processed(clock: FakeTime) -> None:
+    rec = record(request("big-int", [2**70, 1]))
+    assert intake(FakeModel(), redis={"cache": True}).admit(rec, clock.t) is None
+    assert rec.cache_key is None and rec.item == [2**70, 1]

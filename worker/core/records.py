@@ -39,6 +39,9 @@ class Record:
     attempts: int = 0
     counted: bool = False  # this process counted a dispatch attempt for it (crash-loop protection)
     cache_key: str | None = None  # result-cache key (model, version, inputs), when the cache is on
+    # Its result is an error or expired one: the delivered-id ledger leaves its id out, so that its sender
+    # may send the request again under the same id.
+    failed: bool = False
 
 
 @dataclass(slots=True, eq=False)
