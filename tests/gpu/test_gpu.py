@@ -32,14 +32,16 @@ def test_pipeline_outputs_match_engine_run() -> None:
     want = eng.run(items)
     batches = [gpu_check.make_batch(items[i : i + 8], i) for i in range(0, 24, 8)]
     got: dict[int, list[object]] = {}
+    forward_s: list[float] = []
     finished = threading.Event()
 
     def take(timeout: float) -> gpu_check.Batch | None:
         return batches.pop(0) if batches else None
 
     def done(batch: gpu_check.Batch, results: list[object], timings: dict[str, float]) -> None:
+        # No assert in here: DeviceWorker logs what its done() raises and goes on, so it could not fail the test.
         got[batch.records[0].offset] = results
-        assert timings["forward"] > 0
+        forward_s.append(timings.get("forward", 0.0))
         if len(got) == 3:
             finished.set()
 
@@ -47,6 +49,7 @@ def test_pipeline_outputs_match_engine_run() -> None:
     w.start()
     assert finished.wait(120)
     assert w.stop(30)
+    assert len(forward_s) == 3 and min(forward_s) > 0  # device time from CUDA events, per batch
     flat = got[0] + got[8] + got[16]
     cos = torch.nn.functional.cosine_similarity(torch.tensor(flat), torch.tensor(want), dim=1)
     assert cos.min().item() > 0.9999

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import shutil
 import subprocess
 import time
 import uuid
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from tests.support import needs
 from worker.adapters.metrics import PrometheusMetrics
 from worker.adapters.redis_store import RedisStore, make_store
 from worker.config import RedisConfig
@@ -192,10 +192,10 @@ def test_outage_returns_misses_fast_and_recovers(local_redis: LocalRedis) -> Non
         store.mark_delivered(["r2"])
         store.clear_attempts(["a"])
         assert misses == [None, False, set(), 0]
-        t0 = time.monotonic()
+        reached = _count_client_use(store)
         for _ in range(50):
             store.get_cached("k")
-        assert (time.monotonic() - t0) / 50 < 0.5  # open circuit: no network at all
+        assert reached == []  # open circuit: the client (the network) is not even touched
         assert errors(m, "get_cached") >= 52 and errors(m, "incr_attempts") == 1
 
         local_redis.start()  # same port, empty data (nothing persisted)
@@ -208,6 +208,19 @@ def test_outage_returns_misses_fast_and_recovers(local_redis: LocalRedis) -> Non
         store.close()
 
 
+def _count_client_use(store: RedisStore) -> list[int]:
+    """Every use of the store's Redis client from now on appends to the returned list."""
+    reached: list[int] = []
+    client = store._client
+
+    def counted() -> redis.Redis:
+        reached.append(1)
+        return client()
+
+    store._client = counted  # type: ignore[method-assign]
+    return reached
+
+
 def test_hung_server_is_bounded_by_the_socket_timeout(local_redis: LocalRedis) -> None:
     m = PrometheusMetrics()
     store = RedisStore(cfg(local_redis.url, breaker_failures=2, breaker_reset_s=30, timeout_ms=100), m)
@@ -217,11 +230,13 @@ def test_hung_server_is_bounded_by_the_socket_timeout(local_redis: LocalRedis) -
         t0 = time.monotonic()
         assert store.get_cached("k") is None
         assert store.incr_attempts("k") == 0
-        assert time.monotonic() - t0 < 2.0  # two timeouts of 0.1 s, with generous slack for a busy machine
-        t0 = time.monotonic()
-        assert store.delivered_many(["a", "b"]) == set()
-        assert time.monotonic() - t0 < 0.05
+        # Two timeouts of 0.1 s. Not a performance figure: a bound on blocking (a hung server must not hold the
+        # loop thread), with 10x slack for a busy machine.
+        assert time.monotonic() - t0 < 2.0
         assert store.breaker.state == "open"
+        reached = _count_client_use(store)
+        assert store.delivered_many(["a", "b"]) == set()
+        assert reached == []  # open: answered without waiting on the hung server
     finally:
         local_redis.resume()
         store.close()
@@ -237,8 +252,8 @@ def _self_signed(tmp: Path) -> tuple[Path, Path]:
     return cert, key
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI needed to make a test certificate")
 def test_tls_with_ca_file_and_password(local_redis_factory: Callable[..., LocalRedis], tmp_path: Path) -> None:
+    needs.command("openssl")  # makes the test certificate (setup_env.sh installs it)
     cert, key = _self_signed(tmp_path)
     server = local_redis_factory(password="tls-pw", tls_cert_file=cert, tls_key_file=key)
     assert server.url_without_password.startswith("rediss://")

@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from worker.adapters.memory_store import MemoryStore
@@ -94,10 +92,8 @@ def test_invalid_settings() -> None:
 
 def test_redis_store_is_lazy_and_hides_the_password() -> None:
     cfg = RedisConfig(url="redis://:s3cret-url@10.255.255.1:6379/0", password="s3cret-cfg")
-    t0 = time.monotonic()
     s = RedisStore(cfg)
-    assert time.monotonic() - t0 < 0.1  # no connection attempt in __init__
-    assert s._client_obj is None
+    assert s._client_obj is None  # no client, so no connection attempt, in __init__
     for text in (repr(s), s.url, str(s.connection_kwargs())):
         assert "s3cret" not in text
     assert s.url == "redis://:***@10.255.255.1:6379/0"

@@ -247,10 +247,8 @@ def test_device_worker_overlaps_collate_with_forward() -> None:
     model = Fake(collate_s=c, forward_s=f)
     feeder = Feeder([make_batch([i * 4 + k for k in range(4)], offset=i * 4) for i in range(n)])
     w = DeviceWorker(Engine(model, "cpu", warmup=False), feeder.take, feeder.done, poll_s=0.01)
-    t0 = time.perf_counter()
     w.start()
     assert feeder.all_done.wait(30)
-    elapsed = time.perf_counter() - t0
     assert w.stop(5)
     # Every batch's results, in record order.
     for i in range(n):
@@ -265,9 +263,7 @@ def test_device_worker_overlaps_collate_with_forward() -> None:
         if spans[("collate", (i + 1) * 4)][0] < spans[("forward", i * 4)][1]
         and spans[("collate", (i + 1) * 4)][1] > spans[("forward", i * 4)][0]
     )
-    assert overlapped >= (n - 1) // 2
-    # Generous ratio: pipelined ~ n*max(c, f) vs sequential n*(c+f).
-    assert elapsed < 0.85 * n * (c + f) + 0.5
+    assert overlapped >= (n - 1) // 2  # (what overlapping gains in time is measured by make bench, 7.2)
 
 
 def test_device_worker_swaps_a_prefetched_batch_just_before_starting_it() -> None:

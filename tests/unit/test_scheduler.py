@@ -279,12 +279,18 @@ def test_oom_lowering_cuts_queued_batches_and_windows() -> None:
     assert b is not None and len(b) == 8
 
 
-def test_observe_accepts_both_policies_and_unknown_lane() -> None:
-    for policy in ("fixed", "adaptive"):
-        s = two_lanes(policy)
-        s.observe("hi", 4, 0.01)
-        s.observe("nope", 4, 0.01)
-        assert s.stats()["hi"]["queued"] == 0
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_observe_feeds_the_lane_model_and_the_shared_one_also_for_an_unknown_lane(policy: str) -> None:
+    s = two_lanes(policy)
+    for n, sec in ((4, 0.012), (8, 0.016), (16, 0.024)):  # a = 8 ms, b = 1 ms
+        s.observe("nope", n, sec)  # no such lane: not an error, and the shared model still learns
+    st = s.stats()
+    assert st["hi"]["latency_a_s"] == pytest.approx(0.008) and st["hi"]["latency_b_s"] == pytest.approx(0.001)
+    for n, sec in ((4, 0.024), (8, 0.032), (16, 0.048)):  # a = 16 ms, b = 2 ms: hi's own model, once ready
+        s.observe("hi", n, sec)
+    st = s.stats()
+    assert st["hi"]["latency_a_s"] == pytest.approx(0.016) and st["hi"]["latency_b_s"] == pytest.approx(0.002)
+    assert st["lo"]["latency_a_s"] is not None  # lo has seen nothing itself: the shared model answers for it
 
 
 # ---------------------------------------------------------------- adaptive policy

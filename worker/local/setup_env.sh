@@ -37,6 +37,14 @@ fi
 # --- Apache Kafka jars --------------------------------------------------------------------------
 "$venv/bin/python" -c "import sys; sys.path.insert(0, '$root'); from worker.local.kafka_broker import ensure_jars; ensure_jars()" >&2
 
+# --- openssl (the Redis TLS test makes its certificate with it) --------------------------------
+if ! command -v openssl >/dev/null 2>&1; then
+  log "installing openssl with apt-get"
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq openssl >&2 \
+    || { $SUDO apt-get update -qq >&2 || true; DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq openssl >&2; }
+fi
+
 # --- Redis -------------------------------------------------------------------------------------
 if ! command -v redis-server >/dev/null 2>&1; then
   log "installing redis-server with apt-get"
