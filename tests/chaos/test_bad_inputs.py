@@ -22,7 +22,7 @@ pytestmark = pytest.mark.chaos
 
 PARTITIONS = 4
 VALID_PER_PARTITION = 750
-MAX_INPUT_BYTES = 2048
+MAX_INPUT_BYTES = 8192  # room for the nested-too-deep case under the size limit
 enc = msgspec.json.encode
 
 
@@ -47,6 +47,9 @@ def corpus(suffix: str) -> list[tuple[str, bytes | None, str | None, str | None]
         ("deadline-past", enc({"id": k("deadline-past"), "inputs": [1], "deadline_ms": 1}), "expired", "expired"),
         ("model-raises", enc({"id": k("model-raises"), "inputs": ["poison"]}), "inference", "error"),
         ("unknown-lane", enc({"id": k("unknown-lane"), "inputs": [1], "priority": "nope"}), None, "ok"),
+        # Deeper than the decoder's recursion limit (1,000 levels), well under the size limit.
+        ("nested-too-deep", b'{"id": "' + k("nested-too-deep").encode() + b'", "inputs": [1], "meta": {"m": '
+         + b"[" * 3000 + b"]" * 3000 + b"}}", "decode", None),
     ]
 
 

@@ -303,9 +303,34 @@ def test_after_max_retries_the_runner_is_fatal_and_never_commits_past_the_record
         if h.runner._fatal:
             break
     assert h.runner._fatal is not None and "in[0]@1" in h.runner._fatal
-    assert len(h.p.failed) == 1 + h.runner.emitter.max_retries  # first try + max_retries retries
+    assert len(h.p.failed) == 1 + 5  # the first try + the 5 retries README promises
     h.commit()
     assert all_commits(h) == [1]
+
+
+def test_a_failed_delivery_is_retried_only_after_its_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    h = Harness(monkeypatch).start()
+    h.c.assign(("in", 0))
+    h.send(2)
+    h.iterate()
+    h.device.run_all()
+    _fail_offset_1_forever(h)
+    sent_at: list[float] = []
+    produce = h.p.produce
+
+    def timed_produce(topic: str, *a: Any, **kw: Any) -> None:
+        produce(topic, *a, **kw)
+        if topic == "out" and src_offset(h.p.produced[-1]) == 1:
+            sent_at.append(h.clock.t)
+
+    h.p.produce = timed_produce  # type: ignore[method-assign]
+    for _ in range(500):
+        h.iterate()
+        if h.runner._fatal:
+            break
+    gaps = [b - a for a, b in zip(sent_at, sent_at[1:], strict=False)]
+    # Backoff min(0.05 * attempt, 0.5) s after each failure (the failure itself is reported at once here).
+    assert len(gaps) == 5 and all(g >= 0.05 * (i + 1) - 1e-9 for i, g in enumerate(gaps)), gaps
 
 
 def test_run_exits_1_after_max_retries_and_commits_only_below_the_record(
