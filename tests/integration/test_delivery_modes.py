@@ -44,10 +44,19 @@ def test_exactly_once_results_visible_once_under_read_committed(kafka, topic_nam
         assert w.stop() == 0, w.log()[-3000:]
     finally:
         w.kill()
-    ids = collections.Counter(r["id"] for r in decode(results))
+    values = decode(results)
+    ids = collections.Counter(r["id"] for r in values)
     assert set(ids) == {f"e-{i}" for i in range(n)} and max(ids.values()) == 1
-    # Transactional writes: read_uncommitted sees the same records plus nothing aborted here, and the
-    # dead letter went through the same transactions.
+    # Results are written per input partition in offset order: within each output partition, the results of
+    # one input partition appear in increasing source offset.
+    last: dict[tuple[int, int], int] = {}
+    for m, r in zip(results, values, strict=True):
+        k = (m.partition(), r["source"]["partition"])
+        assert r["source"]["offset"] > last.get(k, -1), f"out of order in output partition {k[0]}: {r['source']}"
+        last[k] = r["source"]["offset"]
+    # No transaction aborted here, so a read_uncommitted reader sees the same n results, and the dead letter
+    # went through the same transactions.
+    assert len(read_all(bs, topic_names["out"], want=n, timeout=60, read_committed=False)) == n
     dlq = read_all(bs, topic_names["dlq"], want=1, timeout=30)
     assert len(dlq) == 1 and dlq[0].value() == b"{broken"
     assert "exactly-once mode" in w.log()
@@ -96,3 +105,33 @@ def test_dlq_replay_resubmits_to_the_source_topic(kafka, topic_names, tmp_path):
     again = subprocess.run([sys.executable, "-m", "worker", "dlq", "replay", "--config", str(path)],
                            capture_output=True, text=True, env=env, timeout=120)
     assert again.returncode == 0 and "replayed 0 dead letters" in again.stdout, again.stdout + again.stderr
+
+
+def test_a_live_zombie_is_fenced_and_readers_still_see_each_id_once(kafka, topic_names, tmp_path):
+    """Two live workers with one transactional.id (a replacement pod started while the old one still runs):
+    the newcomer's producer fences the old one, which stops with exit 1 at its next transactional call, and
+    a read_committed reader still sees every id exactly once."""
+    bs, n = kafka.bootstrap, 8000
+    create_topics(bs, {topic_names["in"]: 2, topic_names["out"]: 2, topic_names["dlq"]: 1})
+    produce_values(bs, topic_names["in"], [(f"z-{i}".encode(), enc({"id": f"z-{i}", "inputs": {"x": i}}))
+                                           for i in range(n)])
+    cfg = worker_config(bs, topic_names, model={"name": "synthetic", "options": {"a_ms": 20, "b_ms": 1}},  # ~600/s
+                        delivery={"mode": "exactly_once", "transactional_id": f"tx-zombie-{topic_names['run']}"})
+    old = WorkerProcess(cfg, tmp_path, name="old").start()
+    new = WorkerProcess(cfg, tmp_path, name="new")
+    try:
+        read_all(bs, topic_names["out"], want=500, timeout=120)  # the old one is well into the run
+        new.start()
+        assert old.wait(120) == 1, old.log()[-3000:]  # fenced: exits on its own
+        assert "fenced" in old.log().lower()
+        results = read_all(bs, topic_names["out"], want=n, timeout=180)
+        ends = end_offsets(bs, topic_names["in"])
+        wait_for(lambda: committed_offsets(bs, cfg["kafka"]["group_id"], topic_names["in"]) == ends, 60,
+                 what="offsets committed through the transaction")
+        assert new.stop() == 0, new.log()[-3000:]
+    finally:
+        old.kill()
+        new.kill()
+    ids = collections.Counter(r["id"] for r in decode(results))
+    assert set(ids) == {f"z-{i}" for i in range(n)} and max(ids.values()) == 1
+    print(f"\n[eos-zombie] old worker fenced (exit 1); {len(ids)} ids exactly once under read_committed")
