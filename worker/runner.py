@@ -180,16 +180,19 @@ class Runner:
 
     def _swap(self, batch: Batch) -> Batch | None:
         """The device is about to start ``batch`` (prefetched while it was busy): a higher-priority batch that
-        became ready since goes first, and ``batch`` goes back to its lane (see PriorityScheduler.preempt)."""
+        became ready since goes first, and ``batch`` goes back to its lane (see PriorityScheduler.preempt).
+        Its records past their deadline by now are expired first. Returns the batch to run instead, if any."""
         if batch.reason == "isolate":
             return None
         with self.cv:
-            if self._suspects or self._isolated:
-                return None
             now = time.monotonic()
-            better = self.scheduler.preempt(batch, now)
+            # Taken up to a batch-time ago: records whose deadline passed meanwhile are expired, not run.
+            trimmed = self.scheduler.drop_expired(batch, now)
+            if self._suspects or self._isolated or (trimmed is not None and not trimmed.records):
+                return trimmed
+            better = self.scheduler.preempt(trimmed or batch, now)
             if better is None:
-                return None
+                return trimmed
             better.closed_at = now
             self.metrics.event("preemptions_total", lane=batch.lane)
         self.gate.count_dispatch(better)
@@ -449,6 +452,8 @@ class Runner:
     def _complete_batch(self, batch: Batch, outputs: list[Any], timings: dict[str, float]) -> None:
         now = time.monotonic()
         n = len(batch.records)
+        if n == 0:
+            return  # every record of a batch taken ahead expired before it started (see _swap)
         self.stats.batches += 1
         self.stats.batched_records += n
         infer_s = timings.get("infer", 0.0)

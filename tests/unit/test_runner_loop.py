@@ -36,3 +36,24 @@ def test_the_loop_polls_in_short_steps_while_anything_is_in_flight(monkeypatch: 
     h.iterate()  # acknowledged and confirmed
     h.iterate()
     assert h.runner.tracker.in_flight() == 0 and polls[-1] == 0.02
+
+
+def test_a_batch_whose_records_expired_before_its_device_started_it_is_not_run(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device takes its next batch while it still runs the current one (prefetch) and checks it just
+    before starting (Runner._swap): records past their deadline by then get expired results, not inference."""
+    cfg = make_config(batching={"lanes": [{"name": "default", "max_batch_size": 4, "deadline_ms": 50}]})
+    h = Harness(monkeypatch, cfg).start()
+    h.c.assign(("in", 0))
+    h.send(2)
+    h.iterate()
+    batch = h.device.take()
+    assert batch is not None and len(batch.records) == 2
+    h.clock.advance(0.1)  # the batch ahead of it took that long
+    trimmed = h.runner._swap(batch)
+    assert trimmed is not None and trimmed.records == []
+    h.device.finish(trimmed)
+    h.process()
+    h.commit()
+    assert [r["status"] for r in h.p.results()] == ["expired", "expired"]
+    assert h.model.forward_calls == [[]] and h.committed() == 2

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -640,7 +642,9 @@ def test_preemption_keeps_the_low_lanes_guaranteed_share_under_overload() -> Non
             feed(s, recs(12, "lo"), now=now)
         feed(s, recs(1, "hi"), now=now)
         pre = s.next_batch(now, idle=False, full_only=True)
-        assert pre is not None and pre.lane == "lo"  # the only full batches are low ones
+        # The only full batches are low ones; a high partial batch goes ahead only when the high lane is owed
+        # the device (a batch of lag behind), else through preempt.
+        assert pre is not None
         now += 0.005
         b = s.preempt(pre, now) or pre
         served[b.lane] += len(b.records)
@@ -820,3 +824,97 @@ def test_adaptive_preempt_fills_from_the_displaced_batch_only_where_its_deadline
     # goes back whole (the adaptive rules decide about it in its own turn).
     assert b is not None and b.lane == "hi" and len(b.records) == 2 and not b.mixed
     assert s.queued("lo") == 8
+
+
+# ---------------------------------------------------------------- batches taken ahead (the device is busy)
+def _run_overloaded(s: PriorityScheduler, steps: int, arrivals: dict[int, dict[str, int]],
+                    every: dict[str, int]) -> list[tuple[int, str, int]]:
+    """The runner's pattern with one device under overload: the device always holds a batch taken ahead
+    (``next_batch(idle=False, full_only=True)``) and runs it after ``preempt``. Returns (step, lane, size) per
+    batch run."""
+    now, pref, served = 0.0, None, []
+    for i in range(steps):
+        now += 0.05  # one batch time
+        for lane, k in {**every, **arrivals.get(i, {})}.items():
+            for _ in range(k):
+                s.add(rec(lane), now)
+        if pref is not None:
+            b = s.preempt(pref, now) or pref
+            served.append((i, b.lane, len(b.records)))
+        pref = s.next_batch(now, idle=False, full_only=True) or s.next_batch(now, idle=True)
+    return served
+
+
+def test_a_lane_with_only_partial_batches_is_not_starved_by_full_ones() -> None:
+    """Under overload the device is never idle, so only batches taken ahead run. A low lane whose window
+    closes by time with 5 records used to wait forever while the high lane kept filling batches."""
+    s = two_lanes(batch=32)
+    served = _run_overloaded(s, 200, {0: {"lo": 5}}, {"hi": 40})
+    lo = [(i, n) for i, lane, n in served if lane == "lo"]
+    assert lo and sum(n for _, n in lo) == 5
+    assert lo[0][0] <= 5  # within a couple of batches: one batch of lag (L = 32) behind the high lane
+
+
+def test_fair_shares_hold_with_batches_taken_ahead_and_a_trickling_lane() -> None:
+    """Weights 9:1, the low lane trickles (1 record every 40 batch times), then bursts: the trickle is
+    served as it comes, and the burst gets its ~1/10 share instead of a run of credit saved while it was
+    left out (which then starved the high lane for 79 batches in a row)."""
+    s = two_lanes(hi_weight=9, lo_weight=1, batch=32)
+    trickle = {i: {"lo": 1} for i in range(0, 400, 40)}
+    served = _run_overloaded(s, 800, {**trickle, 400: {"lo": 20_000}}, {"hi": 64})
+    assert sum(n for i, lane, n in served if lane == "lo" and i < 400) == 10
+    after = [lane for i, lane, _ in served if 400 <= i < 600]
+    assert 10 <= after.count("lo") <= 30, after.count("lo")  # ~20 of 200 batches
+    longest_lo = max((len(list(g)) for k, g in itertools.groupby(after) if k == "lo"), default=0)
+    assert longest_lo <= 2
+
+
+def test_records_of_a_batch_taken_ahead_that_expire_before_it_starts_are_not_run() -> None:
+    s = two_lanes(batch=4)
+    late = [rec("lo", deadline=0.03) for _ in range(2)]
+    for r in [*late, rec("lo"), rec("lo")]:
+        s.add(r, 0.0)
+    pref = s.next_batch(0.0, idle=False, full_only=True)
+    assert pref is not None and len(pref.records) == 4
+    assert s.drop_expired(pref, 0.02) is None  # nothing late yet: run it as taken
+    trimmed = s.drop_expired(pref, 0.05)
+    assert trimmed is not None and len(trimmed.records) == 2 and not set(map(id, late)) & set(map(id, trimmed.records))
+    assert ids(s.expire(0.05)) == ids(late)
+    st = s.stats()["lo"]
+    assert (st["expired"], st["served_records"]) == (2, 2)  # not charged for what it did not run
+
+
+def test_preemption_fill_takes_the_displaced_batch_front_first_also_with_deadlines() -> None:
+    cfg = lanes({"name": "hi", "priority": 1, "max_batch_size": 8, "fill_with_lower": True},
+                {"name": "lo", "priority": 0, "max_batch_size": 8})
+    s = PriorityScheduler(cfg, "hi", "fixed")
+    lo = [rec("lo", offset=i, deadline=1e9) for i in range(16)]
+    for r in lo:
+        s.add(r, 0.0)
+    pref = s.next_batch(0.0, idle=False, full_only=True)
+    for i in range(2):
+        s.add(rec("hi", offset=100 + i), 0.0)
+    out = s.preempt(pref, 0.02)  # hi's window closed by time
+    assert out is not None
+    assert [r.offset for r in out.records] == [100, 101, 0, 1, 2, 3, 4, 5]
+    nxt = s.next_batch(0.02, idle=True)
+    assert nxt is not None and [r.offset for r in nxt.records] == [6, 7, 8, 9, 10, 11, 12, 13]
+
+
+def test_adaptive_fill_leaves_a_lower_lane_alone_if_its_own_model_says_it_would_miss() -> None:
+    cfg = lanes({"name": "hi", "priority": 1, "max_batch_size": 8, "fill_with_lower": True},
+                {"name": "lo", "priority": 0, "max_batch_size": 8})
+    s = PriorityScheduler(cfg, "hi", "adaptive")
+    for n in (1, 2, 4):
+        s.observe("hi", n, 0.001 + 0.0001 * n)  # fast
+        s.observe("lo", n, 0.001 + 0.01 * n)  # slow per record
+    now = 10.0
+    low = rec("lo", offset=1, deadline=now + 0.03)  # fits alone (11 ms), not behind 3 more (41 ms by lo's model)
+    s.add(low, now)
+    for i in range(3):
+        s.add(rec("hi", offset=100 + i), now)
+    b = s.next_batch(now, idle=True)
+    assert b is not None and [r.lane for r in b.records] == ["hi"] * 3
+    assert s.expire(now) == []  # not expired on the filled batch's account
+    alone = s.next_batch(now, idle=True)
+    assert alone is not None and alone.records == [low]

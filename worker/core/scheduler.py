@@ -50,7 +50,8 @@ Deadlines (both policies)
 A record whose ``deadline`` is ``<= now`` is expired: ``add`` hands it straight back, ``expire(now)``
 returns queued ones (found through a per-lane min-heap on deadline, O(log n) per record), and
 ``next_batch`` expires first, so no expired record is ever returned in a batch. Records expired by
-``next_batch`` itself are handed out by the next ``expire`` call. An expired record leaves the counts at
+``next_batch`` itself are handed out by the next ``expire`` call. A batch taken ahead can age past its
+records' deadlines before its device starts it: ``drop_expired`` takes those out at the start. An expired record leaves the counts at
 once but stays in its window or ready batch as a tombstone until it reaches the front (O(1) to drop
 there, instead of an O(queue) search now); tombstones are purged in one pass once they outnumber the live
 records of their lane, which bounds the memory they hold.
@@ -189,6 +190,7 @@ class PriorityScheduler:
         self._pending_expired: list[Record] = []
         self._total = 0
         self._seq = 0
+        self._deadlines_seen = False  # a record with a deadline was ever queued (drop_expired: else nothing to check)
         self._lag = 0.0
         self._update_lag()
 
@@ -239,6 +241,7 @@ class PriorityScheduler:
         return []
 
     def _track_deadline(self, lane: _Lane, record: Record, deadline: float) -> None:
+        self._deadlines_seen = True
         self._seq += 1
         heapq.heappush(lane.heap, (deadline, self._seq, record))
         lane.live.add(id(record))
@@ -315,8 +318,8 @@ class PriorityScheduler:
         if donor is not None and self._lanes[donor.lane].priority < lane.priority:
             take = donor.records[:room]
             # (adaptive: not if one of them would miss its deadline in the filled batch; they stay in theirs)
-            end = now + model.predict(len(batch.records) + len(take)) if model is not None else math.inf
-            if all(r.deadline is None or r.deadline >= end for r in take):
+            end = now + model.predict(len(batch.records) + len(take)) if model is not None else None
+            if end is None or all(r.deadline is None or r.deadline >= end for r in take):
                 del donor.records[:room]
                 added.extend(take)
                 room -= len(take)
@@ -328,9 +331,15 @@ class PriorityScheduler:
             if model is not None:
                 # A lane whose earliest deadline the filled batch would miss is left alone: its records
                 # may still make it in a batch of their own, and must not be expired for this one.
+                # Both models: the leading lane's (the batch's length) and the lower lane's own, which is what
+                # its records are held to when they are taken (_finalize -> _drop_misses).
                 d = other.earliest_deadline()
-                if d is not None and d < now + model.predict(len(batch.records) + len(added) + room):
-                    continue
+                if d is not None:
+                    n_all = len(batch.records) + len(added) + room
+                    own = self._model(other)
+                    end = now + max(model.predict(n_all), own.predict(n_all) if own is not None else 0.0)
+                    if d < end:
+                        continue
             while room > 0 and other.n:
                 if not other.ready_n:
                     opened = other.batcher.take_open(now, room, "fill")
@@ -348,12 +357,11 @@ class PriorityScheduler:
 
     def _select(self, now: float, idle: bool, full_only: bool = False) -> Batch | None:
         if full_only and not idle:
-            # Only full batches are taken ahead. A higher-priority lane's partial batch is not: taken now, it
-            # would leave behind every record of that lane arriving while the device is still busy. It goes
-            # when the device is about to start the prefetched batch, through ``preempt``.
-            cands = [ln for ln in self._order if ln.ready_n >= ln.max_batch]
-        else:
-            cands = [ln for ln in self._order if ln.ready_n or (idle and ln.n)]
+            lane_or_none = self._select_ahead()
+            if lane_or_none is None:
+                return None
+            return self._select_from(lane_or_none, now, idle)
+        cands = [ln for ln in self._order if ln.ready_n or (idle and ln.n)]
         if not cands:
             return None
         lane = self._eligible(cands)
@@ -389,6 +397,24 @@ class PriorityScheduler:
         if earliest is None or model.b <= 0:
             return room
         return min(room, math.floor((earliest - now - model.a) / model.b) - len(batch.records))
+
+    def _select_ahead(self) -> _Lane | None:
+        """The lane whose batch is taken ahead (the device is still busy), or None.
+
+        Full batches are taken ahead; a partial one normally is not: taken now, it would leave behind every
+        record of its lane arriving while the device is busy (a higher-priority partial batch goes through
+        ``preempt`` when the device is about to start). But the fair-share rule still counts the lanes
+        with partial batches: under overload the device never becomes idle, so a lane whose windows close by
+        time with a few records would otherwise never run while other lanes keep filling batches. When no
+        lane with a full batch is within one batch of lag of the least-served lane with ready work, that
+        lane's partial batch is owed the device and goes now."""
+        cands = [ln for ln in self._order if ln.ready_n]
+        full = [ln for ln in cands if ln.ready_n >= ln.max_batch]
+        if not full:
+            return None  # the device takes a partial batch when it is free (work-conserving)
+        limit = self._lag_limit(cands)
+        owed = next((ln for ln in full if ln.vservice < limit), None)
+        return owed if owed is not None else self._eligible(cands)
 
     def _lag_limit(self, cands: list[_Lane]) -> float:
         """A candidate is eligible while its normalized service is below this: one batch of lag."""
@@ -439,6 +465,26 @@ class PriorityScheduler:
         if batch.records:
             self._requeue(own, batch)
         return out
+
+    def drop_expired(self, batch: Batch, now: float) -> Batch | None:
+        """A batch taken ahead waits up to a batch-time before its device starts it; records whose deadline
+        passed meanwhile must not reach the model. Returns None when none did. Otherwise a new batch of the
+        live records (possibly empty), which the device prepares again; the expired ones are handed out by
+        the next ``expire``, and their lanes are not charged for them."""
+        if not self._deadlines_seen:
+            return None
+        late = [r for r in batch.records if r.deadline is not None and r.deadline <= now]
+        if not late:
+            return None
+        for r in late:
+            ln = self._lanes.get(r.lane) or self._lanes[batch.lane]  # a filled batch: each record's own lane
+            ln.expired += 1
+            ln.served_records -= 1
+            ln.vservice -= 1 / ln.weight
+            self._pending_expired.append(r)
+        gone = {id(r) for r in late}
+        return Batch(batch.lane, [r for r in batch.records if id(r) not in gone], batch.opened_at, batch.closed_at,
+                     batch.reason, batch.max_batch_size, batch.mixed)
 
     def _requeue(self, lane: _Lane, batch: Batch) -> None:
         """Undo ``_finalize`` for a dispatched batch and put it back at the front of its lane."""
