@@ -253,7 +253,8 @@ class Runner:
     def run(self) -> int:
         self._build_models()
         self.intake = Intake(self.cfg, self.model, route=self.scheduler.lane_for)
-        self.consumer = make_consumer(self.cfg, **{"group.id": self.group_id, "on_commit": self._on_commit})
+        self.consumer = make_consumer(self.cfg, **{"group.id": self.group_id, "on_commit": self._on_commit,
+                                                   "error_cb": self._on_client_error})
         self.txn: TransactionalCommitter | None = None
         if self.cfg.delivery.mode == "exactly_once":
             tid = self.cfg.delivery.transactional_id or f"{self.group_id}-{socket.gethostname()}"
@@ -556,8 +557,19 @@ class Runner:
                     log.warning("%s %r does not exist on the broker yet: the first message creates it if the "
                                 "broker creates topics on first use, and otherwise the worker stops", key, topic,
                                 extra={"topic": topic})
+        self._broker_ok = ok
         if self.health is not None:
             self.health.broker_reachable = ok
+
+    def _on_client_error(self, err: KafkaError) -> None:
+        """librdkafka's client-level errors (served inside poll, on the loop thread). They never come back
+        from poll() or consume() as messages, so this is where the worker learns that no broker answers."""
+        if err.code() == KafkaError._ALL_BROKERS_DOWN:
+            if self._broker_ok:
+                log.warning("no broker reachable: %s", err)
+            self._broker_ok = False
+            if self.health is not None:
+                self.health.broker_reachable = False
 
     def _report_lag(self, now: float) -> None:
         """Consumer lag per partition (high watermark - committed) and the drain-time signal."""
@@ -578,6 +590,14 @@ class Runner:
             total += lag
             self.metrics.gauge("consumer_lag", lag, topic=tp.topic, partition=str(tp.partition))
         self.metrics.gauge("drain_seconds", self._drain.estimate(total, now))
+        if not self._broker_ok:
+            # Nothing says when brokers are back while nothing arrives (an idle worker): ask for metadata.
+            try:
+                self.consumer.list_topics(timeout=1.0)
+                self._broker_ok = True
+                log.info("broker reachable again")
+            except KafkaException:
+                pass
         if self.health is not None:
             self.health.broker_reachable = self._broker_ok
 

@@ -57,3 +57,34 @@ def test_a_batch_whose_records_expired_before_its_device_started_it_is_not_run(
     h.commit()
     assert [r["status"] for r in h.p.results()] == ["expired", "expired"]
     assert h.model.forward_calls == [[]] and h.committed() == 2
+
+
+def test_readiness_follows_the_broker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """/readyz's broker check: false when the broker does not answer at start (it used to turn true at the
+    first lag report), false when librdkafka reports all brokers down (through error_cb: such errors never
+    come back from poll), and true again once metadata can be fetched, even with nothing to consume."""
+    from confluent_kafka import KafkaError
+
+    from worker.adapters.health import HealthState
+
+    health = HealthState()
+    h = Harness(monkeypatch, make_config(metrics={"lag_interval_s": 1}), health=health)
+    h.c.broker_down = True
+    h.start()
+    assert health.broker_reachable is False
+    h.iterate()  # the first lag report
+    assert health.broker_reachable is False
+    h.c.broker_down = False
+    h.clock.advance(1.1)
+    h.iterate()
+    assert health.broker_reachable is True
+    h.consumer.config["error_cb"](KafkaError(KafkaError._ALL_BROKERS_DOWN, "1/1 brokers are down"))
+    assert health.broker_reachable is False
+    h.c.broker_down = True
+    h.clock.advance(1.1)
+    h.iterate()
+    assert health.broker_reachable is False
+    h.c.broker_down = False
+    h.clock.advance(1.1)
+    h.iterate()
+    assert health.broker_reachable is True
