@@ -113,7 +113,9 @@ _TRANSIENT = {"NOT_COORDINATOR", "COORDINATOR_LOAD_IN_PROGRESS", "COORDINATOR_NO
 
 def retry_transient(fn: Any, *args: Any, timeout: float = 60.0, **kwargs: Any) -> Any:
     """Calls ``fn`` until it stops failing with a transient broker error (a coordinator that is still
-    loading, a leader election) or ``timeout`` passes. Other errors propagate at once."""
+    loading, a leader election) or ``timeout`` passes. Other errors propagate at once. ``fn`` takes a
+    ``timeout`` keyword (the confluent-kafka calls this is for do): each call gets what is left of
+    ``timeout``, since without one a call waits forever (e.g. for a partition leader it cannot reach)."""
     import time
 
     from confluent_kafka import KafkaException
@@ -122,7 +124,7 @@ def retry_transient(fn: Any, *args: Any, timeout: float = 60.0, **kwargs: Any) -
     delay = 0.1
     while True:
         try:
-            return fn(*args, **kwargs)
+            return fn(*args, timeout=max(deadline - time.monotonic(), 0.1), **kwargs)
         except KafkaException as e:
             err = e.args[0] if e.args else None
             transient = err is not None and (err.retriable() or err.name() in _TRANSIENT)
