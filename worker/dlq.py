@@ -1,8 +1,12 @@
 """``worker dlq replay``: re-submit dead letters to their source topic once the cause is fixed.
 
-Uses its own consumer group (``<group_id>-dlq-replay``) so each dead letter is replayed once; commits
-only after the replayed record is delivered. Stops at the DLQ end offsets taken at start (so records
-that fail again and come back to the DLQ are not replayed in a loop).
+Uses its own consumer group (``<group_id>-dlq-replay``, or ``<group_id>-dlq-replay-<stage>`` with a stage
+filter) so each dead letter is replayed once; commits only after the replayed record is delivered. Stops
+at the DLQ end offsets taken at start (so records that fail again and come back to the DLQ are not
+replayed in a loop).
+
+Why a group per stage filter: a filtered run commits past the dead letters of other stages it leaves
+alone. In a shared group a later run for one of those stages would never see them.
 """
 
 from __future__ import annotations
@@ -18,10 +22,14 @@ from worker.adapters.kafka_clients import make_consumer, producer_config, retry_
 from worker.config import Config
 
 
+def replay_group(cfg: Config, stage: str | None) -> str:
+    return f"{cfg.kafka.group_id}-dlq-replay" + (f"-{stage}" if stage else "")
+
+
 def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_run: bool = False,
            timeout_s: float = 30.0) -> int:
     topic = cfg.kafka.dlq_topic
-    consumer = make_consumer(cfg, **{"group.id": f"{cfg.kafka.group_id}-dlq-replay", "enable.partition.eof": True,
+    consumer = make_consumer(cfg, **{"group.id": replay_group(cfg, stage), "enable.partition.eof": True,
                                      "partition.assignment.strategy": "range"})
     producer = Producer(producer_config(cfg))
     md = consumer.list_topics(topic, timeout=30)
@@ -44,15 +52,16 @@ def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_
     try:
         while len(done_parts) < len(parts) and (limit is None or replayed < limit):
             msgs = consumer.consume(500, 0.5)
-            if not msgs and time.monotonic() - last_activity > timeout_s:
-                break
             to_commit: dict[int, int] = {}
             for m in msgs:
-                last_activity = time.monotonic()
                 if m.error() is not None:
                     if m.error().code() == KafkaError._PARTITION_EOF:
                         done_parts.add(m.partition())
+                        last_activity = time.monotonic()
+                    else:
+                        print(f"dlq replay: consume error: {m.error()}")
                     continue
+                last_activity = time.monotonic()
                 if m.offset() >= end[m.partition()]:
                     done_parts.add(m.partition())
                     continue
@@ -91,6 +100,12 @@ def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_
                     gave_up = True
                     return 1
                 consumer.commit(offsets=[KTP(topic, p, o) for p, o in to_commit.items()], asynchronous=False)
+            if time.monotonic() - last_activity > timeout_s:
+                # Broker or partition leader gone, or every read failing: not "done", whatever was replayed.
+                left = sorted(set(parts) - done_parts)
+                print(f"dlq replay: nothing read for {timeout_s:.0f} s with dead letters left on partitions {left}; "
+                      f"replayed {replayed} (committed); run it again to go on")
+                return 1
     finally:
         if gave_up:
             # Their dead letters are not committed, so the next run replays them: another minute of waiting

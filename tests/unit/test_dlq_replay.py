@@ -78,3 +78,47 @@ def test_nothing_is_committed_while_replayed_records_are_undelivered(monkeypatch
     assert "still undelivered" in capsys.readouterr().out
     # One wait for delivery, then the exit: no second minute-long flush of what will be replayed anyway.
     assert producers[0].purged and producers[0].flushes[0] == 60 and sum(producers[0].flushes[1:]) <= 1
+
+
+class OkProducer(StuckProducer):
+    def flush(self, timeout: float = -1) -> int:
+        self.flushes.append(timeout)
+        return 0
+
+
+def test_a_stage_filter_replays_in_a_group_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A filtered run commits past the dead letters of other stages; in the shared replay group a later run
+    for those stages would never see them."""
+    groups: list[str] = []
+    runs = {"inference": ReplayConsumer(), None: ReplayConsumer()}
+    producers: list[OkProducer] = []
+
+    def consumer_for(stage: str | None) -> Any:
+        def make(cfg: Any, **kw: Any) -> Any:
+            groups.append(kw["group.id"])
+            return runs[stage]
+        return make
+
+    monkeypatch.setattr(worker.dlq, "Producer", lambda conf: producers.append(OkProducer(conf)) or producers[-1])
+    monkeypatch.setattr(worker.dlq, "make_consumer", consumer_for("inference"))
+    assert worker.dlq.replay(make_config(kafka={"group_id": "g"}), stage="inference") == 0
+    monkeypatch.setattr(worker.dlq, "make_consumer", consumer_for(None))
+    assert worker.dlq.replay(make_config(kafka={"group_id": "g"})) == 0
+    assert groups == ["g-dlq-replay-inference", "g-dlq-replay"]
+    assert [len(p.produced) for p in producers] == [2, 2]  # the unfiltered run sees both again
+
+
+class SilentConsumer(ReplayConsumer):
+    """The broker or the partition leader is gone: reads return nothing, or only errors."""
+
+    def consume(self, n: int, timeout: float) -> list[FakeMessage]:
+        return [FakeMessage.failure(KafkaError(KafkaError._TRANSPORT), "dlq", 0, 0)]
+
+
+def test_no_progress_with_dead_letters_left_exits_1(monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(worker.dlq, "make_consumer", lambda cfg, **kw: SilentConsumer())
+    monkeypatch.setattr(worker.dlq, "Producer", lambda conf: OkProducer(conf))
+    assert worker.dlq.replay(make_config(), timeout_s=0.05) == 1
+    out = capsys.readouterr().out
+    assert "nothing read for" in out and "dead letters left on partitions [0]" in out and "consume error" in out
