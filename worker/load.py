@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import sys
@@ -47,10 +48,19 @@ def parse_lanes(spec: str | None) -> list[tuple[str, float]]:
     out = []
     for part in spec.split(","):
         name, _, share = part.partition("=")
+        name = name.strip()
+        if not name:
+            # (a trailing comma used to add a lane named "" that took a share of the traffic)
+            raise ValueError(f"--lanes: a lane without a name in {spec!r}; expected NAME=FRACTION, e.g. high=0.1,low=0.9")
         try:
-            out.append((name.strip(), float(share) if share else 1.0))
+            value = float(share) if share else 1.0
         except ValueError:
             raise ValueError(f"--lanes: bad share in {part!r}; expected NAME=FRACTION, e.g. high=0.1,low=0.9") from None
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"--lanes: share of {name!r} must be a finite number >= 0, got {share!r}")
+        out.append((name, value))
+    if not any(w > 0 for _, w in out):
+        raise ValueError(f"--lanes: every share in {spec!r} is 0; at least one lane needs a share > 0")
     return out
 
 

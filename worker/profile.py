@@ -267,8 +267,12 @@ def run(args: argparse.Namespace) -> int:
     best = recommend(rows, budget)
     if best is None:
         fastest = min((r for r in rows if r.status == "ok"), key=lambda r: r.p99_ms, default=None)
-        hint = f"; the lowest p99 is {fastest.p99_ms:.2f} ms at batch {fastest.batch_size}" if fastest else ""
-        print(f"recommended max_batch_size: none meets the p99 budget of {budget:g} ms{hint}", file=out)
+        if fastest is None:  # not one size ran (out of memory, or the model failed): nothing to recommend
+            print("recommended max_batch_size: none; no batch size ran (see the status column); try smaller ones",
+                  file=out)
+        else:
+            hint = f"; the lowest p99 is {fastest.p99_ms:.2f} ms at batch {fastest.batch_size}"
+            print(f"recommended max_batch_size: none meets the p99 budget of {budget:g} ms{hint}", file=out)
     else:
         why = f"p99 {best.p99_ms:.2f} ms <= {budget:g} ms budget" if budget is not None else "highest throughput"
         print(f"recommended max_batch_size: {best.batch_size} ({why}, {best.throughput:.1f} items/s)", file=out)

@@ -15,6 +15,20 @@ def test_parse_lanes():
     assert parse_lanes(None) == []
     with pytest.raises(ValueError, match="NAME=FRACTION"):
         parse_lanes("high=lots")
+    assert parse_lanes("high=0,low=1") == [("high", 0.0), ("low", 1.0)]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("high=0.1,low=0.9,", "a lane without a name"),  # a trailing comma: it was a lane "" with share 1.0
+    ("=1", "a lane without a name"),
+    ("high=0,low=0", "every share"),
+    ("high=-1,low=2", "finite number >= 0"),
+    ("high=nan", "finite number >= 0"),
+    ("high=inf", "finite number >= 0"),
+])
+def test_parse_lanes_rejects_mixes_that_cannot_be_drawn(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_lanes(spec)
 
 
 @pytest.mark.parametrize("kind", ["tiny", "synthetic", "identity", "minilm"])

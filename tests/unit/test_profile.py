@@ -56,6 +56,16 @@ def test_profile_stops_at_oom_and_reports_no_fit(capsys: pytest.CaptureFixture[s
     assert "none meets the p99 budget" in out
 
 
+def test_profile_with_no_size_that_runs_and_no_budget_still_writes_its_json(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    js = tmp_path / "rows.json"
+    rc = profile.run(args(model="synthetic", option=["a_ms=0", "b_ms=0", "oom_above=2"], batch_sizes="4,8",
+                          device="cpu", iters=2, warmup=0, json=str(js)))
+    assert rc == 0
+    assert "none; no batch size ran" in capsys.readouterr().out  # was a TypeError formatting budget=None
+    assert json.loads(js.read_text())["recommended"] is None
+
+
 @pytest.mark.parametrize(
     ("kw", "msg"),
     [
