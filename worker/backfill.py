@@ -21,9 +21,10 @@ from worker.config import Config
 from worker.core.records import TopicPartition
 
 
-def snapshot(cfg: Config, group: str) -> tuple[dict[TopicPartition, int], dict[TopicPartition, int],
-                                               dict[TopicPartition, int]]:
-    """(low watermarks, end offsets, committed offsets of the group) for every input partition."""
+def snapshot(cfg: Config, group: str, from_timestamp: int | None = None) -> tuple[
+        dict[TopicPartition, int], dict[TopicPartition, int], dict[TopicPartition, int]]:
+    """(start offsets, end offsets, committed offsets of the group) for every input partition. The start is
+    the low watermark, or with ``from_timestamp`` the first offset at or after it (the end if none)."""
     c = Consumer(consumer_config(cfg, group_id=group))
     try:
         md = c.list_topics(timeout=30)
@@ -40,6 +41,11 @@ def snapshot(cfg: Config, group: str) -> tuple[dict[TopicPartition, int], dict[T
         committed = {TopicPartition(k.topic, k.partition): k.offset
                      for k in retry_transient(c.committed, [KTP(t, p) for t, p in end], timeout=30)
                      if k.offset >= 0}
+        if from_timestamp is not None:
+            found = retry_transient(c.offsets_for_times, [KTP(t, p, from_timestamp) for t, p in end], timeout=30)
+            for k in found:
+                tp = TopicPartition(k.topic, k.partition)
+                low[tp] = k.offset if k.offset >= 0 else end[tp]
         return low, end, committed
     finally:
         c.close()
@@ -76,7 +82,7 @@ def backfill(cfg: Config, from_beginning: bool = False, from_timestamp: int | No
     from worker.runner import Runner
 
     group = group or f"{cfg.kafka.group_id}-backfill"
-    low, end, committed = snapshot(cfg, group)
+    low, end, committed = snapshot(cfg, group, from_timestamp)
     start = {tp: low[tp] if (from_beginning or from_timestamp is not None) else max(committed.get(tp, low[tp]), low[tp])
              for tp in end}
     reached = {tp for tp in end if start[tp] >= end[tp]}
@@ -87,11 +93,8 @@ def backfill(cfg: Config, from_beginning: bool = False, from_timestamp: int | No
             for p in partitions:
                 p.offset = OFFSET_BEGINNING
         elif from_timestamp is not None:
-            query = [KTP(p.topic, p.partition, from_timestamp) for p in partitions]
-            found = {(k.topic, k.partition): k.offset for k in consumer.offsets_for_times(query, timeout=30)}
-            for p in partitions:
-                off = found.get((p.topic, p.partition), -1)
-                p.offset = off if off >= 0 else end[TopicPartition(p.topic, p.partition)]
+            for p in partitions:  # the offsets the snapshot found for the timestamp
+                p.offset = start[TopicPartition(p.topic, p.partition)]
         # Explicit assign with the chosen offsets (eager protocol, forced below), instead of the automatic one.
         consumer.assign(partitions)
 
@@ -115,6 +118,12 @@ def backfill(cfg: Config, from_beginning: bool = False, from_timestamp: int | No
     reporter.start()
     rc = runner.run()
     done_evt.set()
+    short = [tp for tp in end if runner.committed.get(tp, start[tp]) < end[tp]]
+    if rc == 0 and short:
+        # Stopped (SIGTERM/SIGINT) before the end: not a success, or a Job would count it done and never resume.
+        print(f"backfill: stopped before the end of {len(short)} of {len(end)} partitions; run it again to go on "
+              "from the committed offsets", flush=True)
+        rc = 1
     reporter.join(2)
     done = _done(runner, start)
     progress.show(done, final=True)

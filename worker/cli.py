@@ -57,6 +57,9 @@ def cmd_backfill(args: argparse.Namespace) -> int:
     _setup_logging(cfg, "WARNING" if not args.verbose else None)
     from worker.backfill import backfill
 
+    if args.from_timestamp is not None and args.from_timestamp < 0:
+        print("usage error: --from-timestamp must be a Unix time in milliseconds (>= 0)", file=sys.stderr)
+        return 2
     return backfill(cfg, from_beginning=args.from_beginning, from_timestamp=args.from_timestamp,
                     group=args.group)
 
@@ -167,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "headers to the source topic. Stops at the end of the DLQ snapshot taken at start.")
     rp.add_argument("--config", "-c", required=True, help="worker YAML config file (its kafka section is used)")
     rp.add_argument("--limit", type=int, default=None, help="replay at most this many dead letters")
-    rp.add_argument("--filter-stage", default=None, help="only dead letters of this x-error-stage")
+    rp.add_argument("--filter-stage", default=None, help=(
+        "only dead letters of this x-error-stage (progress kept in the group <group_id>-dlq-replay-STAGE)"))
     rp.add_argument("--dry-run", action="store_true", help="list what would be replayed; produce nothing")
     rp.set_defaults(func=cmd_dlq_replay)
 

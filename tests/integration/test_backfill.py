@@ -57,3 +57,26 @@ def test_backfill_killed_halfway_resumes(kafka, topic_names, tmp_path):
     dupes = sum(c - 1 for c in ids.values())
     print(f"\n[backfill-kill] killed after {partial} results; rerun done: {len(ids)} ids, duplicates={dupes}")
     assert set(ids) == {f"k-{i}" for i in range(n)}
+
+
+def test_backfill_stopped_early_exits_1_and_from_timestamp_counts_from_there(kafka, topic_names, tmp_path):
+    bs, n = kafka.bootstrap, 20_000
+    create_topics(bs, {topic_names["in"]: 4, topic_names["out"]: 4, topic_names["dlq"]: 1})
+    produce(bs, topic_names["in"], requests(n, "synthetic", id_prefix="s"))
+    cfg = worker_config(bs, topic_names, model={"name": "synthetic", "options": {"a_ms": 20, "b_ms": 0.2}},
+                        batching={"lanes": [{"name": "default", "max_batch_size": 64, "max_wait_ms": 5}]})
+    w = WorkerProcess(cfg, tmp_path, command="backfill", name="stopped", extra_args=["--verbose"]).start()
+    w.wait_assigned()
+    time.sleep(4)
+    assert w.stop(60) == 1, w.log()[-3000:]  # SIGTERM mid-run: a graceful stop, but not a finished backfill
+    assert "stopped before the end of" in w.log()
+
+    # --from-timestamp: only the records at or after it (the total, the records read, the results).
+    time.sleep(0.05)
+    since = int(time.time() * 1000)
+    time.sleep(0.05)
+    produce(bs, topic_names["in"], requests(40, "synthetic", id_prefix="new"))
+    w2 = WorkerProcess(cfg, tmp_path, command="backfill", name="since",
+                       extra_args=["--from-timestamp", str(since), "--group", f"since-{topic_names['run']}"]).start()
+    assert w2.wait(120) == 0, w2.log()[-3000:]
+    assert "backfill: 40 records in 4 partitions" in w2.log() and "40 records read" in w2.log()
