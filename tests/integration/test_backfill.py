@@ -1,10 +1,12 @@
-"""``worker backfill``: exactly the snapshot, exit 0; killed halfway and rerun -> every id has a result."""
+"""``worker backfill``: exactly the snapshot, exit 0; killed or stopped halfway and rerun -> every id has a result; --from-timestamp."""
 
 from __future__ import annotations
 
 import collections
 import signal
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,16 +38,24 @@ def test_backfill_20000_exactly_then_exit_0(kafka, topic_names, tmp_path):
     assert "10 records read" in w2.log()
 
 
-def test_backfill_killed_halfway_resumes(kafka, topic_names, tmp_path):
-    bs, n = kafka.bootstrap, 20_000
+def _slow_backfill_under_way(kafka: Any, topic_names: dict[str, str], tmp_path: Path, n: int, prefix: str,
+                             name: str) -> tuple[dict[str, Any], WorkerProcess]:
+    """n records and a backfill of them at ~64 records per 33 ms (about 10 s for the topic), 4 s after it
+    got its partitions: well under way, far from done."""
+    bs = kafka.bootstrap
     create_topics(bs, {topic_names["in"]: 4, topic_names["out"]: 4, topic_names["dlq"]: 1})
-    produce(bs, topic_names["in"], requests(n, "synthetic", id_prefix="k"))
-    # ~64 records per 33 ms: about 10 s for the topic; the kill lands 4 s after the assignment.
+    produce(bs, topic_names["in"], requests(n, "synthetic", id_prefix=prefix))
     cfg = worker_config(bs, topic_names, model={"name": "synthetic", "options": {"a_ms": 20, "b_ms": 0.2}},
                         batching={"lanes": [{"name": "default", "max_batch_size": 64, "max_wait_ms": 5}]})
-    w = WorkerProcess(cfg, tmp_path, command="backfill", name="killed", extra_args=["--verbose"]).start()
+    w = WorkerProcess(cfg, tmp_path, command="backfill", name=name, extra_args=["--verbose"]).start()
     w.wait_assigned()
     time.sleep(4)
+    return cfg, w
+
+
+def test_backfill_killed_halfway_resumes(kafka, topic_names, tmp_path):
+    bs, n = kafka.bootstrap, 20_000
+    cfg, w = _slow_backfill_under_way(kafka, topic_names, tmp_path, n, "k", "killed")
     w.signal(signal.SIGKILL)
     w.wait(30)
     partial = len(read_all(bs, topic_names["out"], timeout=10, idle=1))
@@ -60,14 +70,8 @@ def test_backfill_killed_halfway_resumes(kafka, topic_names, tmp_path):
 
 
 def test_backfill_stopped_early_exits_1_and_from_timestamp_counts_from_there(kafka, topic_names, tmp_path):
-    bs, n = kafka.bootstrap, 20_000
-    create_topics(bs, {topic_names["in"]: 4, topic_names["out"]: 4, topic_names["dlq"]: 1})
-    produce(bs, topic_names["in"], requests(n, "synthetic", id_prefix="s"))
-    cfg = worker_config(bs, topic_names, model={"name": "synthetic", "options": {"a_ms": 20, "b_ms": 0.2}},
-                        batching={"lanes": [{"name": "default", "max_batch_size": 64, "max_wait_ms": 5}]})
-    w = WorkerProcess(cfg, tmp_path, command="backfill", name="stopped", extra_args=["--verbose"]).start()
-    w.wait_assigned()
-    time.sleep(4)
+    bs = kafka.bootstrap
+    cfg, w = _slow_backfill_under_way(kafka, topic_names, tmp_path, 20_000, "s", "stopped")
     assert w.stop(60) == 1, w.log()[-3000:]  # SIGTERM mid-run: a graceful stop, but not a finished backfill
     assert "stopped before the end of" in w.log()
 

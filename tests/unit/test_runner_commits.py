@@ -290,18 +290,28 @@ def _fail_offset_1_forever(h: Harness) -> None:
     h.p.fail_if = lambda p: _timeout() if p.topic == "out" and src_offset(p) == 1 else None
 
 
-def test_after_max_retries_the_runner_is_fatal_and_never_commits_past_the_record(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def _results_of_offset_1_never_delivered(monkeypatch: pytest.MonkeyPatch, n: int) -> Harness:
+    """n records read and run; every delivery of offset 1's result fails from now on."""
     h = Harness(monkeypatch).start()
     h.c.assign(("in", 0))
-    h.send(3)
+    h.send(n)
     h.iterate()
     h.device.run_all()
     _fail_offset_1_forever(h)
+    return h
+
+
+def _until_fatal(h: Harness) -> None:
     for _ in range(500):  # retries back off (fake time moves with each turn's poll timeout)
         h.iterate()
         if h.runner._fatal:
             break
+
+
+def test_after_max_retries_the_runner_is_fatal_and_never_commits_past_the_record(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    h = _results_of_offset_1_never_delivered(monkeypatch, 3)
+    _until_fatal(h)
     assert h.runner._fatal is not None and "in[0]@1" in h.runner._fatal
     assert len(h.p.failed) == 1 + 5  # the first try + the 5 retries README promises
     h.commit()
@@ -309,12 +319,7 @@ def test_after_max_retries_the_runner_is_fatal_and_never_commits_past_the_record
 
 
 def test_a_failed_delivery_is_retried_only_after_its_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
-    h = Harness(monkeypatch).start()
-    h.c.assign(("in", 0))
-    h.send(2)
-    h.iterate()
-    h.device.run_all()
-    _fail_offset_1_forever(h)
+    h = _results_of_offset_1_never_delivered(monkeypatch, 2)
     sent_at: list[float] = []
     produce = h.p.produce
 
@@ -324,10 +329,7 @@ def test_a_failed_delivery_is_retried_only_after_its_backoff(monkeypatch: pytest
             sent_at.append(h.clock.t)
 
     h.p.produce = timed_produce  # type: ignore[method-assign]
-    for _ in range(500):
-        h.iterate()
-        if h.runner._fatal:
-            break
+    _until_fatal(h)
     gaps = [b - a for a, b in zip(sent_at, sent_at[1:], strict=False)]
     # Backoff min(0.05 * attempt, 0.5) s after each failure (the failure itself is reported at once here).
     assert len(gaps) == 5 and all(g >= 0.05 * (i + 1) - 1e-9 for i, g in enumerate(gaps)), gaps
