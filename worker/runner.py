@@ -47,6 +47,11 @@ log = logging.getLogger("worker.runner")
 GC_THRESHOLD = (20_000, 20, 20)
 
 
+def _with_records(batch: Batch, records: list[Record]) -> Batch:
+    return Batch(batch.lane, records, batch.opened_at, batch.closed_at, batch.reason, batch.max_batch_size,
+                 batch.mixed)
+
+
 def _by_lane(records: list[Record]) -> Iterable[tuple[str, list[Record]]]:
     groups: dict[str, list[Record]] = {}
     for r in records:
@@ -186,13 +191,22 @@ class Runner:
             return None
         with self.cv:
             now = time.monotonic()
+            current = batch
+            epochs = self.epochs
+            if any(epochs[r.tp] != r.epoch for r in batch.records):
+                # Their partition was released since the batch was taken (revoke, loss, rewind): those records
+                # belong to the new owner or the rewound reader now; not to expire, requeue or run here.
+                current = _with_records(batch, [r for r in batch.records if epochs[r.tp] == r.epoch])
             # Taken up to a batch-time ago: records whose deadline passed meanwhile are expired, not run.
-            trimmed = self.scheduler.drop_expired(batch, now)
-            if self._suspects or self._isolated or (trimmed is not None and not trimmed.records):
-                return trimmed
-            better = self.scheduler.preempt(trimmed or batch, now)
+            trimmed = self.scheduler.drop_expired(current, now)
+            if trimmed is not None:  # (possibly empty: every record expired)
+                current = trimmed
+            changed = current if current is not batch else None
+            if self._suspects or self._isolated or not current.records:
+                return changed
+            better = self.scheduler.preempt(current, now)
             if better is None:
-                return trimmed
+                return changed
             better.closed_at = now
             self.metrics.event("preemptions_total", lane=batch.lane)
         self.gate.count_dispatch(better)
@@ -507,7 +521,13 @@ class Runner:
         # and a histogram observe() per record costs about 5 us.
         out_counts: Counter[tuple[str, str]] = Counter()
         e2e_s: dict[str, list[float]] = {}
+        epochs = self.epochs
         for o in outcomes:
+            if epochs[o.record.tp] != o.record.epoch:
+                # Its partition was released since it was read (revoke, loss, rewind): the new owner or the
+                # rewound reader processes it again. An outcome from here would be a second, conflicting
+                # result, and in exactly-once mode it would take the re-read record's place in the order.
+                continue
             if o.status == "ok":
                 st.results_ok += 1
             elif o.status == "error":
@@ -708,7 +728,13 @@ class Runner:
         assert self.txn is not None
         t0 = time.monotonic()
         # Every produced result must be delivered before its offset can go into the transaction.
-        self.emitter.flush(30)
+        left = self.emitter.flush(30)
+        if left:
+            # Committing now would commit those results (commit_transaction flushes them itself) without the
+            # offsets that cover them: abort, and read again from the last commit.
+            log.warning("exactly-once checkpoint: %d messages still undelivered after 30 s; aborting", left)
+            self._abort_transaction()
+            return
         offsets = self.tracker.committable()
         try:
             ok = self.txn.checkpoint(offsets)
@@ -723,6 +749,17 @@ class Runner:
         else:
             self.metrics.event("commit_failures")
             self._rewind()
+
+    def _abort_transaction(self) -> None:
+        """Abort the open transaction and read every assigned partition again from its last commit."""
+        assert self.txn is not None
+        try:
+            self.txn.abort()
+        except Fenced as e:
+            self._fatal = str(e)
+            return
+        self.metrics.event("commit_failures")
+        self._rewind()
 
     def _rewind(self) -> None:
         """After an aborted transaction: forget everything in flight and read again from the committed
@@ -813,6 +850,11 @@ class Runner:
             self.position.pop(tp, None)
         self.assigned -= tps
         self.paused -= tps
+        if self.txn is not None and not graceful:
+            # The open transaction holds results of these partitions, whose offsets it can no longer commit
+            # (the new owner produces them again): committed later, they would be visible twice. Abort it and
+            # read the partitions kept again from their last commit.
+            self._abort_transaction()
         log.info("partitions released", extra={"partitions": sorted(f"{t}[{p}]" for t, p in tps),
                                                "dropped_queued": len(dropped), "graceful": graceful})
 

@@ -222,3 +222,75 @@ def test_metrics_count_every_result_by_lane_and_status_on_the_general_path(
     assert value(m, "kiw_records_out_total", lane="hi", status="ok") == 2
     assert value(m, "kiw_end_to_end_seconds_count", lane="lo") == 3
     assert value(m, "kiw_end_to_end_seconds_count", lane="hi") == 2
+
+
+# ------------------------------------------------------------------ partitions that change hands mid-flight
+@pytest.mark.parametrize("how", ["revoke-and-back", "rewind"])
+def test_a_batch_taken_before_its_partition_changed_hands_leaves_no_stale_outcome(
+        monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """A device took records 0..2, then the partition was revoked and assigned back (or the transaction
+    aborted and the consumer rewound); the records' deadlines pass before the device starts the batch. Their
+    expiry used to be emitted: it took the re-read records' places in the reorder buffer, the real results
+    waited behind it forever and the partition never committed again."""
+    h = eos(monkeypatch, delivery={"revoke_timeout_ms": 200},
+            batching={"lanes": [{"name": "default", "deadline_ms": 1000, "max_wait_ms": 0}]})
+    h.c.assign(("in", 0))
+    h.send(3)
+    h.iterate()
+    taken = h.device.take()
+    assert taken is not None and len(taken.records) == 3
+    if how == "rewind":
+        h.p.fail_txn("commit", KafkaException(KafkaError(KafkaError._TIMED_OUT, "timed out", retriable=True)))
+        h.commit()
+    else:
+        h.c.revoke(("in", 0))
+        h.clock.advance(0.3)
+        h.c.assign(("in", 0))
+    h.clock.advance(1.5)  # the old records' deadlines pass
+    swapped = h.runner._swap(taken)
+    assert swapped is not None and swapped.records == []  # not expired, not requeued, not run: not ours
+    h.device.finish(swapped, [])
+    for _ in range(5):
+        h.process()
+    h.commit()
+    assert [(src(p), p.json()["status"]) for p in h.p.visible("out")] == [((0, i), "ok") for i in range(3)]
+    assert h.committed() == 3 and h.p.visible("dlq") == []
+    check_transactions(h)
+
+
+def test_lost_partitions_abort_the_open_transaction(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Results of a lost partition sat in the open transaction; the next checkpoint committed them without
+    their offsets, and the new owner produced them again: a read_committed reader saw them twice."""
+    h = eos(monkeypatch)
+    h.c.assign(("in", 0), ("in", 1))
+    h.send(3, partition=0)
+    for _ in range(3):
+        h.process()
+    h.c.lose(("in", 0))  # the new owner starts from in[0]'s last commit (none)
+    h.send(2, partition=1)
+    for _ in range(3):
+        h.process()
+    h.commit()
+    assert [src(p) for p in h.p.visible("out")] == [(1, 0), (1, 1)]
+    assert h.committed("in", 0) is None and h.committed("in", 1) == 2
+    check_transactions(h)
+
+
+def test_a_checkpoint_whose_results_are_not_all_delivered_aborts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checkpoint's flush timed out with results outstanding; commit_transaction then delivered and
+    committed them, but not the offsets that cover them (a revoke handed the partition over as it was)."""
+    h = eos(monkeypatch)
+    h.c.assign(("in", 0))
+    h.send(3)
+    h.p.hold = True  # the broker takes its time: still unacknowledged after the checkpoint's flush
+    h.process()
+    commit = h.p.commit_transaction
+
+    def acks_arrive_inside_commit(timeout: float | None = None) -> None:
+        h.p.hold = False
+        commit(timeout)
+
+    h.p.commit_transaction = acks_arrive_inside_commit  # type: ignore[method-assign]
+    h.c.revoke(("in", 0))
+    assert h.p.visible("out") == [] and h.committed() is None  # aborted: the new owner does all three
+    check_transactions(h)
