@@ -458,3 +458,104 @@ def test_a_pipeline_thread_that_dies_is_reported_in_error() -> None:
     w.stop(5)
     assert isinstance(w.error, SystemExit) and not w.alive
     assert 1 not in feeder.results  # the batch it held never came back
+
+
+# ------------------------------------------------------------------------------------ review fixes
+class FitsUnder(Fake):
+    """Batches over ``limit`` records run out of device memory."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def forward(self, batch: list[Any]) -> list[Any]:
+        if len(batch) > self.limit:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return batch
+
+
+def test_an_oom_right_after_the_limit_is_lifted_doubles_the_wait_too() -> None:
+    """Only 62 of a lane's configured 64 fit. The lift back to 64 is a step up like the others: an OOM there
+    must double the wait before the next try, or the lane runs out of memory every grow_after batches."""
+    eng = Engine(FitsUnder(62), "cpu", warmup=False, grow_after=10, max_batch_sizes={"low": 64})
+    eng.setup()
+    ooms_at: list[int] = []
+    calls = 0
+    while len(ooms_at) < 5:
+        before = eng.stats.oom
+        eng.infer(list(range(64)), "low")
+        calls += 1
+        if eng.stats.oom > before:
+            ooms_at.append(calls)
+    gaps = [b - a for a, b in zip(ooms_at, ooms_at[1:], strict=False)]
+    assert gaps[1:] == [gaps[1] * 2 ** k for k in range(len(gaps) - 1)] and gaps[-1] > gaps[0], gaps
+
+
+class RuntimeOOM(Exception):
+    """What onnxruntime raises on CUDA: not a RuntimeError."""
+
+
+def test_an_out_of_memory_error_from_another_runtime_splits_instead_of_bisecting() -> None:
+    from worker.adapters.torch_engine import is_oom
+
+    assert is_oom(RuntimeOOM("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : CUDA failure 2: out of memory"))
+    assert is_oom(RuntimeOOM("Failed to allocate memory for requested buffer of size 1073741824"))
+    assert not is_oom(RuntimeOOM("Unexpected input data type"))
+
+
+def test_a_batch_output_part_without_one_row_per_record_is_an_error_not_a_misattribution() -> None:
+    from worker.models.base import split_rows
+
+    n = 3
+    with pytest.raises(ValueError, match=r"output\['bias'\] has 8 rows for a batch of 3"):
+        split_rows({"logits": torch.zeros(n, 2), "bias": torch.arange(8.0)}, n)
+    with pytest.raises(ValueError, match=r"output\[1\] has 1 rows"):
+        split_rows((torch.zeros(n), torch.tensor([1.0])), n)
+    assert split_rows({"a": torch.zeros(n, 2), "b": torch.ones(n)}, n)[2] == {"a": [0.0, 0.0], "b": 1.0}
+
+
+class SplitFailsOnce(Fake):
+    def __init__(self) -> None:
+        super().__init__(forward_s=0.02)
+        self.active = 0
+        self.most = 0
+        self.threads: set[str] = set()
+
+    def forward(self, batch: list[Any]) -> list[Any]:
+        with self.lock:
+            self.active += 1
+            self.most = max(self.most, self.active)
+            self.threads.add(threading.current_thread().name)
+        time.sleep(self.forward_s)
+        with self.lock:
+            self.active -= 1
+        return batch
+
+    def split(self, out: list[Any], n: int) -> list[Any]:
+        if "bad" in out:
+            raise ValueError("cannot split")
+        return out
+
+
+def test_forward_never_runs_on_two_threads_at_once() -> None:
+    """Recovering a batch whose split() failed re-runs forward on the finish thread while the device thread
+    runs the next batch; handlers need not be thread-safe."""
+    model = SplitFailsOnce()
+    feeder = Feeder([make_batch(["bad" if (k == 0 and i == 3) else i for i in range(8)], offset=k * 8)
+                     for k in range(4)])
+    w = DeviceWorker(Engine(model, "cpu", warmup=False), feeder.take, feeder.done, poll_s=0.01)
+    w.start()
+    assert feeder.all_done.wait(30)
+    w.stop(5)
+    assert len(model.threads) == 2 and model.most == 1, (model.threads, model.most)
+
+
+def test_a_mapping_batch_keeps_its_type_when_moved() -> None:
+    from worker.adapters.torch_engine import _map_tensors
+
+    class Encoding(dict):  # like transformers' BatchEncoding: a dict with attribute access
+        def __getattr__(self, k: str) -> Any:
+            return self[k]
+
+    moved = _map_tensors(Encoding(input_ids=torch.zeros(2, 3)), lambda t: t + 1)
+    assert type(moved) is Encoding and moved.input_ids.sum().item() == 6

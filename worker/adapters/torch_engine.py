@@ -156,9 +156,12 @@ def _drop_frames(exc: BaseException) -> None:
 
 
 def is_oom(exc: BaseException) -> bool:
-    if isinstance(exc, torch.cuda.OutOfMemoryError):
+    if isinstance(exc, torch.cuda.OutOfMemoryError | MemoryError):
         return True
-    return isinstance(exc, RuntimeError | MemoryError) and "out of memory" in str(exc).lower()
+    # By message for the rest: torch's own, and other runtimes whose exceptions are not RuntimeErrors
+    # (onnxruntime's RuntimeException: "... CUDA failure 2: out of memory", "Failed to allocate memory").
+    text = str(exc).lower()
+    return isinstance(exc, Exception) and ("out of memory" in text or "failed to allocate memory" in text)
 
 
 # -------------------------------------------------------------------------------------------- tree maps
@@ -167,8 +170,14 @@ def is_oom(exc: BaseException) -> bool:
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
-    if isinstance(obj, Mapping):  # HF BatchEncoding / ModelOutput become plain dicts
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, Mapping):
+        moved = {k: _map_tensors(v, fn) for k, v in obj.items()}
+        if type(obj) is not dict:
+            try:  # keep the handler's type (HF BatchEncoding: .input_ids, .to()), as on CPU where nothing moves
+                return type(obj)(moved)  # type: ignore[call-arg]
+            except Exception:
+                pass
+        return moved
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # NamedTuple
         return type(obj)(*(_map_tensors(v, fn) for v in obj))
     if isinstance(obj, list | tuple):
@@ -270,6 +279,7 @@ class Engine:
         self.is_cuda = self.kind == "cuda" and self.uses_torch
         self._copy_stream: Any = None
         self._lock = threading.Lock()
+        self._forward_lock = threading.Lock()
         self._limits: dict[str, int] = {}
         # Where a lowered limit is lifted: the lane's configured max, else the largest batch seen.
         self._configured = dict(max_batch_sizes or {})
@@ -375,7 +385,9 @@ class Engine:
                     x.record_stream(stream)  # allocated on the copy stream, read on this one
             started = torch.cuda.Event(enable_timing=True)
             started.record(stream)
-        with self._ctx():
+        with self._ctx(), self._forward_lock:
+            # The finish thread also runs forward() when it recovers a batch whose split() failed: handlers are
+            # not required to be thread-safe, so two forwards never overlap.
             out = self.model.forward(p.batch)
         if self.is_cuda:
             ended = torch.cuda.Event(enable_timing=True)
@@ -523,7 +535,9 @@ class Engine:
                 return  # a concurrent split already lowered it further
             if grow and new >= ceiling:
                 self._limits.pop(lane, None)
-                self._patience.pop(lane, None)
+                # The lift is a step up like the others: an OOM at the full size doubles the wait too
+                # (patience is kept), or a lane that fits only just under its max would OOM every grow_after.
+                self._probing[lane] = True
                 new = ceiling
             else:
                 self._limits[lane] = new
