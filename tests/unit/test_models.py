@@ -219,10 +219,36 @@ def test_state_dict_with_factory(user_module: str, tmp_path: Path) -> None:
     m2: Any = load_model(ModelConfig(name=str(sd_path), options={"factory": f"{user_module}:build"}))
     m2.setup("cpu")
     assert run(m2, x) == run(m, x)
-    # weights_only=True: a pickled object that is not plain tensors is refused
+    # weights_only=True: a pickled object that is not plain tensors is refused, as a config error (exit 2)
     torch.save({"lin.weight": Doubler(3)}, tmp_path / "evil.pt")
-    with pytest.raises(Exception, match="(?i)weights_only|unsupported|global"):
+    with pytest.raises(ConfigError, match=r"\$\.model\.options\.state_dict: .*evil.pt' is not a loadable state dict"):
         load_model(ModelConfig(name=f"{user_module}:build", options={"state_dict": str(tmp_path / "evil.pt")}))
+    # so is a whole module saved instead of its state_dict (name=<file> + factory: the key is $.model.name)
+    torch.save(Doubler(3), tmp_path / "module.pt")
+    with pytest.raises(ConfigError, match=r"\$\.model\.name: .*module.pt' is not a loadable state dict.*state_dict\(\)"):
+        load_model(ModelConfig(name=str(tmp_path / "module.pt"), options={"factory": f"{user_module}:build"}))
+    (tmp_path / "broken.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ConfigError, match="is not a loadable state dict"):
+        load_model(ModelConfig(name=str(tmp_path / "broken.safetensors"), options={"factory": f"{user_module}:build"}))
+
+
+def test_a_weights_only_file_without_factory_is_refused_before_start(tmp_path: Path) -> None:
+    from worker.models.registry import check_model
+
+    path = tmp_path / "w.safetensors"
+    path.write_bytes(b"")
+    for check in (check_model, load_model):
+        with pytest.raises(ConfigError, match=r"\$\.model\.name: 'w.safetensors' holds weights only; set options.factory"):
+            check(ModelConfig(name=str(path)))
+
+
+def test_an_integer_input_dtype_refuses_fractions_instead_of_truncating(tmp_path: Path) -> None:
+    from worker.models.loaders import TensorModel
+
+    m = TensorModel(torch.nn.Identity(), name="ids", input_dtype="int64")
+    assert m.decode([1, 2, 3]).tolist() == [1, 2, 3] and m.decode([1.0, 2.0]).tolist() == [1, 2]
+    with pytest.raises(ValueError, match="int64: got non-integers"):
+        m.decode([1.7, -2.9])
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")

@@ -95,6 +95,11 @@ class TensorModel:
 
         try:
             t = torch.tensor(inputs, dtype=self.dtype)
+            if not (self.dtype.is_floating_point or self.dtype == torch.bool):
+                # torch.tensor([1.7], dtype=torch.int64) is [1]: an input the model cannot take is an error
+                raw = torch.tensor(inputs)
+                if raw.is_floating_point() and not torch.equal(raw, raw.trunc()):
+                    raise ValueError(f"input_dtype is {str(self.dtype).removeprefix('torch.')}: got non-integers")
         except (TypeError, ValueError, RuntimeError) as e:
             raise ValueError(f"inputs must be a (nested) list of numbers: {e}") from None
         if self.input_shape is not None and tuple(t.shape) != self.input_shape:
@@ -271,14 +276,21 @@ def import_callable(spec: str) -> Callable[..., Any]:
     return obj
 
 
-def _load_state_dict(path: Path) -> dict[str, Any]:
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
+def _load_state_dict(path: Path, key: str = "$.model.options.state_dict") -> dict[str, Any]:
+    """The tensors of a weights file. A file that is not one (a pickled whole module, a corrupt file) is a
+    ConfigError naming ``key``, not a raw unpickling or safetensors error."""
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
 
-        return load_file(str(path))
-    import torch
+            return load_file(str(path))
+        import torch
 
-    sd = torch.load(str(path), map_location="cpu", weights_only=True)
+        sd = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ConfigError(f"{key}: {str(path)!r} is not a loadable state dict ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); save the module's state_dict(), not the "
+                          "module itself") from None
     if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
         sd = sd["state_dict"]  # the common {"state_dict": ..., "epoch": ...} checkpoint layout
     if not isinstance(sd, dict):
@@ -321,8 +333,9 @@ def from_factory(spec: str, options: dict[str, Any], state_dict: Path | None = N
     if isinstance(obj, torch.nn.Module):
         version = "0"
         if state_dict is not None:
+            key = "$.model.options.state_dict" if sd_opt is not None else "$.model.name"
             try:
-                obj.load_state_dict(_load_state_dict(state_dict))
+                obj.load_state_dict(_load_state_dict(state_dict, key))
             except RuntimeError as e:
                 raise ConfigError(f"$.model.options.state_dict: does not fit {spec!r}: {e}") from None
             version = file_version(state_dict)
@@ -344,21 +357,37 @@ def existing_file(path: str, key: str) -> Path:
     return p
 
 
-def from_file(path_str: str, options: dict[str, Any]) -> Any:
+def check_file(path_str: str, options: dict[str, Any]) -> Path:
+    """What can be told about a model file without loading it (``worker check-config`` and ``from_file``):
+    it exists, its suffix fits the options (a weights-only file needs ``factory``), no unknown option."""
     path = existing_file(path_str, "$.model.name")
     suffix = path.suffix.lower()
     if "factory" in options:  # a weights file for the factory's module
         if suffix not in STATE_DICT_SUFFIXES:
             raise ConfigError(f"$.model.name: a state dict file must end with {', '.join(STATE_DICT_SUFFIXES)}")
+        import_callable(str(options["factory"]))
+        return path
+    if suffix in STATE_DICT_SUFFIXES and suffix not in TORCHSCRIPT_SUFFIXES:
+        raise ConfigError(f"$.model.name: {path.name!r} holds weights only; set options.factory to the "
+                          "'package.module:callable' that builds the module they fit")
+    if suffix not in ONNX_SUFFIXES:
+        extra = set(options) - set(RESERVED_OPTIONS)
+        if extra:
+            raise ConfigError(f"$.model.options.{sorted(extra)[0]}: unknown option for a model file")
+        _tensor_kwargs(options)
+    return path
+
+
+def from_file(path_str: str, options: dict[str, Any]) -> Any:
+    path = check_file(path_str, options)
+    suffix = path.suffix.lower()
+    if "factory" in options:
         return from_factory(str(options["factory"]), options, state_dict=path)
     version = file_version(path)
     if suffix in ONNX_SUFFIXES:
         return OnnxModel(path, name=path.name, version=version, example_input=options.get("example_input"))
     import torch
 
-    extra = set(options) - set(RESERVED_OPTIONS)
-    if extra:
-        raise ConfigError(f"$.model.options.{sorted(extra)[0]}: unknown option for a model file")
     kw = _tensor_kwargs(options)
     if suffix in EXPORT_SUFFIXES:
         try:

@@ -95,7 +95,7 @@ def check_model(cfg: ModelConfig) -> str:
         _builtin(name)(**dict(cfg.options))
         return "built-in"
     if kind == "file":
-        loaders.existing_file(name, "$.model.name")
+        loaders.check_file(name, dict(cfg.options))
         return "model file, found; loaded at start"
     loaders.import_callable(name)
     return "factory, importable; called at start"
