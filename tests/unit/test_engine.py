@@ -390,6 +390,17 @@ def test_compile_wraps_forward_and_falls_back_to_eager(monkeypatch: pytest.Monke
     eng2.setup()  # warns and runs eager
     assert len(eng2.infer(eng2.example_items(3))) == 3
 
+    # A handler without example_inputs(): nothing to try the compiled forward on at start. The first real
+    # batch does; it used to fail every record in service instead of falling back.
+    tiny = load_model(ModelConfig(name="tiny"))
+    items = Engine(tiny, "cpu", warmup=False, threads=1).example_items(4)
+    tiny.example_inputs = lambda: []
+    eng3 = Engine(tiny, "cpu", compile=True, threads=1)
+    eng3.setup()
+    outs = eng3.infer(items)
+    assert len(outs) == 4 and not any(isinstance(o, BaseException) for o in outs)
+    assert eng3.stats.poison == 0
+
 
 def test_failed_forward_frames_are_released_before_the_retry() -> None:
     """An OOM's traceback keeps the failed forward's locals (its activations) alive; the retry must not

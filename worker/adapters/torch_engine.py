@@ -300,16 +300,37 @@ class Engine:
         self.model.setup(self.device)
         if self.compile and self.uses_torch:
             eager = self.model.forward
-            self.model.forward = torch.compile(eager, dynamic=True)
-            try:
-                self._warm(force=True)
-            except Exception as e:
-                log.warning("torch.compile of %s failed at warm-up (%s); running eager", self.name, e)
-                self.model.forward = eager
-                self._warm()
+            compiled = torch.compile(eager, dynamic=True)
+            if not self.example_items(1):
+                # Nothing to verify the compiled forward with now: the first real batch does, and a failure
+                # there falls back to eager instead of failing every record in service.
+                self.model.forward = self._verified_on_first_use(compiled, eager)
+            else:
+                self.model.forward = compiled
+                try:
+                    self._warm(force=True)
+                except Exception as e:
+                    log.warning("torch.compile of %s failed at warm-up (%s); running eager", self.name, e)
+                    self.model.forward = eager
+                    self._warm()
         else:
             self._warm()
         self.ready = True
+
+    def _verified_on_first_use(self, compiled: Callable[[Any], Any], eager: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def forward(batch: Any) -> Any:
+            try:
+                out = compiled(batch)
+            except Exception as e:
+                if is_oom(e):
+                    raise  # the OOM policy's, not the compiler's
+                log.warning("torch.compile of %s failed on its first batch (%s); running eager", self.name, e)
+                self.model.forward = eager
+                return eager(batch)
+            self.model.forward = compiled  # it works: no wrapper from now on
+            return out
+
+        return forward
 
     @property
     def name(self) -> str:
