@@ -570,3 +570,19 @@ def test_a_mapping_batch_keeps_its_type_when_moved() -> None:
 
     moved = _map_tensors(Encoding(input_ids=torch.zeros(2, 3)), lambda t: t + 1)
     assert type(moved) is Encoding and moved.input_ids.sum().item() == 6
+
+
+def test_a_dataclass_batch_is_moved_too() -> None:
+    """Only tensors, mappings, tuples and lists used to be moved: a handler's own batch type stayed on the
+    CPU, and on a GPU every record failed."""
+    import dataclasses as dc
+
+    from worker.adapters.torch_engine import _map_tensors
+
+    @dc.dataclass
+    class Inputs:
+        ids: torch.Tensor
+        lengths: list[int]
+
+    moved = _map_tensors(Inputs(torch.zeros(2), [1, 2]), lambda t: t + 1)
+    assert isinstance(moved, Inputs) and moved.ids.tolist() == [1.0, 1.0] and moved.lengths == [1, 2]

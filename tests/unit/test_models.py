@@ -284,7 +284,7 @@ def test_torch_export_file(tmp_path: Path) -> None:
     assert torch.allclose(torch.tensor(run(m, x)), mod(torch.tensor(x)), atol=1e-6)
 
 
-def _onnx_linear(path: Path, w: list[list[float]], b: list[float]) -> None:
+def _onnx_linear(path: Path, w: list[list[float]], b: list[float], batch: str | int = "batch") -> None:
     import numpy as np
     import onnx
     from onnx import TensorProto, helper, numpy_helper
@@ -292,8 +292,8 @@ def _onnx_linear(path: Path, w: list[list[float]], b: list[float]) -> None:
     graph = helper.make_graph(
         [helper.make_node("Gemm", ["x", "W", "B"], ["y"])],
         "lin",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 2])],
         [numpy_helper.from_array(np.asarray(w, dtype=np.float32), "W"),
          numpy_helper.from_array(np.asarray(b, dtype=np.float32), "B")],
     )
@@ -355,3 +355,40 @@ def test_docs_custom_model_example_runs(tmp_path: Path, monkeypatch: pytest.Monk
         assert len(out) == 3 and all(isinstance(o, float) for o in out)
     finally:
         sys.modules.pop("my_models", None)
+
+
+def test_an_onnx_file_with_a_fixed_batch_axis(tmp_path: Path) -> None:
+    """torch.onnx.export without dynamic_axes fixes the batch axis. Size 1 used to run every batch into an
+    error and bisect it down to single records; now the engine caps every lane at 1. Any other fixed size
+    cannot take a stream's partial batches: refused at load."""
+    needs.module("onnxruntime")
+    from worker.adapters.torch_engine import Engine
+
+    one = tmp_path / "one.onnx"
+    _onnx_linear(one, [[1, 0], [0, 1], [1, 1]], [0.5, -0.5], batch=1)
+    m: Any = load_model(ModelConfig(name=str(one)))
+    limits: list[tuple[str, int]] = []
+    eng = Engine(m, "cpu", warmup=False, max_batch_sizes={"default": 32}, on_limit=lambda ln, n: limits.append((ln, n)))
+    eng.setup()
+    assert limits == [("default", 1)] and eng.effective_max("default") == 1
+    out = eng.infer([m.decode([1, 2, 3])] * 5)
+    assert out == [[4.5, 4.5]] * 5 and eng.stats.poison == 0
+    four = tmp_path / "four.onnx"
+    _onnx_linear(four, [[1, 0], [0, 1], [1, 1]], [0.5, -0.5], batch=4)
+    with pytest.raises(ConfigError, match=r"fixed batch axis of \[4\].*dynamic batch axis"):
+        load_model(ModelConfig(name=str(four)))
+
+
+def test_an_onnx_input_type_the_loader_does_not_map_is_refused_at_load(tmp_path: Path) -> None:
+    needs.module("onnxruntime")
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "id",
+                              [helper.make_tensor_value_info("x", TensorProto.INT16, ["batch", 2])],
+                              [helper.make_tensor_value_info("y", TensorProto.INT16, ["batch", 2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(tmp_path / "i16.onnx"))
+    with pytest.raises(ConfigError, match=r"input 'x' has type tensor\(int16\), which the ONNX loader does not map"):
+        load_model(ModelConfig(name=str(tmp_path / "i16.onnx")))

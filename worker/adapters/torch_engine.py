@@ -30,6 +30,7 @@ Several devices in one process = several DeviceWorkers (one Engine each) sharing
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -180,6 +181,9 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         return moved
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # NamedTuple
         return type(obj)(*(_map_tensors(v, fn) for v in obj))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # a handler's own batch type
+        return dataclasses.replace(obj, **{f.name: _map_tensors(getattr(obj, f.name), fn)
+                                           for f in dataclasses.fields(obj) if f.init})
     if isinstance(obj, list | tuple):
         return type(obj)(_map_tensors(v, fn) for v in obj)
     return obj
@@ -298,6 +302,14 @@ class Engine:
             torch.cuda.set_device(self.device)
             self._copy_stream = torch.cuda.Stream(self.device)
         self.model.setup(self.device)
+        cap = getattr(self.model, "max_batch", None)
+        if cap:
+            # The model takes at most this many records at once (an ONNX file with a fixed batch axis of 1):
+            # every lane's limit, for good (the ceiling it would be lifted back to is the same).
+            for lane in self._configured:
+                self._ceiling[lane] = min(self._ceiling.get(lane, cap), cap)
+                if self._configured[lane] > cap:
+                    self._set_limit(lane, cap, grow=False)
         if self.compile and self.uses_torch:
             eager = self.model.forward
             compiled = torch.compile(eager, dynamic=True)

@@ -182,8 +182,25 @@ class OnnxModel:
             probe = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         except Exception as e:
             raise ConfigError(f"$.model.name: {str(path)!r} is not a loadable ONNX model: {e}") from None
-        self.inputs = [(i.name, self._NP.get(i.type, "float32"), i.shape) for i in probe.get_inputs()]
+        unknown = [(i.name, i.type) for i in probe.get_inputs() if i.type not in self._NP]
+        if unknown:
+            raise ConfigError(f"$.model.name: {path.name!r} input {unknown[0][0]!r} has type {unknown[0][1]}, which "
+                              f"the ONNX loader does not map (it takes {', '.join(sorted(self._NP))}); wrap it "
+                              "in a handler (a 'package.module:callable' factory)")
+        self.inputs = [(i.name, self._NP[i.type], i.shape) for i in probe.get_inputs()]
         self.outputs = [o.name for o in probe.get_outputs()]
+        # A fixed batch axis (torch.onnx.export's default without dynamic_axes): 1 means one record per call
+        # (the engine caps every lane at it); any other fixed size cannot take a partial batch at all.
+        fixed = {i.shape[0] for i in probe.get_inputs() if i.shape and isinstance(i.shape[0], int)}
+        self.max_batch: int | None = None
+        if fixed == {1}:
+            log.warning("%s has a fixed batch size of 1: every record runs alone (export it with a dynamic "
+                        "batch axis, dynamic_axes={'<input>': {0: 'batch'}}, to batch)", path.name)
+            self.max_batch = 1
+        elif fixed:
+            raise ConfigError(f"$.model.name: {path.name!r} has a fixed batch axis of {sorted(fixed)}: it cannot run "
+                              "the partial batches a stream makes; export it with a dynamic batch axis "
+                              "(torch.onnx.export(..., dynamic_axes={'<input>': {0: 'batch'}}))")
         self.session: Any = probe
 
     def setup(self, device: str) -> None:
