@@ -282,6 +282,19 @@ def test_torch_export_file(tmp_path: Path) -> None:
     m.setup("cpu")
     x = [[1.0, 2.0, 3.0], [0.0, 1.0, 0.0], [4.0, 4.0, 4.0]]
     assert torch.allclose(torch.tensor(run(m, x)), mod(torch.tensor(x)), atol=1e-6)
+    assert m.max_batch is None  # a dynamic batch axis: any batch size
+
+
+def test_a_torch_export_file_with_a_static_batch(tmp_path: Path) -> None:
+    """Exported without dynamic_shapes, the batch size is baked in: at 2 it used to load, then fail or not
+    depending on the size of each batch (records went to the DLQ at random). Refused at load; 1 runs alone."""
+    mod = Doubler(3).eval()
+    for n in (2, 1):
+        torch.export.save(torch.export.export(mod, (torch.zeros(n, 3),)), str(tmp_path / f"b{n}.pt2"))
+    with pytest.raises(ConfigError, match=r"'b2.pt2' has a fixed batch axis of \[2\].*dynamic_shapes"):
+        load_model(ModelConfig(name=str(tmp_path / "b2.pt2"), options={"input_shape": [3]}))
+    one: Any = load_model(ModelConfig(name=str(tmp_path / "b1.pt2"), options={"input_shape": [3]}))
+    assert one.max_batch == 1
 
 
 def _onnx_linear(path: Path, w: list[list[float]], b: list[float], batch: str | int = "batch") -> None:

@@ -130,12 +130,39 @@ class TensorModel:
         return []
 
 
+def _export_batch_dims(program: Any) -> set[int]:
+    """The fixed (int) first dimensions of a torch.export program's user inputs; a dynamic one is a SymInt."""
+    try:
+        from torch.export.graph_signature import InputKind
+
+        users = {s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT}
+        vals = [n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder" and n.name in users]
+    except Exception:  # a torch without these internals: nothing to check
+        return set()
+    return {v.shape[0] for v in vals if getattr(v, "shape", None) and isinstance(v.shape[0], int)}
+
+
+def _fixed_batch(fixed: set[int], name: str, how: str) -> int | None:
+    """A model file whose batch axis is fixed: at 1, one record per call (the engine caps every lane at it);
+    at any other size it cannot run the partial batches a stream makes."""
+    if not fixed:
+        return None
+    if fixed == {1}:
+        log.warning("%s has a fixed batch size of 1: every record runs alone (export it with a dynamic batch "
+                    "axis to batch: %s)", name, how)
+        return 1
+    raise ConfigError(f"$.model.name: {name!r} has a fixed batch axis of {sorted(fixed)}: it cannot run the "
+                      f"partial batches a stream makes; export it with a dynamic batch axis ({how})")
+
+
 class ExportedModel(TensorModel):
     """A ``torch.export`` program: moved with ``move_to_device_pass`` (constants included) when available."""
 
     def __init__(self, program: Any, **kw: Any) -> None:
         self.program = program
         super().__init__(None, **kw)
+        self.max_batch = _fixed_batch(_export_batch_dims(program), kw["name"], "torch.export.export(..., "
+                                      "dynamic_shapes=({0: torch.export.Dim('batch')},))")
 
     def _place(self, device: str) -> Any:
         program = self.program
@@ -189,18 +216,9 @@ class OnnxModel:
                               "in a handler (a 'package.module:callable' factory)")
         self.inputs = [(i.name, self._NP[i.type], i.shape) for i in probe.get_inputs()]
         self.outputs = [o.name for o in probe.get_outputs()]
-        # A fixed batch axis (torch.onnx.export's default without dynamic_axes): 1 means one record per call
-        # (the engine caps every lane at it); any other fixed size cannot take a partial batch at all.
-        fixed = {i.shape[0] for i in probe.get_inputs() if i.shape and isinstance(i.shape[0], int)}
-        self.max_batch: int | None = None
-        if fixed == {1}:
-            log.warning("%s has a fixed batch size of 1: every record runs alone (export it with a dynamic "
-                        "batch axis, dynamic_axes={'<input>': {0: 'batch'}}, to batch)", path.name)
-            self.max_batch = 1
-        elif fixed:
-            raise ConfigError(f"$.model.name: {path.name!r} has a fixed batch axis of {sorted(fixed)}: it cannot run "
-                              "the partial batches a stream makes; export it with a dynamic batch axis "
-                              "(torch.onnx.export(..., dynamic_axes={'<input>': {0: 'batch'}}))")
+        # A fixed batch axis: torch.onnx.export's default without dynamic_axes.
+        self.max_batch = _fixed_batch({i.shape[0] for i in probe.get_inputs() if i.shape and isinstance(i.shape[0], int)},
+                                      path.name, "torch.onnx.export(..., dynamic_axes={'<input>': {0: 'batch'}})")
         self.session: Any = probe
 
     def setup(self, device: str) -> None:
