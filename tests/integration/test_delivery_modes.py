@@ -101,10 +101,15 @@ def test_dlq_replay_resubmits_to_the_source_topic(kafka, topic_names, tmp_path):
     keys = collections.Counter(m.key() for m in everything)
     assert keys[b"p-0"] == 2 and keys[b"p-1"] == 2 and keys[b"junk"] == 1  # originals + the replays
     assert all(not k.startswith("x-") for m in everything for k, _ in (m.headers() or []))
-    # Replaying again finds nothing new: the replay group committed its progress.
-    again = subprocess.run([sys.executable, "-m", "worker", "dlq", "replay", "--config", str(path)],
-                           capture_output=True, text=True, env=env, timeout=120)
+    # Replaying the same stage again finds nothing new: its replay group committed its progress.
+    again = subprocess.run([sys.executable, "-m", "worker", "dlq", "replay", "--config", str(path),
+                            "--filter-stage", "inference"], capture_output=True, text=True, env=env, timeout=120)
     assert again.returncode == 0 and "replayed 0 dead letters" in again.stdout, again.stdout + again.stderr
+    # The filtered run's progress is its own: an unfiltered replay still sees every dead letter, the decode
+    # one it skipped included (in a shared group that one would have been committed past, never replayed).
+    rest = subprocess.run([sys.executable, "-m", "worker", "dlq", "replay", "--config", str(path), "--dry-run"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert rest.returncode == 0 and "would replay 3 dead letters" in rest.stdout, rest.stdout + rest.stderr
 
 
 def test_a_live_zombie_is_fenced_and_readers_still_see_each_id_once(kafka, topic_names, tmp_path):
