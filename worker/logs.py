@@ -33,7 +33,8 @@ SECRET_KEY_WORDS = ("password", "passwd", "secret", "token", "sasl", "credential
 PAYLOAD_FIELDS = frozenset({"payload", "inputs", "outputs", "body", "raw"})
 REDACTED = "***"
 
-_URL_CREDS = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*):([^@/\s]+)@")
+# The password runs to the last "@" before the host (greedy, then backtracking): one may contain "@".
+_URL_CREDS = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*):([^/\s]+)@")
 _RESERVED = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime", "taskName"}
 _BASE_FIELDS = ("ts", "level", "logger", "msg")
 _MARK = "_kiw_handler"
@@ -53,8 +54,8 @@ def redact(key: str, value: Any, depth: int = 0) -> Any:
     """A copy of ``value`` safe to log under ``key``."""
     if is_secret_key(key) and value is not None:
         return REDACTED
-    if depth > 4:
-        return value
+    if depth > 16:
+        return "<omitted: nested too deep to check for secrets>"
     if isinstance(value, str):
         return redact_text(value)
     if isinstance(value, Mapping):
@@ -121,7 +122,9 @@ class JsonFormatter(logging.Formatter):
             out["exc"] = self.formatException(record.exc_info)
         if record.stack_info:
             out["stack"] = self.formatStack(record.stack_info)
-        return json.dumps(out, default=_json_default, ensure_ascii=False)
+        # Last pass over the whole line: exceptions in args or extras, and tracebacks, become text only here,
+        # after RedactingFilter ran (an error message may quote a URL with credentials).
+        return redact_text(json.dumps(out, default=_json_default, ensure_ascii=False))
 
 
 class TextFormatter(logging.Formatter):
@@ -132,9 +135,9 @@ class TextFormatter(logging.Formatter):
         line = super().format(record)
         extras = " ".join(f"{k}={record.__dict__[k]!r}" for k in _extras(record))
         if not extras:
-            return line
+            return redact_text(line)  # (see JsonFormatter: exceptions and tracebacks become text only here)
         head, sep, tail = line.partition("\n")  # keep a traceback below the first line
-        return f"{head} {extras}{sep}{tail}"
+        return redact_text(f"{head} {extras}{sep}{tail}")
 
 
 def setup_logging(level: str = "INFO", fmt: str = "json", stream: IO[str] | None = None) -> logging.Handler:

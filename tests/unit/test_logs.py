@@ -68,6 +68,29 @@ def test_secrets_are_redacted(capture: tuple[io.StringIO, logging.Logger]) -> No
     assert line["attempt"] == 2
 
 
+class ConnectError(Exception):
+    pass
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
+def test_secrets_in_exceptions_and_odd_places_are_redacted(capture: tuple[io.StringIO, logging.Logger],
+                                                           fmt: str) -> None:
+    """An error message quoting a URL with credentials reached the log: as a %s argument, as an extra, in a
+    traceback (all become text only in the formatter). So did a password containing "@", and a secret key
+    nested more than 4 levels deep."""
+    buf, log = capture
+    setup_logging("INFO", fmt, stream=buf)
+    err = ConnectError("cannot connect redis://:hunter2@cache:6379/0")
+    log.warning("failed: %s", err, extra={"err": err, "deep": {"a": {"b": {"c": {"d": {"e": {"password": "x1"}}}}}}})
+    try:
+        raise err
+    except ConnectError:
+        log.exception("giving up")
+    log.warning("url %s", "redis://:p@ss-hunter2@cache:6379/0")
+    raw = buf.getvalue()
+    assert "hunter2" not in raw and "x1" not in raw and "redis://:***@cache:6379/0" in raw
+
+
 def test_payloads_only_at_debug(capture: tuple[io.StringIO, logging.Logger]) -> None:
     buf, log = capture
     setup_logging("DEBUG", "json", stream=buf)
