@@ -76,6 +76,10 @@ class Intake:
 
     def admit(self, rec: Record, now: float) -> Outcome | None:
         """Fills rec.id/item/lane/deadline/size/meta. Returns an Outcome when the record is rejected."""
+        # The topic's lane, or the default one, until routing knows better: a record rejected before routing
+        # is counted and reported under a lane that exists (not the Record default "default").
+        topic_lane = self._topic_lane.get(rec.tp.topic)
+        rec.lane = topic_lane or self.default_lane
         value = rec.value
         if value is None:
             return Outcome(rec, "error", error="empty record value (tombstone)", dlq_stage="decode")
@@ -98,7 +102,7 @@ class Intake:
                 header = v.decode("utf-8", "replace")
         lane = None
         if header is None and req.priority is None:  # the common case: the topic decides (runs per record)
-            lane = self._topic_lane.get(rec.tp.topic)
+            lane = topic_lane
         if lane is None:
             lane = self.lane_for(rec.tp.topic, header, req.priority)
         rec.lane = lane

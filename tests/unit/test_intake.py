@@ -221,3 +221,13 @@ def test_inputs_msgpack_cannot_write_are_not_cached_but_processed(clock: FakeTim
     rec = record(request("big-int", [2**70, 1]))
     assert intake(FakeModel(), redis={"cache": True}).admit(rec, clock.t) is None
     assert rec.cache_key is None and rec.item == [2**70, 1]
+
+
+def test_a_record_rejected_before_routing_is_counted_under_a_lane_that_exists(clock: FakeTime) -> None:
+    """Decode and validate rejections return before routing: they kept the Record default "default", a lane
+    that need not exist (results and kiw_records_out_total{lane="default"} under a lane nobody configured)."""
+    it = intake(batching={"lanes": [{"name": "hi", "priority": 1, "topics": ["in-hi"]}, {"name": "bulk"}],
+                          "default_lane": "bulk"})
+    for topic, value, lane in (("in", b"{bad", "bulk"), ("in-hi", b"{bad", "hi"), ("in", b'{"id": "a"}', "bulk")):
+        o = it.admit(record(value, topic=topic), clock.t)
+        assert o is not None and o.record.lane == lane, (topic, value, o.record.lane)
