@@ -45,6 +45,10 @@ log = logging.getLogger("worker.runner")
 # Records are acyclic and freed by reference counting; young-generation passes every 700 allocations (the
 # default) only burn CPU on the hot path.
 GC_THRESHOLD = (20_000, 20, 20)
+# Exactly-once: a failed delivery aborts the transaction and the records are read again; this many such aborts
+# in a row without a commit between them (the same failure each time, say a topic that refuses the record)
+# end the worker instead, as max_retries failed deliveries do in at-least-once mode.
+DELIVERY_ABORTS_MAX = 5
 
 
 def _with_records(batch: Batch, records: list[Record]) -> Batch:
@@ -130,6 +134,8 @@ class Runner:
         self._suspects: deque[Record] = deque()
         self._isolated = 0  # suspects on a device now: nothing else is dispatched meanwhile
         self._broker_ok = True
+        self._abort_pending: str | None = None  # exactly-once: a delivery failed; abort at the end of the turn
+        self._delivery_aborts = 0  # such aborts in a row, without a commit between them
         self._next_lag_report = 0.0
         self._done_at_last_lag = 0
         from worker.adapters.metrics import DrainEstimator
@@ -290,7 +296,10 @@ class Runner:
                                self.cfg.delivery.format, on_done=self._record_done, on_failed=self._record_failed,
                                is_stale=lambda r: self.epochs[r.tp] != r.epoch,
                                max_message_bytes=int(self.cfg.kafka.producer.get("message.max.bytes", 1_000_000)),
-                               spare_producer=self.spare_producer)
+                               spare_producer=self.spare_producer,
+                               # A delivery that failed inside a transaction cannot be retried in it (librdkafka
+                               # puts the transaction in an abortable state): _record_failed aborts instead.
+                               **({"max_retries": 0} if self.txn is not None else {}))
         for w in self.workers:
             w.start()
         topics = self.cfg.input_topics()
@@ -318,6 +327,11 @@ class Runner:
             self._turn(consume)
         except FatalDeliveryError as e:
             self._fatal = str(e)
+        if self._abort_pending is not None and self._fatal is None:
+            log.warning("exactly-once: a result was not delivered (%s); aborting the transaction", self._abort_pending)
+            self._abort_pending = None
+            self._delivery_aborts += 1
+            self._abort_transaction()
         for w in self.workers:
             err = w.error
             if err is not None and self._fatal is None:
@@ -559,6 +573,12 @@ class Runner:
     def _record_failed(self, rec: Record, err: str) -> None:
         if self.epochs[rec.tp] != rec.epoch:
             return  # its partition was revoked meanwhile: the new owner processes it again
+        if self.txn is not None and self._delivery_aborts < DELIVERY_ABORTS_MAX:
+            # Exactly-once: abort the transaction and read again from the last commit, at the end of this loop
+            # turn (this runs inside the producer's poll). A failure that comes back every time still ends the
+            # worker below, after DELIVERY_ABORTS_MAX aborts in a row without a commit.
+            self._abort_pending = err
+            return
         self.tracker.nack(rec.tp, rec.offset)
         self._fatal = f"giving up delivering the result of {rec.tp.topic}[{rec.tp.partition}]@{rec.offset}: {err}"
 
@@ -742,6 +762,7 @@ class Runner:
             self._fatal = str(e)
             return
         if ok:
+            self._delivery_aborts = 0
             self.tracker.mark_committed(offsets)
             self.committed.update(offsets)
             self.stats.commits += 1

@@ -294,3 +294,38 @@ def test_a_checkpoint_whose_results_are_not_all_delivered_aborts(monkeypatch: py
     h.c.revoke(("in", 0))
     assert h.p.visible("out") == [] and h.committed() is None  # aborted: the new owner does all three
     check_transactions(h)
+
+
+# ------------------------------------------------------------------ a delivery that fails inside a transaction
+def test_a_failed_delivery_aborts_the_transaction_and_the_records_are_redone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """librdkafka puts a transaction with a failed delivery in an abortable state: a retry inside it is refused
+    (the worker used to exit 1 on it). It aborts and reads again from the last commit instead."""
+    h = eos(monkeypatch)
+    h.c.assign(("in", 0))
+    h.send(3)
+    h.p.fail_next(1, topic="out")
+    for _ in range(6):
+        h.process()
+    h.commit()
+    assert h.runner._fatal is None
+    assert any(c[0] == "abort" for c in h.p.txn_calls)
+    assert [src(p) for p in h.p.visible("out")] == [(0, 0), (0, 1), (0, 2)] and h.committed() == 3
+    check_transactions(h)
+
+
+def test_a_delivery_that_fails_every_time_ends_the_worker_after_a_few_aborts(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.runner import DELIVERY_ABORTS_MAX
+
+    h = eos(monkeypatch)
+    h.c.assign(("in", 0))
+    h.send(3)
+    h.p.fail_if = lambda p: (KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, "Broker: Message size too large")
+                             if p.topic == "out" and src(p) == (0, 1) else None)
+    for _ in range(200):
+        h.process()
+        if h.runner._fatal:
+            break
+    assert h.runner._fatal is not None and "in[0]@1" in h.runner._fatal
+    assert sum(c[0] == "abort" for c in h.p.txn_calls) == DELIVERY_ABORTS_MAX
+    # Nothing at or past the record is visible or committed.
+    assert all(src(p) < (0, 1) for p in h.p.visible("out")) and (h.committed() or 0) <= 1
