@@ -51,11 +51,6 @@ GC_THRESHOLD = (20_000, 20, 20)
 DELIVERY_ABORTS_MAX = 5
 
 
-def _with_records(batch: Batch, records: list[Record]) -> Batch:
-    return Batch(batch.lane, records, batch.opened_at, batch.closed_at, batch.reason, batch.max_batch_size,
-                 batch.mixed)
-
-
 def _by_lane(records: list[Record]) -> Iterable[tuple[str, list[Record]]]:
     groups: dict[str, list[Record]] = {}
     for r in records:
@@ -202,7 +197,7 @@ class Runner:
             if any(epochs[r.tp] != r.epoch for r in batch.records):
                 # Their partition was released since the batch was taken (revoke, loss, rewind): those records
                 # belong to the new owner or the rewound reader now; not to expire, requeue or run here.
-                current = _with_records(batch, [r for r in batch.records if epochs[r.tp] == r.epoch])
+                current = batch.with_records([r for r in batch.records if epochs[r.tp] == r.epoch])
             # Taken up to a batch-time ago: records whose deadline passed meanwhile are expired, not run.
             trimmed = self.scheduler.drop_expired(current, now)
             if trimmed is not None:  # (possibly empty: every record expired)

@@ -59,6 +59,11 @@ class Batch:
     def __len__(self) -> int:
         return len(self.records)
 
+    def with_records(self, records: list[Record]) -> Batch:
+        """The same batch holding ``records`` instead (some of its records left it before it started)."""
+        return Batch(self.lane, records, self.opened_at, self.closed_at, self.reason, self.max_batch_size,
+                     self.mixed)
+
     @property
     def fill_ratio(self) -> float:
         return len(self.records) / self.max_batch_size if self.max_batch_size else 1.0

@@ -473,18 +473,17 @@ class PriorityScheduler:
         the next ``expire``, and their lanes are not charged for them."""
         if not self._deadlines_seen:
             return None
-        late = [r for r in batch.records if r.deadline is not None and r.deadline <= now]
-        if not late:
-            return None
-        for r in late:
+        live: list[Record] = []
+        for r in batch.records:
+            if r.deadline is None or r.deadline > now:
+                live.append(r)
+                continue
             ln = self._lanes.get(r.lane) or self._lanes[batch.lane]  # a filled batch: each record's own lane
             ln.expired += 1
             ln.served_records -= 1
             ln.vservice -= 1 / ln.weight
             self._pending_expired.append(r)
-        gone = {id(r) for r in late}
-        return Batch(batch.lane, [r for r in batch.records if id(r) not in gone], batch.opened_at, batch.closed_at,
-                     batch.reason, batch.max_batch_size, batch.mixed)
+        return batch.with_records(live) if len(live) < len(batch.records) else None
 
     def _requeue(self, lane: _Lane, batch: Batch) -> None:
         """Undo ``_finalize`` for a dispatched batch and put it back at the front of its lane."""
