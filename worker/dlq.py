@@ -54,14 +54,14 @@ def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_
             msgs = consumer.consume(500, 0.5)
             to_commit: dict[int, int] = {}
             for m in msgs:
-                if m.error() is not None:
-                    if m.error().code() == KafkaError._PARTITION_EOF:
-                        done_parts.add(m.partition())
-                        last_activity = time.monotonic()
-                    else:
-                        print(f"dlq replay: consume error: {m.error()}")
+                err = m.error()
+                if err is not None and err.code() != KafkaError._PARTITION_EOF:
+                    print(f"dlq replay: consume error: {err}")  # not progress: the idle timeout keeps running
                     continue
                 last_activity = time.monotonic()
+                if err is not None:  # end of partition
+                    done_parts.add(m.partition())
+                    continue
                 if m.offset() >= end[m.partition()]:
                     done_parts.add(m.partition())
                     continue
