@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from worker.config import Config, ConfigError, load
+from worker.models.registry import BUILTINS
 
 log = logging.getLogger("worker")
 
@@ -127,8 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--records", type=int, default=5000, help="sample requests to produce (default 5000)")
     d.add_argument("--partitions", type=int, default=4, help="partitions of the demo's topics (default 4)")
     d.add_argument("--rate", type=float, default=2000.0, help="records/s the requests are produced at (default 2000)")
-    d.add_argument("--model", default="tiny", choices=["tiny", "synthetic", "identity", "minilm"],
-                   help="built-in model (default tiny)")
+    d.add_argument("--model", default="tiny", choices=list(BUILTINS), help="built-in model (default tiny)")
     d.add_argument("--bootstrap", default=None, help="use this broker instead of starting one")
     d.add_argument("--warm-up-s", type=float, default=None, help=(
         "seconds of throwaway traffic through the broker before the measured run, while the model loads "
@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     ld.add_argument("--rate", type=float, default=1000.0, help="records per second (0 = as fast as possible)")
     ld.add_argument("--count", type=int, default=10000, help="records to produce (default 10000)")
     ld.add_argument("--lanes", default=None, help="priority mix, e.g. high=0.1,low=0.9 (sets the request field)")
-    ld.add_argument("--model-input", default="tiny", choices=["tiny", "synthetic", "identity", "minilm"],
+    ld.add_argument("--model-input", default="tiny", choices=list(BUILTINS),
                     help="shape of the generated inputs")
     ld.add_argument("--id-prefix", default="load", help="request ids and keys are PREFIX-N (default load)")
     ld.add_argument("--deadline-ms", type=int, default=None, help="relative deadline to set on each request")
