@@ -80,7 +80,8 @@ def _describe(value: Any) -> str:
 
 
 class RedactingFilter(logging.Filter):
-    """Masks secrets in extra fields, the message and its args; drops payload fields above DEBUG."""
+    """Masks the values of secret-looking keys in extra fields and mapping args; drops payload fields above
+    DEBUG. URL credentials anywhere in the line are masked by the formatters, on the finished text."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         for key in _extras(record):
@@ -89,11 +90,7 @@ class RedactingFilter(logging.Filter):
                 record.__dict__[key] = _describe(value)
             else:
                 record.__dict__[key] = redact(key, value)
-        if isinstance(record.msg, str):
-            record.msg = redact_text(record.msg)
-        if isinstance(record.args, tuple):
-            record.args = tuple(redact_text(a) if isinstance(a, str) else a for a in record.args)
-        elif isinstance(record.args, Mapping):
+        if isinstance(record.args, Mapping):
             record.args = {k: redact(str(k), v) for k, v in record.args.items()}
         return True
 
