@@ -159,7 +159,9 @@ class StoreGate:
         the same id (a client's retry), and must then be processed, not acknowledged without a result."""
         if self.ledger and rec.id and not rec.failed:
             self._delivered_ids.append(rec.id)
-        if self.attempts and rec.attempts > 0:  # dispatched (counted) or read with a count
+        if self.attempts and (rec.attempts > 0 or rec.counted):
+            # Read with a count, or dispatched: counted, also where the INCR reply was lost (count unknown, 0)
+            # after Redis applied it; DEL of a key that is not there costs nothing.
             self._attempts_done.append(attempt_key(rec))
 
     def flush(self) -> None:
