@@ -195,7 +195,8 @@ def end_count(bootstrap: str, topic: str, consumer: Consumer | None = None) -> i
 
 def wait_count(bootstrap: str, topic: str, want: int, timeout: float,
                alive: Callable[[], bool] | None = None, every: float = 0.25) -> int:
-    """Poll the output topic's end offsets until ``want`` records are there (cheap: no fetching)."""
+    """Poll the output topic's end offsets until ``want`` records are there (cheap: no fetching). Fewer at the
+    deadline is an error: a figure computed over the part that arrived would pass a worker that stalled."""
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"probe-{uid()}"})
     deadline = time.monotonic() + timeout
     n = 0
@@ -209,7 +210,7 @@ def wait_count(bootstrap: str, topic: str, want: int, timeout: float,
             time.sleep(every)
     finally:
         c.close()
-    return n
+    raise RuntimeError(f"only {n}/{want} results on {topic} after {timeout:.0f} s")
 
 
 def read_topic(bootstrap: str, topic: str, want: int | None = None, timeout: float = 120.0,
@@ -469,7 +470,7 @@ def row(scenario: str, figure: str, value: float, baseline: str, baseline_value:
     if op == "info":
         verdict = "info"
     elif ratio != ratio:
-        verdict = "n/a"
+        verdict = "FAIL"  # a figure with a target that could not be measured fails the run (run_all exits 1)
     elif op == ">=":
         verdict = "pass" if ratio >= target else "MISS"
     else:

@@ -2,8 +2,12 @@
 Kafka, no threads: tokenize (the handler's ``decode``) -> ``collate`` -> ``forward`` (inference_mode) -> ``split``
 per batch, texts in their arrival order, torch threads as the worker sets them (``configure_threads``).
 
-``python -m tests.bench.offline_minilm --texts FILE.json --batch-sizes 8,16,32,64`` prints JSON
-``{"threads": t, "rates": {bs: texts/s}, "sorted_rate": texts/s at the best bs with texts sorted by length}``.
+``python -m tests.bench.offline_minilm --texts FILE.json --batch-sizes 8,16,32,64 [--bucket-width 8]`` prints
+JSON ``{"threads": t, "rates": {bs: texts/s}, "best_batch": bs, "sorted_rate": texts/s at the best bs with the
+texts sorted by length, "bucketed_rates": {bs: texts/s}}``. The bucketed passes group the texts, in arrival
+order, by token count // bucket width as the worker's ``batching.bucket_width`` does, and run a bucket's batch
+when it holds bs texts (what is left at the end runs last): the offline counterpart of the worker with
+bucketing. Sorting the whole corpus by length is more than a stream can do (it never sees all the texts).
 """
 
 from __future__ import annotations
@@ -28,11 +32,34 @@ def run_pass(model: Any, texts: list[str], bs: int) -> float:
     return len(texts) / (time.perf_counter() - t0)
 
 
+def run_bucketed(model: Any, texts: list[str], bs: int, width: int) -> float:
+    import torch
+
+    from worker.models.inputs import TextInput
+
+    t0 = time.perf_counter()
+    buckets: dict[int, list[Any]] = {}
+    with torch.inference_mode():
+        for t in texts:
+            item = model.decode(TextInput(text=t))
+            b = buckets.setdefault(model.size_of(item) // width, [])
+            b.append(item)
+            if len(b) == bs:
+                model.split(model.forward(model.collate(b)), bs)
+                b.clear()
+        for b in buckets.values():
+            if b:
+                model.split(model.forward(model.collate(b)), len(b))
+    return len(texts) / (time.perf_counter() - t0)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--texts", required=True)
     ap.add_argument("--batch-sizes", default="8,16,32,64")
     ap.add_argument("--no-sorted", action="store_true", help="skip the pass over texts sorted by length")
+    ap.add_argument("--bucket-width", type=int, default=0,
+                    help="also run a bucketed pass at every batch size (0: none)")
     args = ap.parse_args()
     from worker.adapters.torch_engine import configure_threads
     from worker.models.minilm import MiniLMModel
@@ -48,7 +75,10 @@ def main() -> int:
     if not args.no_sorted:
         lengths = {t: len(model.tokenizer.encode(t).ids) for t in texts}
         sorted_rate = run_pass(model, sorted(texts, key=lambda t: lengths[t]), best)
-    print(json.dumps({"threads": threads, "rates": rates, "best_batch": best, "sorted_rate": sorted_rate}))
+    bucketed = ({bs: run_bucketed(model, texts, bs, args.bucket_width) for bs in rates}
+                if args.bucket_width > 0 else {})
+    print(json.dumps({"threads": threads, "rates": rates, "best_batch": best, "sorted_rate": sorted_rate,
+                      "bucketed_rates": bucketed}))
     return 0
 
 

@@ -80,22 +80,28 @@ def overload_timeline(res: dict[str, Any], out: Path) -> Path:
     tl = [x for x in res["timeline"] if "rss_kb" in x]
     t = [x["t"] for x in tl]
     thr = [0.0] + [(b["out_total"] - a["out_total"]) / max(b["t"] - a["t"], 1e-9) for a, b in zip(tl, tl[1:], strict=False)]
-    fig, axes = plt.subplots(4, 1, figsize=(10, 8), sharex=True)
+    has_lag = any("lag" in x for x in tl)  # runs stored before the lag was sampled have no such series
+    fig, axes = plt.subplots(5 if has_lag else 4, 1, figsize=(10, 10 if has_lag else 8), sharex=True)
     axes[0].plot(t, [x["in_flight"] for x in tl])
     axes[0].axhline(res["max_in_flight"], color="k", ls="--", lw=0.8, label="max_in_flight")
-    axes[0].set_ylabel("in flight")
+    axes[0].set_ylabel("in flight\n(worker queue)")
     axes[0].legend(fontsize=8)
-    axes[1].step(t, [x["paused"] for x in tl], where="post")
-    axes[1].set_ylabel("paused partitions")
-    axes[2].plot(t, thr)
-    axes[2].axhline(res["offered_per_s"] / 10, color="k", ls="--", lw=0.8, label="ideal capacity")
-    axes[2].set_ylabel("results/s")
-    axes[2].legend(fontsize=8)
-    axes[3].plot(t, [x["rss_kb"] / 1024 for x in tl])
-    axes[3].axhline(res["bound_mb"], color="r", ls="--", lw=0.8, label="bound")
-    axes[3].set_ylabel("RSS MB")
-    axes[3].legend(fontsize=8)
-    axes[3].set_xlabel(f"seconds (10x overload from 0 to {res['load_to_s']:.0f})")
+    k = 1
+    if has_lag:
+        axes[k].plot(t, [x.get("lag", float("nan")) for x in tl])
+        axes[k].set_ylabel("consumer lag\n(queue in Kafka)")
+        k += 1
+    axes[k].step(t, [x["paused"] for x in tl], where="post")
+    axes[k].set_ylabel("paused partitions")
+    axes[k + 1].plot(t, thr)
+    axes[k + 1].axhline(res["offered_per_s"] / 10, color="k", ls="--", lw=0.8, label="ideal capacity")
+    axes[k + 1].set_ylabel("results/s")
+    axes[k + 1].legend(fontsize=8)
+    axes[k + 2].plot(t, [x["rss_kb"] / 1024 for x in tl])
+    axes[k + 2].axhline(res["bound_mb"], color="r", ls="--", lw=0.8, label="bound")
+    axes[k + 2].set_ylabel("RSS MB")
+    axes[k + 2].legend(fontsize=8)
+    axes[k + 2].set_xlabel(f"seconds (10x overload from 0 to {res['load_to_s']:.0f})")
     for ax in axes:
         ax.axvspan(res["load_from_s"], res["load_to_s"], color="orange", alpha=0.08)
     fig.suptitle("Worker under 10x overload (synthetic, B=32)")

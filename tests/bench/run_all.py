@@ -2,10 +2,12 @@
 
 Runs the benchmark scenarios against one Kafka broker ($KAFKA_BOOTSTRAP_SERVERS, else a local one it starts),
 prints one table (scenario, figure, baseline, ratio, target, verdict) and writes ``results.json`` and PNG plots
-to ``docs/bench/`` (``--quick``: smaller counts, written to /tmp/kiw-bench-quick unless --out is given). A full
-run also rewrites ``docs/fragments/benchmarks.md`` (the README section), keeping whatever follows its
-``<!-- notes -->`` marker. Every figure is a ratio against a baseline measured in the same run; nothing here
-asserts on time.
+to ``docs/bench/``. Only a full run writes there: ``--quick`` (smaller counts) and ``--only`` write to
+/tmp/kiw-bench-quick and /tmp/kiw-bench-only unless --out is given, so the published table is always one run
+of every scenario, never rows picked from several. A full run also rewrites ``docs/fragments/benchmarks.md``
+and README's "Benchmarks" section from it (keeping whatever follows the fragment's ``<!-- notes -->`` marker).
+Every figure is a ratio against a baseline measured in the same run; nothing here asserts on time. The exit
+status is 1 when a scenario or a plot failed, or a figure with a target could not be measured (verdict FAIL).
 
 Scenarios: pipeline (7.1), batching (3, 7.2: sweep, seeds, 10% load), realmodel (7.3), latency (3, 7.4),
 scaleout (7.5), memory (7.6).
@@ -17,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 import traceback
@@ -31,7 +34,23 @@ SCENARIOS = {"pipeline": pipeline, "batching": batching, "realmodel": realmodel,
 # Describes the machine in README's summary; e.g. KIW_BENCH_MACHINE="2-core shared VM, CPU only".
 MACHINE = os.environ.get("KIW_BENCH_MACHINE") or f"{os.cpu_count()}-core machine, CPU only"
 FRAGMENT = ROOT / "docs" / "fragments" / "benchmarks.md"
+README = ROOT / "README.md"
 NOTES_MARK = "<!-- notes -->"
+# README's section is everything between these two headings (the GPU part is written by hand).
+README_START, README_END = "## Benchmarks\n\n", "\n### GPU\n"
+
+
+def git_commit() -> str:
+    """The code measured: HEAD, with "+changes" when tracked files other than the bench outputs differ."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                  ":!docs/bench", ":!docs/fragments", ":!README.md"], cwd=ROOT,
+                                 capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+changes" if changed else "")
 
 
 def _fmt(x: Any) -> str:
@@ -53,11 +72,16 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def lane_table(lat: dict[str, Any]) -> list[str]:
-    out = ["| load | offered/s | high p50 | high p99 | low p50 | low p99 | all p99 | ideal p99 | mean batch |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| load | offered/s | high served | high p50 | high p99 | low served | low p50 | low p99 | all p99 | "
+           "ideal p99 | mean batch |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def served(x: dict[str, Any]) -> str:
+        return f"{x['n']:,}/{x['sent_in_window']:,}" if "sent_in_window" in x else "-"
+
     for st in lat["steps"]:
-        out.append(f"| {st['load_pct']}% | {st['rate_per_s']:.0f} | {st['high']['p50_ms']:.0f} ms | "
-                   f"{st['high']['p99_ms']:.0f} ms | {st['low']['p50_ms']:.0f} ms | {st['low']['p99_ms']:.0f} ms | "
+        h, lo = st["high"], st["low"]
+        out.append(f"| {st['load_pct']}% | {st['rate_per_s']:.0f} | {served(h)} | {h['p50_ms']:.0f} ms | "
+                   f"{h['p99_ms']:.0f} ms | {served(lo)} | {lo['p50_ms']:.0f} ms | {lo['p99_ms']:.0f} ms | "
                    f"{st['all']['p99_ms']:.0f} ms | {st['ideal_wc_p99_ms']:.0f} ms | {st['all']['mean_batch']:.1f} |")
     return out
 
@@ -68,7 +92,7 @@ def _strip_samples(res: dict[str, Any]) -> None:
         sc = res.get(key)
         if not isinstance(sc, dict):
             continue
-        steps = sc.get("steps", []) + [sc[k] for k in ("tuned_overload", "filled_overload") if k in sc]
+        steps = sc.get("steps", []) + [sc[k] for k in ("tuned_overload", "filled_overload", "heavy_high_overload") if k in sc]
         holders = [st[lane] for st in steps for lane in ("high", "low", "all")]
         holders += [sc[k] for k in ("light_load", "light_load_b8") if k in sc]
         for h in holders:
@@ -98,8 +122,8 @@ def write_fragment(results: dict[str, Any]) -> None:
         "### Results",
         "",
         f"Measured {results['date']} on a {results['machine']} (figures are noisy, so every one is a ratio against",
-        "a baseline measured in the same run), with a local single-node Kafka broker. Commands:",
-        _runs_line(results) + ".",
+        "a baseline measured in the same run), with a local single-node Kafka broker, by one run of",
+        f"{_runs_line(results)} at commit `{results.get('commit', 'unknown')}`.",
         "",
         *table(results["table"]),
         "",
@@ -112,7 +136,10 @@ def write_fragment(results: dict[str, Any]) -> None:
         "",
     ]
     if "latency" in sc and "steps" in sc["latency"]:
-        lines += ["Latency per lane (two lanes: `high` 10% of traffic, priority 1, weight 4; `low` weight 1):", "",
+        lines += ["Latency per lane (two lanes: `high` 10% of traffic, priority 1, weight 4; `low` weight 1). Latencies",
+                  "are of the records served (\"served\": results of the records sent after the first seconds of the",
+                  "step); under overload the low lane's backlog is not served before the worker stops, and the ideal",
+                  "p99 then counts only what the ideal batcher would have finished by the worker's last result:", "",
                   *lane_table(sc["latency"]), ""]
     lines += [
         "Plots: [throughput and latency vs batch size](docs/bench/batch_size.png),",
@@ -144,10 +171,23 @@ def write_fragment(results: dict[str, Any]) -> None:
         NOTES_MARK,
     ]
     FRAGMENT.parent.mkdir(parents=True, exist_ok=True)
-    FRAGMENT.write_text("\n".join(lines) + (notes if notes else "\n"))
+    text = "\n".join(lines) + (notes if notes else "\n")
+    FRAGMENT.write_text(text)
+    splice_readme(text)
 
 
-def draw(name: str, res: dict[str, Any], out: Path) -> None:
+def splice_readme(fragment: str) -> None:
+    """README's "Benchmarks" section = the fragment without its notes marker, up to the "GPU" heading."""
+    readme = README.read_text()
+    start, end = readme.find(README_START), readme.find(README_END)
+    if start < 0 or end < start:
+        raise RuntimeError(f"README.md has no {README_START.strip()!r} section followed by {README_END.strip()!r}")
+    body = fragment.replace(NOTES_MARK + "\n", "").rstrip("\n") + "\n"
+    README.write_text(readme[:start + len(README_START)] + body + readme[end:])
+
+
+def draw(name: str, res: dict[str, Any], out: Path) -> str | None:
+    """Draw the scenario's plot; the error text if that failed (the run then fails: an old PNG would stay)."""
     try:
         if name == "batching" and "sweep" in res:
             plots.batch_size(res, out)
@@ -155,8 +195,37 @@ def draw(name: str, res: dict[str, Any], out: Path) -> None:
             plots.latency_cdf(res, out)
         elif name == "memory" and "timeline" in res:
             plots.overload_timeline(res, out)
-    except Exception:
+    except Exception as e:
         traceback.print_exc()
+        return f"plot failed: {type(e).__name__}: {e}"
+    return None
+
+
+def error_row(name: str, msg: str) -> dict[str, Any]:
+    """A failed scenario keeps a line in the table, so that its figures do not just disappear."""
+    return {"scenario": name, "figure": f"scenario failed: {msg}"[:200], "value": float("nan"), "unit": "",
+            "baseline": "-", "baseline_value": float("nan"), "ratio": float("nan"), "target": "-",
+            "verdict": "ERROR", "note": ""}
+
+
+def all_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for n in SCENARIOS:
+        res = results["scenarios"].get(n)
+        if res is None:
+            continue
+        rows += res.get("rows", [])
+        if "error" in res:
+            rows.append(error_row(n, res["error"]))
+    return rows
+
+
+def failures(results: dict[str, Any], names: list[str]) -> list[str]:
+    out = [f"{n}: {results['scenarios'][n]['error']}" for n in names if "error" in results["scenarios"][n]]
+    out += [f"{n}: {results['scenarios'][n]['plot_error']}" for n in names if "plot_error" in results["scenarios"][n]]
+    out += [f"{r['scenario']} / {r['figure']}: not measured (verdict FAIL)" for r in results["table"]
+            if r["verdict"] == "FAIL"]
+    return out
 
 
 def rerender(out: Path, fragment: bool) -> int:
@@ -167,14 +236,21 @@ def rerender(out: Path, fragment: bool) -> int:
         summarize = getattr(SCENARIOS[name], "summarize", None)
         if summarize is not None and "error" not in res:
             summarize(res)
-        draw(name, res, out)
+        err = draw(name, res, out)
+        if err:
+            res["plot_error"] = err
+        else:
+            res.pop("plot_error", None)
     _strip_samples(results["scenarios"])  # a stored run from before a scenario's samples were stripped
-    results["table"] = [r for n in SCENARIOS if n in results["scenarios"] for r in results["scenarios"][n].get("rows", [])]
+    results["table"] = all_rows(results)
     path.write_text(json.dumps(results, indent=1, sort_keys=True, default=str))
     print("\n".join(table(results["table"])))
     if fragment and out == ROOT / "docs" / "bench":
         write_fragment(results)
-    return 0
+    bad = failures(results, list(results["scenarios"]))
+    for line in bad:
+        print(f"FAILED {line}")
+    return 1 if bad else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,7 +258,9 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(SCENARIOS)}")
     ap.add_argument("--quick", action="store_true", help="smaller counts (about 5 minutes)")
-    ap.add_argument("--out", default=None, help="output folder (default docs/bench, or /tmp/kiw-bench-quick)")
+    ap.add_argument("--out", default=None,
+                    help="output folder (default: docs/bench for a full run, /tmp/kiw-bench-quick with --quick, "
+                         "/tmp/kiw-bench-only with --only)")
     ap.add_argument("--no-fragment", action="store_true", help="do not rewrite docs/fragments/benchmarks.md")
     ap.add_argument("--rerender", action="store_true",
                     help="measure nothing: rebuild the table, plots and README section from the stored results.json")
@@ -193,12 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         ap.error(f"unknown scenario(s) {unknown}; choose from {list(SCENARIOS)}")
-    out = Path(args.out) if args.out else (Path("/tmp/kiw-bench-quick") if args.quick else ROOT / "docs" / "bench")
+    default_out = (Path("/tmp/kiw-bench-quick") if args.quick else Path("/tmp/kiw-bench-only") if args.only
+                   else ROOT / "docs" / "bench")
+    out = Path(args.out) if args.out else default_out
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.json"
-    results: dict[str, Any] = {"scenarios": {}}
-    if args.only and results_path.exists():
-        results = json.loads(results_path.read_text())  # update the scenarios run now, keep the others
+    results: dict[str, Any] = {"scenarios": {}, "commit": git_commit()}
     t0 = time.monotonic()
     work = workdir()
     log(f"benchmarks {names} ({'quick' if args.quick else 'full'}); logs in {work}; output in {out}")
@@ -211,34 +289,33 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # one broken scenario must not lose the others
                 traceback.print_exc()
                 res = {"error": f"{type(e).__name__}: {e}", "rows": []}
-            res["seconds"] = round(time.monotonic() - t, 1)
-            log(f"{name} done in {res['seconds']:.0f}s")
-            draw(name, res, out)
+            res["wall_s"] = round(time.monotonic() - t, 1)
+            log(f"{name} done in {res['wall_s']:.0f}s")
+            err = draw(name, res, out)
+            if err:
+                res["plot_error"] = err
             results["scenarios"][name] = res
             _strip_samples(results["scenarios"])
     runtime = time.monotonic() - t0
-    order = list(SCENARIOS)
-    rows = [r for n in order if n in results["scenarios"] for r in results["scenarios"][n].get("rows", [])]
     cmd = "make bench" if not args.only and not args.quick else "python -m tests.bench.run_all " + " ".join(
         (["--quick"] if args.quick else []) + ([f"--only {args.only}"] if args.only else []))
     today = time.strftime("%Y-%m-%d", time.gmtime())
-    # Which run measured which rows: a full run starts the list, an --only run adds to it.
-    runs = [] if set(names) == set(SCENARIOS) else list(results.get("runs", []))
-    runs.append({"command": cmd, "runtime_s": round(runtime, 1), "scenarios": names, "date": today})
+    runs = [{"command": cmd, "runtime_s": round(runtime, 1), "scenarios": names, "date": today}]
     results.update({"date": today, "machine": MACHINE, "python": sys.version.split()[0],
                     "platform": platform.platform(), "quick": args.quick, "command": cmd,
-                    "runtime_s": round(runtime, 1), "table": rows, "last_run_scenarios": names, "runs": runs})
+                    "runtime_s": round(runtime, 1), "last_run_scenarios": names, "runs": runs})
+    results["table"] = all_rows(results)
     results_path.write_text(json.dumps(results, indent=1, sort_keys=True, default=str))
     print()
-    print("\n".join(table(rows)))
-    errors = {n: results["scenarios"][n]["error"] for n in names if "error" in results["scenarios"][n]}
-    for n, msg in errors.items():
-        print(f"\n{n}: ERROR {msg}")
-    print(f"\ntotal {runtime / 60:.1f} min; results in {results_path}")
-    if not args.quick and not args.no_fragment and out == ROOT / "docs" / "bench":
+    print("\n".join(table(results["table"])))
+    print(f"\ntotal {runtime / 60:.1f} min; results in {results_path} (commit {results['commit']})")
+    if not args.quick and not args.only and not args.no_fragment and out == ROOT / "docs" / "bench":
         write_fragment(results)
-        print(f"README section written to {FRAGMENT}")
-    return 1 if errors else 0
+        print(f"README section written to {FRAGMENT} and README.md")
+    bad = failures(results, names)
+    for line in bad:
+        print(f"FAILED {line}")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -22,9 +22,11 @@ def test_row_verdicts_follow_the_ratio_and_the_target_direction() -> None:
     assert row("s", "f", 150, "b", 100, "<=", 1.5)["verdict"] == "pass"
     assert row("s", "f", 151, "b", 100, "<=", 1.5)["verdict"] == "MISS"
     assert row("s", "f", 151, "b", 100, "info", 0)["verdict"] == "info"
-    # No baseline measured: no verdict either way.
-    assert row("s", "f", 1, "b", 0, ">=", 1)["verdict"] == "n/a"
-    assert row("s", "f", 1, "b", float("nan"), ">=", 1)["verdict"] == "n/a"
+    # A figure with a target that could not be measured fails (run_all exits 1); it used to read "n/a".
+    assert row("s", "f", 1, "b", 0, ">=", 1)["verdict"] == "FAIL"
+    assert row("s", "f", 1, "b", float("nan"), ">=", 1)["verdict"] == "FAIL"
+    assert row("s", "f", float("nan"), "b", 1, ">=", 1)["verdict"] == "FAIL"
+    assert row("s", "f", float("nan"), "b", 1, "info", 0)["verdict"] == "info"
     r = row("s", "f", 3, "b", 4, ">=", 2, "rec/s", "note")
     assert (r["ratio"], r["target"], r["unit"], r["note"]) == (0.75, ">= 2", "rec/s", "note")
 
@@ -87,6 +89,15 @@ def test_memory_bound_and_plateau() -> None:
                                + memory.PARTITIONS * memory.FETCH_BYTES) / 1024
     assert res["bound_mb"] == pytest.approx(expected_kb / 1024)
     assert res["max_rss_mb"] == pytest.approx(510_000.0 / 1024)
+    # Growth over idle against the part of the bound above idle: 10,000 kB of ~24 MB.
+    above = [r for r in res["rows"] if r["figure"] == "max RSS above idle, MB"][0]
+    assert above["value"] == pytest.approx(10_000 / 1024, abs=1e-3)
+    assert above["baseline_value"] == pytest.approx((expected_kb - 500_000.0) / 1024, abs=1e-3)
+    # A stored run keeps the settings its bound came from: a re-render does not use today's constants.
+    stored = _timeline([510_000.0] * 10)
+    stored["bound_inputs"] = {"max_in_flight": 100, "poll_max_records": 0, "queued_kb": 0, "partitions": 0,
+                              "fetch_bytes": 0}
+    assert memory.summarize(stored)["bound_above_idle_mb"] == pytest.approx(100 * 1000.0 / 1048576)
 
 
 def test_stored_results_keep_quantiles_not_samples() -> None:
@@ -129,3 +140,26 @@ def test_thread_cpu_names_python_threads_and_counts_their_cpu() -> None:
     t.join(10)
     assert "spinner" in before and "MainThread" in after
     assert after["spinner"] - before["spinner"] >= 0.05
+
+
+def test_a_failed_scenario_keeps_a_row_and_fails_the_run(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.bench import run_all
+
+    ok = row("7.5 scale-out", "f", 2.0, "b", 1.0, ">=", 1.8)
+    unmeasured = row("7.1 pipeline overhead", "f", float("nan"), "b", 1.0, ">=", 0.8)
+    results: dict[str, Any] = {"scenarios": {
+        "pipeline": {"rows": [unmeasured]},
+        "latency": {"error": "RuntimeError: only 10/20 results on out after 120 s", "rows": []},
+        "scaleout": {"rows": [ok], "plot_error": "plot failed: ValueError: x"}}}
+    results["table"] = run_all.all_rows(results)
+    assert [r["verdict"] for r in results["table"]] == ["FAIL", "ERROR", "pass"]
+    assert "only 10/20 results" in results["table"][1]["figure"]
+    bad = run_all.failures(results, ["pipeline", "latency", "scaleout"])
+    assert len(bad) == 3 and any("plot failed" in b for b in bad)
+    # The README's section is replaced between its heading and the GPU heading, the notes marker dropped.
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\n## Benchmarks\n\nold table\n\n### GPU\n\nby hand\n\n## Development\n")
+    monkeypatch.setattr(run_all, "README", readme)
+    run_all.splice_readme("### Results\n\nnew table\n\n<!-- notes -->\nnotes\n")
+    assert readme.read_text() == ("# x\n\n## Benchmarks\n\n### Results\n\nnew table\n\nnotes\n\n### GPU\n\nby hand\n\n"
+                                  "## Development\n")
