@@ -471,6 +471,34 @@ def test_a_pipeline_thread_that_dies_is_reported_in_error() -> None:
     assert 1 not in feeder.results  # the batch it held never came back
 
 
+def test_a_take_or_done_that_raises_is_reported_in_error() -> None:
+    # Either one may lose a batch that already left the scheduler (its records then stay in flight for good):
+    # the runner must stop (exit 1), not go on with a partition that never commits again. They were only logged.
+    feeder = Feeder([make_batch([1], offset=0)])
+
+    def bad_take(timeout: float) -> Batch | None:
+        raise RuntimeError("store said no")
+
+    w = DeviceWorker(Engine(Fake(), "cpu", warmup=False), bad_take, feeder.done, poll_s=0.01)
+    w.start()
+    deadline = time.monotonic() + 10
+    while w.error is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    w.stop(5)
+    assert isinstance(w.error, RuntimeError)
+
+    def bad_done(batch: Batch, results: list[Any], timings: dict[str, float]) -> None:
+        raise KeyError("gone")
+
+    w = DeviceWorker(Engine(Fake(), "cpu", warmup=False), feeder.take, bad_done, poll_s=0.01)
+    w.start()
+    deadline = time.monotonic() + 10
+    while w.error is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    w.stop(5)
+    assert isinstance(w.error, KeyError)
+
+
 # ------------------------------------------------------------------------------------ review fixes
 class FitsUnder(Fake):
     """Batches over ``limit`` records run out of device memory."""

@@ -688,8 +688,12 @@ class DeviceWorker:
                 continue
             try:
                 batch = self.take(self.poll_s)
-            except Exception:
+            except Exception as e:
+                # The batch may have left the scheduler already: its records would stay in flight for good and
+                # their partitions never commit again. The runner sees ``error`` and exits 1 (nothing is
+                # committed past them; they are processed again after the restart).
                 log.exception("%s: take() failed", self.name)
+                self.error = e
                 batch = None
                 time.sleep(self.poll_s)
             if batch is None:
@@ -784,8 +788,9 @@ class DeviceWorker:
             self.batches += 1
             try:
                 self.done(d.batch, d.results or [], d.timings)
-            except Exception:
+            except Exception as e:
                 log.exception("%s: done() failed", self.name)
+                self.error = e  # its records are never settled: the runner exits 1, as for take() above
 
     @staticmethod
     def _safe(fn: Callable[..., list[Any | BaseException]], items: Sequence[Any], *args: Any) -> list[Any | BaseException]:
