@@ -28,8 +28,10 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     if args.print:
         import yaml
 
-        from worker.config import to_dict
-        print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        from worker.config import redact_config, to_dict
+
+        # Secrets are resolved by now (${env:...}, ${file:...}): the output may land in a CI log or a ticket.
+        print(yaml.safe_dump(redact_config(to_dict(cfg)), sort_keys=False))
     else:
         print(f"{args.config}: OK ({len(cfg.batching.lanes)} lane(s), topics {cfg.input_topics()}, "
               f"model {cfg.model.name!r} ({model_kind}), delivery {cfg.delivery.mode})")
@@ -47,6 +49,11 @@ def _setup_logging(cfg: Config, level: str | None = None) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = _config(args.config)
+    if args.metrics_port is not None and not cfg.metrics.enabled:
+        # Asking for a port asks for the endpoint: silently serving nothing would be the surprise.
+        import msgspec
+
+        cfg = msgspec.structs.replace(cfg, metrics=msgspec.structs.replace(cfg.metrics, enabled=True))
     _setup_logging(cfg)
     from worker.service import run_service
 
@@ -110,7 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
         "Consume the input topics, batch, infer, produce results and commit. SIGTERM/SIGINT stop it "
         "gracefully: stop fetching, finish in-flight work within delivery.shutdown_timeout_s, commit, exit 0."))
     r.add_argument("--config", "-c", required=True, help="worker YAML config file")
-    r.add_argument("--metrics-port", type=int, default=None, help="override metrics.port (0 = any free port)")
+    r.add_argument("--metrics-port", type=int, default=None, help=(
+        "serve /metrics, /healthz and /readyz on this port instead of metrics.port (0 = any free port); "
+        "turns the endpoint on even where metrics.enabled is false"))
     r.set_defaults(func=cmd_run)
 
     c = sub.add_parser("check-config", help="validate a config file and exit (0 valid, 2 invalid)", description=(
@@ -119,7 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
         "factory; no weights are loaded), and exits 0, or 2 with a message naming the bad key's path. Connects "
         "to nothing."))
     c.add_argument("--config", "-c", required=True, help="worker YAML config file")
-    c.add_argument("--print", action="store_true", help="print the effective config (defaults and env applied)")
+    c.add_argument("--print", action="store_true", help=(
+        "print the effective config (defaults, env overrides and secret references applied; values of "
+        "secret-looking keys and URL passwords shown as ***)"))
     c.set_defaults(func=cmd_check_config)
 
     d = sub.add_parser("demo", help="one-command demo: local broker, sample requests, worker, summary", description=(
@@ -129,10 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--partitions", type=int, default=4, help="partitions of the demo's topics (default 4)")
     d.add_argument("--rate", type=float, default=2000.0, help="records/s the requests are produced at (default 2000)")
     d.add_argument("--model", default="tiny", choices=list(BUILTINS), help="built-in model (default tiny)")
-    d.add_argument("--bootstrap", default=None, help="use this broker instead of starting one")
+    d.add_argument("--bootstrap", default=None, help=(
+        "use this broker instead of starting one (default: $KAFKA_BOOTSTRAP_SERVERS where set)"))
     d.add_argument("--warm-up-s", type=float, default=None, help=(
         "seconds of throwaway traffic through the broker before the measured run, while the model loads "
-        "(default 5 with the demo's own freshly started broker, whose JVM is still cold; 0 with --bootstrap)"))
+        "(default 5 with the demo's own freshly started broker, whose JVM is still cold; 0 with --bootstrap or "
+        "KAFKA_BOOTSTRAP_SERVERS, whose broker is taken to be warm)"))
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("backfill", help="process the input topics up to their current end, then exit",
@@ -153,13 +166,15 @@ def build_parser() -> argparse.ArgumentParser:
         "answer or a record is not delivered."))
     ld.add_argument("--bootstrap", default=None, help="broker (default: $KAFKA_BOOTSTRAP_SERVERS or 127.0.0.1:9092)")
     ld.add_argument("--topic", required=True, help="topic to produce to")
-    ld.add_argument("--rate", type=float, default=1000.0, help="records per second (0 = as fast as possible)")
+    ld.add_argument("--rate", type=float, default=1000.0, help="records per second (default 1000; 0 = as fast as possible)")
     ld.add_argument("--count", type=int, default=10000, help="records to produce (default 10000)")
     ld.add_argument("--lanes", default=None, help="priority mix, e.g. high=0.1,low=0.9 (sets the request field)")
     ld.add_argument("--model-input", default="tiny", choices=list(BUILTINS),
-                    help="shape of the generated inputs")
+                    help="built-in model whose input shape the requests get (default tiny)")
     ld.add_argument("--id-prefix", default="load", help="request ids and keys are PREFIX-N (default load)")
-    ld.add_argument("--deadline-ms", type=int, default=None, help="relative deadline to set on each request")
+    ld.add_argument("--deadline-ms", type=int, default=None, metavar="MS", help=(
+        "give each request a deadline MS milliseconds after it is generated (its deadline_ms field, an "
+        "absolute Unix time in ms); the worker expires what it cannot answer by then (default: no deadline)"))
     ld.set_defaults(func=cmd_load)
 
     dq = sub.add_parser("dlq", help="dead-letter topic tools")

@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
+from worker.logs import redact_text
+
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
 PosFloat = Annotated[float, msgspec.Meta(gt=0)]
@@ -31,7 +33,11 @@ class ConfigError(ValueError):
 
 
 class _Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    pass
+    def __repr__(self) -> str:
+        # Configs end up in tracebacks and debug output: secret-looking keys and URL credentials are masked
+        # (the password of RedisConfig, sasl.password under kafka.consumer, redis://:pw@host, ...).
+        fields = ", ".join(f"{f}={redact_config(getattr(self, f), f)!r}" for f in self.__struct_fields__)
+        return f"{type(self).__name__}({fields})"
 
 
 class KafkaConfig(_Strict):
@@ -80,7 +86,8 @@ class BatchingConfig(_Strict):
 
 class ModelConfig(_Strict):
     # A built-in handler ("synthetic", "minilm", "identity", "tiny"), a "package.module:factory" callable,
-    # or a file: TorchScript (.pt/.ts), torch.export program (.pt2), ONNX (.onnx).
+    # or a file (worker.models.loaders.MODEL_FILE_SUFFIXES): TorchScript (.pt/.pth/.ts/.jit), torch.export
+    # program (.pt2), ONNX (.onnx), or weights (.pt/.pth/.bin/.safetensors) with options.factory.
     name: str = "tiny"
     options: dict[str, Any] = msgspec.field(default_factory=dict)
     version: str | None = None
@@ -156,7 +163,10 @@ class Config(_Strict):
 
 _SECRET_REF = re.compile(r"\$\{(env|file):([^}]+)\}")
 _PASSTHROUGH = {("kafka", "consumer"), ("kafka", "producer")}
-SECRET_WORDS = ("password", "secret", "token", "sasl.jaas", "key.pem", "private")
+SECRET_WORDS = ("password", "passwd", "secret", "token", "sasl.jaas", "key.pem", "private", "credential", "api_key",
+                "apikey", "authorization")
+# librdkafka reads a boolean property as true from "true", "t" or "1" (any case); only these read as false.
+_FALSE = ("false", "f", "0")
 
 
 def _resolve_secrets(value: Any, path: str, environ: dict[str, str]) -> Any:
@@ -301,8 +311,15 @@ def _check_semantics(cfg: Config) -> None:
         raise ConfigError("$.kafka.dlq_topic: must differ from kafka.output_topic (readers of results would get "
                           "the original request bytes of every dead letter)")
     for key in ("enable.auto.commit", "enable.auto.offset.store"):
-        if str(cfg.kafka.consumer.get(key, "false")).lower() == "true":
+        # Any spelling but false's: librdkafka also takes "1" or "t" for true (and refuses what is neither).
+        if str(cfg.kafka.consumer.get(key, "false")).strip().lower() not in _FALSE:
             raise ConfigError(f"$.kafka.consumer.{key}: must stay false; offsets are committed only after delivery")
+    if cfg.redis.url:
+        # The store would refuse it only when the worker starts; check-config should say so first.
+        scheme = cfg.redis.url.partition("://")[0].lower() if "://" in cfg.redis.url else ""
+        if scheme not in ("redis", "rediss", "unix"):
+            got = f"{scheme!r}://" if scheme else "no scheme"
+            raise ConfigError(f"$.redis.url: expected redis://host:port/db, rediss://... (TLS) or unix:///path, got {got}")
     for i, dev in enumerate(cfg.model.devices):
         if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", dev):
             raise ConfigError(f"$.model.devices[{i}]: expected cpu, mps, cuda or cuda:N, got {dev!r}")
@@ -327,18 +344,37 @@ def from_dict(data: dict[str, Any] | None, environ: dict[str, str] | None = None
     data = _merge(msgspec.to_builtins(Config()), data or {})
     env = dict(os.environ) if environ is None else environ
     set_by = _apply_env(data, env)
-    data = _resolve_secrets(data, "$", env)
-    _check_passthrough(data)
+    below = True
     try:
-        cfg = msgspec.convert(data, Config, strict=False)
-    except msgspec.ValidationError as e:
-        msg = _explain(str(e))
-        path = msg.split(": ", 1)[0]
-        if path in set_by:
-            msg += f" (set by {set_by[path]})"
-        raise ConfigError(msg) from None
-    _check_semantics(cfg)
+        data = _resolve_secrets(data, "$", env)
+        _check_passthrough(data)
+        try:
+            cfg = msgspec.convert(data, Config, strict=False)
+        except msgspec.ValidationError as e:
+            msg = _explain(str(e))
+            # A type error is about the key itself (or a value above it); an unknown key, like the checks
+            # across keys, may be about what a variable put under it.
+            below = msg.endswith(": unknown key")
+            raise ConfigError(msg) from None
+        _check_semantics(cfg)
+    except ConfigError as e:
+        raise ConfigError(_blame(str(e), set_by, below)) from None
     return cfg
+
+
+def _blame(msg: str, set_by: dict[str, str], below: bool) -> str:
+    """``msg`` with the ``WORKER__*`` variables behind the key it names: one that set the key or a section
+    above it, and with ``below`` one that set a key under it (``WORKER__KAFKAX__FOO`` -> ``$.kafkax``)."""
+    path = msg.split(": ", 1)[0]
+    if not path.startswith("$"):
+        return msg
+
+    def under(inner: str, outer: str) -> bool:
+        return inner.startswith((outer + ".", outer + "["))
+
+    names = sorted(name for p, name in set_by.items()
+                   if p == path or under(path, p) or (below and under(p, path)))
+    return f"{msg} (set by {', '.join(names)})" if names else msg
 
 
 def _explain(msg: str) -> str:
@@ -357,7 +393,34 @@ def _explain(msg: str) -> str:
 
 
 class _DuplicateKey(yaml.YAMLError):
-    pass
+    def __init__(self, mapping: yaml.MappingNode, key: Any, line: int, first: int) -> None:
+        super().__init__(f"line {line}: duplicate key {key!r} (first on line {first})")
+        self.mapping, self.key, self.line, self.first = mapping, key, line, first
+
+    def describe(self, root: yaml.Node | None) -> str:
+        """The message, naming the key by its path from the document's root."""
+        parent = _node_path(root, self.mapping, "$") if root is not None else None
+        where = f"{parent}.{self.key}" if parent is not None else repr(self.key)
+        return (f"line {self.line}: duplicate key {where} (first on line {self.first}); YAML would keep only "
+                "the last one")
+
+
+def _node_path(node: yaml.Node, target: yaml.Node, path: str) -> str | None:
+    """The path (``$.batching.lanes[0]``) of ``target`` in the composed document under ``node``."""
+    if node is target:
+        return path
+    if isinstance(node, yaml.MappingNode):
+        children = [(f"{path}.{k.value}" if isinstance(k, yaml.ScalarNode) else f"{path}.?", v)
+                    for k, v in node.value]
+    elif isinstance(node, yaml.SequenceNode):
+        children = [(f"{path}[{i}]", v) for i, v in enumerate(node.value)]
+    else:
+        return None
+    for child_path, child in children:
+        found = _node_path(child, target, child_path)
+        if found is not None:
+            return found
+    return None
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -373,8 +436,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             line = key_node.start_mark.line + 1
             try:
                 if key in first:
-                    raise _DuplicateKey(f"line {line}: duplicate key {key!r} (first on line {first[key]}); YAML "
-                                        "would keep only the last one")
+                    raise _DuplicateKey(node, key, line, first[key])
                 first[key] = line
             except TypeError:
                 continue  # an unhashable key: the base class reports it
@@ -389,12 +451,20 @@ def load(path: str | Path | None, environ: dict[str, str] | None = None) -> Conf
         text = p.read_text()
     except OSError as e:
         raise ConfigError(f"cannot read config file {str(p)!r}: {e.strerror}") from None
+    # What yaml.load does, keeping the composed tree (to name a repeated key by its path) and the file's
+    # name (positions in errors say 'in "worker.yaml", line 3' rather than 'in "<unicode string>"').
+    loader = _UniqueKeyLoader(text)
+    loader.name = str(p)
+    root: yaml.Node | None = None
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+        root = loader.get_single_node()
+        data = loader.construct_document(root) if root is not None else None
     except _DuplicateKey as e:
-        raise ConfigError(f"{p}: {e}") from None
+        raise ConfigError(f"{p}: {e.describe(root)}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    finally:
+        loader.dispose()
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -402,9 +472,27 @@ def load(path: str | Path | None, environ: dict[str, str] | None = None) -> Conf
     return from_dict(data, environ)
 
 
+def _is_secret(key: str) -> bool:
+    return any(w in key.lower() for w in SECRET_WORDS)
+
+
 def redact(props: dict[str, Any]) -> dict[str, Any]:
     """A copy safe to log: values of secret-looking keys are replaced."""
-    return {k: ("***" if any(w in k.lower() for w in SECRET_WORDS) else v) for k, v in props.items()}
+    return {k: ("***" if _is_secret(k) else v) for k, v in props.items()}
+
+
+def redact_config(value: Any, key: str = "") -> Any:
+    """A copy of a config value (``to_dict(cfg)`` for one) safe to print: values of secret-looking keys
+    become ``***`` at any depth (an empty one stays visible as such), and so do passwords in URLs."""
+    if value is not None and value != "" and _is_secret(key):
+        return "***"
+    if isinstance(value, dict):
+        return {k: redact_config(v, str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact_config(v) for v in value]
+    if isinstance(value, str):
+        return redact_text(value)
+    return value
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

@@ -8,6 +8,7 @@ also gets an ``error`` result.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,10 +18,13 @@ import msgspec
 from schemas import H_PRIORITY, Request
 from worker.adapters.memory_store import cache_key
 from worker.config import Config
-from worker.core.ports import Model
+from worker.core.ports import Metrics, Model
 from worker.core.records import Outcome, Record
 from worker.core.scheduler import PriorityScheduler
 from worker.emit import UNENCODABLE
+
+log = logging.getLogger("worker.intake")
+UNKNOWN_NAMES_LOGGED = 5  # lane names quoted per warning (they come from clients: any number of them)
 
 
 class _IdOnly(msgspec.Struct):
@@ -63,6 +67,9 @@ class Intake:
         self.model_id = (str(getattr(model, "name", cfg.model.name)),
                          str(cfg.model.version or getattr(model, "version", "")))
         self.unknown_lane_count = 0
+        # Since the last report_unknown_lanes(): records per topic, and a few of the names asked for.
+        self._unknown_by_topic: dict[str, int] = {}
+        self._unknown_names: set[str] = set()
         # The scheduler owns the routing rule (header > field > topic > default lane).
         self._route = route or PriorityScheduler(cfg.batching.lanes, cfg.batching.default_lane).lane_for
 
@@ -70,9 +77,27 @@ class Intake:
         """The routing rule (the scheduler's). ``admit`` answers the common case itself (no header, no
         ``priority`` field, a topic with a known lane) from ``_topic_lane`` before calling this."""
         lane, unknown = self._route(topic, header, field, self.topic_lanes)
-        if unknown:  # not an error: the record is served by the default lane (counted)
+        if unknown:  # not an error: the record is served by the default lane (counted, reported later)
             self.unknown_lane_count += 1
+            self._unknown_by_topic[topic] = self._unknown_by_topic.get(topic, 0) + 1
+            if len(self._unknown_names) < UNKNOWN_NAMES_LOGGED:
+                name = next((w.strip() for w in (header, field) if w and w.strip()), topic)
+                self._unknown_names.add(name[:64])  # client text in a log line: bounded
         return lane
+
+    def report_unknown_lanes(self, metrics: Metrics) -> None:
+        """Export (``kiw_unknown_lane_total{topic}``) and log the records that named no lane since the last
+        call. Called at metrics report time, not per record: the warning comes at most once per report
+        interval however many records a misconfigured producer sends."""
+        if not self._unknown_by_topic:
+            return
+        counts, names = self._unknown_by_topic, sorted(self._unknown_names)
+        self._unknown_by_topic, self._unknown_names = {}, set()
+        for topic, n in counts.items():
+            metrics.event("unknown_lane", n, topic=topic)
+        log.warning("%d records named a lane that does not exist (e.g. %s); served by the default lane %r",
+                    sum(counts.values()), ", ".join(repr(n) for n in names), self.default_lane,
+                    extra={"per_topic": counts})
 
     def admit(self, rec: Record, now: float) -> Outcome | None:
         """Fills rec.id/item/lane/deadline/size/meta. Returns an Outcome when the record is rejected."""

@@ -38,18 +38,23 @@ class Row:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny",
-                        help="built-in (tiny, minilm, synthetic, identity), package.module:factory, or a model file")
+                        help="built-in (tiny, minilm, synthetic, identity), package.module:factory, or a model file "
+                        "(default tiny)")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="model option (repeatable); values are YAML scalars, e.g. --option a_ms=2")
     parser.add_argument("--batch-sizes", default=DEFAULT_SIZES, help=f"comma-separated (default {DEFAULT_SIZES})")
     parser.add_argument("--device", default="auto", help="auto, cpu, mps, cuda or cuda:N (default auto)")
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"],
+                        help="autocast dtype, as model.dtype (default fp32; fp16 on a CPU runs as fp32)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model's forward")
     parser.add_argument("--latency-budget-ms", type=float, default=None,
-                        help="p99 batch latency budget for the recommended max_batch_size")
+                        help="p99 batch latency budget for the recommended max_batch_size (default: none, "
+                        "the highest throughput)")
     parser.add_argument("--iters", type=int, default=20, help="timed batches per size (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed batches per size (default 3)")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--threads", type=int, default=None, help=(
+        "torch intra-op threads (default: $WORKER_TORCH_THREADS, else $OMP_NUM_THREADS, else all CPUs but one "
+        "on a CPU device)"))
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw throughput and latency vs batch size")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the rows and the recommendation as JSON")
 

@@ -625,6 +625,7 @@ class Runner:
             total += lag
             self.metrics.gauge("consumer_lag", lag, topic=tp.topic, partition=str(tp.partition))
         self.metrics.gauge("drain_seconds", self._drain.estimate(total, now))
+        self.intake.report_unknown_lanes(self.metrics)
         if not self._broker_ok:
             # Nothing says when brokers are back while nothing arrives (an idle worker): ask for metadata.
             try:
@@ -864,6 +865,9 @@ class Runner:
         for tp in tps:
             self.epochs[tp] += 1
             self.position.pop(tp, None)
+            # The Prometheus adapter keeps a gauge's last value per label set: a released partition's lag
+            # would stay on /metrics (and in the total lag the autoscaler reads) until the process exits.
+            self.metrics.remove_lag(tp.topic, tp.partition)
         self.assigned -= tps
         self.paused -= tps
         if self.txn is not None and not graceful:

@@ -111,10 +111,10 @@ def test_a_repeated_key_in_the_file_is_an_error(tmp_path):
     f = tmp_path / "dup.yaml"
     f.write_text("kafka:\n  input_topics: [in]\nbatching:\n  lanes: [{name: hi}, {name: default}]\n"
                  "batching:\n  max_in_flight: 100\n")
-    with pytest.raises(ConfigError, match=r"dup.yaml: line 5: duplicate key 'batching' \(first on line 3\)"):
+    with pytest.raises(ConfigError, match=r"dup.yaml: line 5: duplicate key \$.batching \(first on line 3\)"):
         load(f, environ={})
     f.write_text("kafka:\n  input_topics: [in]\n  consumer: {a.b: 1, a.b: 2}\n")
-    with pytest.raises(ConfigError, match=r"duplicate key 'a.b'"):
+    with pytest.raises(ConfigError, match=r"duplicate key \$.kafka.consumer.a.b "):
         load(f, environ={})
     # A YAML merge ("<<: *anchor") is not a repeat: an explicit key overrides the merged one.
     f.write_text("kafka:\n  input_topics: [in]\n  consumer: &props {client.id: a, linger.ms: 1}\n"
@@ -193,3 +193,104 @@ def test_cli_help_and_usage_errors():
     assert r.returncode == 0 and "run" in r.stdout and "backfill" in r.stdout
     r = _cli("run")
     assert r.returncode == 2 and "--config" in r.stderr
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"WORKER__KAFKAX__FOO": "1"}, r"^\$.kafkax: unknown key \(set by WORKER__KAFKAX__FOO\)$"),
+    ({"WORKER__MODEL__DEVICE": "gpu"}, r"^\$.model.device: expected .* got 'gpu' \(set by WORKER__MODEL__DEVICE\)$"),
+    ({"WORKER__KAFKA__OUTPUT_TOPIC": "in"},
+     r"^\$.kafka.output_topic: must differ .* \(set by WORKER__KAFKA__OUTPUT_TOPIC\)$"),
+    ({"WORKER__BATCHING__LANES__1__NAME": "default"},  # a check on a section names what was set under it
+     r"^\$.batching.lanes: duplicate lane names \['default'\] \(set by WORKER__BATCHING__LANES__1__NAME\)$"),
+    ({"WORKER__REDIS__PASSWORD": "${env:NOPE_X}"},
+     r"^\$.redis.password: environment variable 'NOPE_X' is not set \(set by WORKER__REDIS__PASSWORD\)$"),
+])
+def test_every_error_about_an_overridden_key_names_the_variable(env, message):
+    data = {**BASE, "batching": {"lanes": [{"name": "default"}, {"name": "hi"}]}}
+    with pytest.raises(ConfigError, match=message):
+        from_dict(data, environ=env)
+
+
+def test_a_type_error_does_not_blame_a_variable_set_elsewhere_in_the_section():
+    # The file's lane lacks its name; the variable only set its max_wait_ms.
+    with pytest.raises(ConfigError) as e:
+        from_dict({**BASE, "batching": {"lanes": [{"max_wait_ms": 1}]}},
+                  environ={"WORKER__BATCHING__LANES__0__MAX_WAIT_MS": "5"})
+    assert "$.batching.lanes[0]" in str(e.value) and "set by" not in str(e.value)
+
+
+@pytest.mark.parametrize("value", [True, 1, "1", "t", "T", "TRUE", " true ", "yes"])
+def test_auto_commit_is_rejected_in_every_spelling_of_true(value):
+    for key in ("enable.auto.commit", "enable.auto.offset.store"):
+        with pytest.raises(ConfigError, match=rf"^\$.kafka.consumer.{key}: must stay false"):
+            from_dict({"kafka": {"input_topics": ["in"], "consumer": {key: value}}}, environ={})
+
+
+@pytest.mark.parametrize("value", [False, 0, "0", "f", "false", "FALSE"])
+def test_auto_commit_may_be_spelled_false(value):
+    cfg = from_dict({"kafka": {"input_topics": ["in"], "consumer": {"enable.auto.commit": value}}}, environ={})
+    assert cfg.kafka.consumer["enable.auto.commit"] == value
+
+
+@pytest.mark.parametrize("url, ok", [
+    ("redis://h:6379/0", True), ("rediss://:pw@h:6380/0", True), ("unix:///run/redis.sock", True),
+    ("REDIS://h", True), ("http://x", False), ("h:6379", False), ("ftp://u:pw@h", False),
+])
+def test_redis_url_scheme_is_checked(url, ok):
+    data = {**BASE, "redis": {"url": url}}
+    if ok:
+        assert from_dict(data, environ={}).redis.url == url
+        return
+    with pytest.raises(ConfigError, match=r"^\$.redis.url: expected redis://") as e:
+        from_dict(data, environ={})
+    assert "pw" not in str(e.value)  # the URL's password is not echoed
+
+
+def test_a_repeated_key_is_named_by_its_path(tmp_path):
+    f = tmp_path / "dup.yaml"
+    f.write_text("kafka:\n  input_topics: [in]\nbatching:\n  lanes:\n    - name: a\n      max_wait_ms: 1\n"
+                 "      max_wait_ms: 2\n  default_lane: a\n")
+    with pytest.raises(ConfigError, match=r"dup.yaml: line 7: duplicate key \$.batching.lanes\[0\].max_wait_ms "
+                                          r"\(first on line 6\)"):
+        load(f, environ={})
+
+
+def test_a_yaml_syntax_error_names_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("kafka:\n  input_topics: [unclosed\n")
+    with pytest.raises(ConfigError) as e:
+        load(bad, environ={})
+    assert f'in "{bad}", line 2' in str(e.value) and "<unicode string>" not in str(e.value)
+
+
+def test_config_reprs_hide_secrets():
+    cfg = from_dict({"kafka": {"input_topics": ["in"], "consumer": {"sasl.password": "kpw", "sasl.username": "u"}},
+                     "redis": {"url": "redis://:upw@h:6379/0", "password": "rpw"},
+                     "model": {"options": {"api_token": "tpw"}}}, environ={})
+    for text in (repr(cfg.redis), repr(cfg.kafka), repr(cfg)):
+        assert not any(s in text for s in ("kpw", "upw", "rpw", "tpw")), text
+    assert "password='***'" in repr(cfg.redis) and "redis://:***@h:6379/0" in repr(cfg.redis)
+    assert "'sasl.username': 'u'" in repr(cfg.kafka)  # what is not secret stays readable
+    assert repr(from_dict(BASE, environ={}).redis).startswith("RedisConfig(url=None, password=None,")
+
+
+def test_redact_config_masks_secret_keys_at_any_depth_and_url_passwords():
+    from worker.config import redact_config
+
+    data = {"kafka": {"consumer": {"sasl.password": "p", "ssl.key.password": "p", "sasl.mechanisms": "PLAIN"}},
+            "redis": {"url": "rediss://user:p@h:6380/0", "password": "p"}, "lanes": [{"client_secret": "p"}],
+            "empty": {"password": ""}, "unset": {"password": None}}
+    assert redact_config(data) == {
+        "kafka": {"consumer": {"sasl.password": "***", "ssl.key.password": "***", "sasl.mechanisms": "PLAIN"}},
+        "redis": {"url": "rediss://user:***@h:6380/0", "password": "***"}, "lanes": [{"client_secret": "***"}],
+        "empty": {"password": ""}, "unset": {"password": None}}
+
+
+def test_check_config_print_shows_no_resolved_secret(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("kafka:\n  input_topics: [requests]\n  consumer: {sasl.password: '${env:KIW_T_PW}'}\n"
+                 "redis:\n  url: 'redis://:${env:KIW_T_PW}@h:6379/0'\n  password: '${env:KIW_T_PW}'\n")
+    r = _cli("check-config", "--config", str(f), "--print", env={"KIW_T_PW": "s3cr3t-value"})
+    assert r.returncode == 0, r.stderr
+    assert "s3cr3t-value" not in r.stdout
+    assert "sasl.password: '***'" in r.stdout and "redis://:***@h:6379/0" in r.stdout

@@ -231,3 +231,41 @@ def test_a_record_rejected_before_routing_is_counted_under_a_lane_that_exists(cl
     for topic, value, lane in (("in", b"{bad", "bulk"), ("in-hi", b"{bad", "hi"), ("in", b'{"id": "a"}', "bulk")):
         o = it.admit(record(value, topic=topic), clock.t)
         assert o is not None and o.record.lane == lane, (topic, value, o.record.lane)
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int, dict[str, str]]] = []
+
+    def event(self, name: str, n: int = 1, **labels: str) -> None:
+        self.events.append((name, n, labels))
+
+
+def test_unknown_lanes_are_exported_and_logged_per_report_not_per_record(
+        clock: FakeTime, caplog: pytest.LogCaptureFixture) -> None:
+    it = intake()
+    for i in range(3):
+        assert it.admit(record(request(f"a{i}", {"x": 1}, priority="nope")), clock.t) is None
+    assert it.admit(record(request("b", {"x": 1}), topic="in-hi", headers=[(H_PRIORITY, b" gone ")]), clock.t) is None
+    assert it.admit(record(request("c", {"x": 1}, priority="bulk")), clock.t) is None  # a known lane
+    m = _Events()
+    with caplog.at_level("WARNING", logger="worker.intake"):
+        it.report_unknown_lanes(m)  # type: ignore[arg-type]
+        it.report_unknown_lanes(m)  # type: ignore[arg-type]  # nothing new: no event, no line
+    assert sorted(m.events, key=lambda e: e[2]["topic"]) == [("unknown_lane", 3, {"topic": "in"}),
+                                                            ("unknown_lane", 1, {"topic": "in-hi"})]
+    [line] = caplog.records
+    assert "4 records named a lane that does not exist" in line.getMessage()
+    assert "'gone'" in line.getMessage() and "'nope'" in line.getMessage()
+    assert it.unknown_lane_count == 4
+
+
+def test_unknown_lanes_reach_the_metrics_at_the_lag_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.adapters.metrics import PrometheusMetrics
+
+    m = PrometheusMetrics()
+    h = Harness(monkeypatch, make_config(batching=LANES), metrics=m).start()
+    h.c.assign(("in", 0))
+    h.c.append("in", 0, request("x", 1, priority="nope"))
+    h.iterate()  # the first turn reports
+    assert m.registry.get_sample_value("kiw_unknown_lane_total", {"topic": "in"}) == 1

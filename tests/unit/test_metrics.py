@@ -35,6 +35,9 @@ EXPECTED = {
     "kiw_rebalances": ("counter", {"kind"}),
     "kiw_batches": ("counter", {"lane", "reason"}),
     "kiw_preemptions": ("counter", {"lane"}),
+    "kiw_unknown_lane": ("counter", {"topic"}),
+    "kiw_suspects_isolated": ("counter", set()),
+    "kiw_ledger_skips": ("counter", set()),
 }
 
 
@@ -69,6 +72,9 @@ def exercise(m: PrometheusMetrics) -> None:
     m.event("rebalances", kind="assign")
     m.event("batches", 4, lane="hi", reason="full")
     m.event("preemptions", lane="lo")
+    m.event("unknown_lane", 2, topic="req")
+    m.event("suspects_isolated", 3)
+    m.event("ledger_skips", 4)
 
 
 def test_every_metric_is_exposed_with_its_labels() -> None:
@@ -98,6 +104,24 @@ def test_counters_gauges_and_histograms_move() -> None:
     assert value(m, "kiw_batch_size_bucket", lane="hi", le="8.0") == 2
     assert value(m, "kiw_batch_size_bucket", lane="hi", le="4.0") == 0
     assert value(m, "kiw_end_to_end_seconds_sum", lane="hi") == pytest.approx(0.1)
+
+
+def test_every_metric_name_the_worker_emits_exists() -> None:
+    """The adapter drops a name it does not know with a debug line, so a typo or a metric never registered
+    (store_gate's ``suspects_isolated`` and ``ledger_skips`` were) would silently never move."""
+    import re
+    from pathlib import Path
+
+    from worker.adapters.metrics import _short
+
+    used: set[tuple[str, str]] = set()
+    for f in (Path(__file__).resolve().parents[2] / "worker").rglob("*.py"):
+        used |= set(re.findall(r'\.(event|gauge|observe)\(\s*"([a-z_]+)"', f.read_text()))
+    m = PrometheusMetrics()
+    known = {"event": set(m._counters), "gauge": set(m._gauges) | set(m._histograms),
+             "observe": set(m._histograms)}
+    assert ("event", "ledger_skips") in used and ("gauge", "consumer_lag") in used  # the scan finds them
+    assert sorted((kind, name) for kind, name in used if _short(name) not in known[kind]) == []
 
 
 def test_buckets() -> None:

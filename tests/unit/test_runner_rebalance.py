@@ -239,3 +239,28 @@ def test_an_error_during_revoke_still_releases_the_partitions(monkeypatch: pytes
     assert h.c.paused == set() and offsets_out(h, 1) == [0, 1, 2]
     assert offsets_out(h, 0) == []  # the late output was not produced
     assert IN0 not in h.runner.assigned and h.runner.tracker.in_flight() == 0
+
+
+def test_a_released_partitions_lag_series_is_removed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gauge keeps its last value per label set: without removal, a revoked or lost partition's lag stayed
+    on /metrics (and in the summed lag an autoscaler reads) for the life of the process."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from worker.adapters.metrics import PrometheusMetrics
+
+    m = PrometheusMetrics()
+
+    def lag_series() -> set[tuple[str, str]]:
+        return {(s.labels["topic"], s.labels["partition"]) for f in text_string_to_metric_families(m.render().decode())
+                if f.name == "kiw_consumer_lag" for s in f.samples}
+
+    h = Harness(monkeypatch, metrics=m).start()
+    h.c.assign(("in", 0), ("in", 1), ("in", 2))
+    for p in range(3):
+        h.send(2, partition=p)
+    h.iterate()  # the first turn reports the lag
+    assert lag_series() == {("in", "0"), ("in", "1"), ("in", "2")}
+    h.c.revoke(("in", 0))
+    assert lag_series() == {("in", "1"), ("in", "2")}
+    h.c.lose(("in", 1))
+    assert lag_series() == {("in", "2")}

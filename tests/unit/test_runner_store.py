@@ -327,3 +327,19 @@ def test_ledger_holds_ok_results_only_so_a_failed_request_may_be_retried(monkeyp
     h.commit()
     assert [(r["id"], r["status"]) for r in h.p.results()][3:] == [("late", "ok"), ("broken", "ok")]
     assert h.committed() == 6 and h.runner.stats.ledger_skips == 1
+
+
+def test_ledger_skips_and_isolated_suspects_are_counted_on_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.adapters.metrics import PrometheusMetrics
+
+    m = PrometheusMetrics()
+    store = MemoryStore()
+    store.mark_delivered(["in-0-0", "in-0-1"])
+    store.incr_attempts("in:0:3")
+    cfg = make_config(redis={"url": REDIS_URL, "ledger": True}, delivery={"max_attempts": 3})
+    h = Harness(monkeypatch, cfg, store=store, metrics=m).start()
+    h.c.assign(("in", 0))
+    h.send(4)
+    h.iterate()
+    assert m.registry.get_sample_value("kiw_ledger_skips_total") == 2
+    assert m.registry.get_sample_value("kiw_suspects_isolated_total") == 1

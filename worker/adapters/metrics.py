@@ -9,7 +9,8 @@ suffix are accepted too):
   is observed.
 - ``event(name, n, **labels)``: ``commit_failures``, ``dlq`` {stage}, ``oom_splits`` {lane},
   ``redis_errors`` {op}, ``rebalances`` {kind}, ``batches`` {lane, reason}, ``records_in`` {lane},
-  ``records_out`` {lane, status}.
+  ``records_out`` {lane, status}, ``preemptions`` {lane}, ``unknown_lane`` {topic}, ``suspects_isolated``,
+  ``ledger_skips``.
 
 Unknown names are ignored with a debug log line; missing labels become ``""`` and extra labels are dropped.
 An observation hook never raises into the pipeline.
@@ -54,13 +55,15 @@ class PrometheusMetrics:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
         self.records_in_total = Counter("kiw_records_in", "Records consumed, by lane", ["lane"], registry=r)
-        self.records_out_total = Counter("kiw_records_out", "Results produced, by lane and status (ok|error|expired)",
+        self.records_out_total = Counter("kiw_records_out", "Records finished (result and/or dead letter handed to "
+                                         "the producer), by lane and status (ok|error|expired)",
                                          ["lane", "status"], registry=r)
         self.batch_size = Histogram("kiw_batch_size", "Records per inference batch", ["lane"],
                                     buckets=BATCH_SIZE_BUCKETS, registry=r)
         self.batch_fill_ratio = Histogram("kiw_batch_fill_ratio", "Batch size / lane max_batch_size", ["lane"],
                                           buckets=FILL_RATIO_BUCKETS, registry=r)
-        self.queue_wait_seconds = Histogram("kiw_queue_wait_seconds", "Time a batch's records waited before inference",
+        self.queue_wait_seconds = Histogram("kiw_queue_wait_seconds", "Per batch: the mean time its records waited "
+                                            "from receipt to dispatch",
                                             ["lane"], buckets=LATENCY_BUCKETS, registry=r)
         self.inference_seconds = Histogram("kiw_inference_seconds", "Collate + forward + split time per batch",
                                            ["lane"], buckets=LATENCY_BUCKETS, registry=r)
@@ -77,7 +80,8 @@ class PrometheusMetrics:
                                         registry=r)
         self.commit_failures_total = Counter("kiw_commit_failures", "Failed offset commits", registry=r)
         self.dlq_total = Counter("kiw_dlq", "Records routed to the DLQ, by stage", ["stage"], registry=r)
-        self.oom_splits_total = Counter("kiw_oom_splits", "Batches split after running out of device memory",
+        self.oom_splits_total = Counter("kiw_oom_splits", "Times a lane's max batch size was lowered (after a "
+                                        "device out-of-memory error, or to a model's fixed batch size)",
                                         ["lane"], registry=r)
         self.redis_errors_total = Counter("kiw_redis_errors", "Store calls that could not use Redis "
                                           "(error or open circuit), by operation", ["op"], registry=r)
@@ -90,6 +94,13 @@ class PrometheusMetrics:
                                          "lane's batch, by the lane put back", ["lane"], registry=r)
         self.batches_total = Counter("kiw_batches", "Batches closed, by lane and reason (count|time|idle|flush|adaptive)",
                                      ["lane", "reason"], registry=r)
+        self.unknown_lane_total = Counter("kiw_unknown_lane", "Records whose x-priority header or priority field "
+                                          "names no lane (served by the default lane), by topic", ["topic"],
+                                          registry=r)
+        self.suspects_isolated_total = Counter("kiw_suspects_isolated", "Records read with an attempt count > 0 "
+                                               "(on a device when a process died), each run alone", registry=r)
+        self.ledger_skips_total = Counter("kiw_ledger_skips", "Redelivered records not run again: the ledger "
+                                          "holds their delivered ok result", registry=r)
 
         self._gauges: dict[str, Gauge] = {
             "in_flight": self.in_flight, "paused_partitions": self.paused_partitions,
@@ -106,7 +117,8 @@ class PrometheusMetrics:
             "commit_failures": self.commit_failures_total, "dlq": self.dlq_total,
             "oom_splits": self.oom_splits_total, "redis_errors": self.redis_errors_total,
             "rebalances": self.rebalances_total, "batches": self.batches_total,
-            "preemptions": self.preemptions_total,
+            "preemptions": self.preemptions_total, "unknown_lane": self.unknown_lane_total,
+            "suspects_isolated": self.suspects_isolated_total, "ledger_skips": self.ledger_skips_total,
         }
         self._warned: set[str] = set()
 

@@ -75,6 +75,7 @@ class Metrics(Protocol):
     def dlq(self, stage: str, n: int = 1) -> None: ...
     def gauge(self, name: str, value: float, **labels: str) -> None: ...
     def event(self, name: str, n: int = 1, **labels: str) -> None: ...
+    def remove_lag(self, topic: str, partition: int) -> None: ...  # a partition no longer assigned
 
 
 class NullMetrics:
@@ -86,3 +87,4 @@ class NullMetrics:
     def dlq(self, stage: str, n: int = 1) -> None: pass
     def gauge(self, name: str, value: float, **labels: str) -> None: pass
     def event(self, name: str, n: int = 1, **labels: str) -> None: pass
+    def remove_lag(self, topic: str, partition: int) -> None: pass
