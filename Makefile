@@ -1,7 +1,12 @@
 # Two commands a newcomer needs; each does all set-up on a fresh machine (virtual environment outside the
 # clone, pip install, the Kafka broker jars via Maven, redis-server via apt-get).
+# pipefail: a failed setup_env.sh must stop the recipe, not hand an empty $PY to the next command.
 SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
 SETUP := bash worker/local/setup_env.sh
+# Runs setup_env.sh and sets PY to the venv's python (its last line of output), or stops the recipe.
+GET_PY := PY=$$($(SETUP) | tail -n1) && [ -x "$$PY" ] \
+  || { echo "make: worker/local/setup_env.sh failed (see its messages above); nothing was run" >&2; exit 1; }
 PYTEST_ARGS ?=
 
 .PHONY: demo test lint unit bench schemas setup
@@ -10,24 +15,24 @@ setup:
 	@$(SETUP) >/dev/null
 
 demo:
-	@PY=$$($(SETUP) | tail -n1) && PYTHONPATH=$(CURDIR) $$PY -m worker demo
+	@$(GET_PY); PYTHONPATH=$(CURDIR) $$PY -m worker demo
 
 # Everything: lint + types, unit, integration, chaos, chart checks. Starts Kafka and Redis itself.
 test:
-	@PY=$$($(SETUP) | tail -n1) && cd $(CURDIR) && \
+	@$(GET_PY); cd $(CURDIR) && \
 	  $$PY -m ruff check worker schemas tests && \
 	  $$PY -m mypy && \
 	  PYTHONPATH=$(CURDIR) $$PY -m schemas.export --check && \
 	  PYTHONPATH=$(CURDIR) $$PY -m pytest tests -p no:cacheprovider $(PYTEST_ARGS)
 
 unit:
-	@PY=$$($(SETUP) | tail -n1) && PYTHONPATH=$(CURDIR) $$PY -m pytest tests/unit -q -p no:cacheprovider
+	@$(GET_PY); PYTHONPATH=$(CURDIR) $$PY -m pytest tests/unit -q -p no:cacheprovider
 
 lint:
-	@PY=$$($(SETUP) | tail -n1) && $$PY -m ruff check worker schemas tests && $$PY -m mypy
+	@$(GET_PY); $$PY -m ruff check worker schemas tests && $$PY -m mypy
 
 schemas:
-	@PY=$$($(SETUP) | tail -n1) && PYTHONPATH=$(CURDIR) $$PY -m schemas.export
+	@$(GET_PY); PYTHONPATH=$(CURDIR) $$PY -m schemas.export
 
 bench:
-	@PY=$$($(SETUP) | tail -n1) && PYTHONPATH=$(CURDIR) $$PY -m tests.bench.run_all
+	@$(GET_PY); PYTHONPATH=$(CURDIR) $$PY -m tests.bench.run_all

@@ -69,11 +69,17 @@ def kafka() -> Iterator[KafkaHandle]:
                 return
         except Exception as e:  # fall through to the local process
             print(f"\n[kafka] testcontainers failed ({e}); starting a local broker")
-    try:
-        from worker.local.kafka_broker import LocalKafka
+    from worker.local.kafka_broker import LocalKafka
 
-        broker = LocalKafka().start()
-    except Exception as e:
+    broker = LocalKafka()
+    try:
+        broker.start()
+    except BaseException as e:
+        # start() cleans up after itself; close() again so that nothing (process, temp dir) can outlive a
+        # failed or interrupted (Ctrl-C) start whatever start() did.
+        broker.close()
+        if not isinstance(e, Exception):
+            raise
         unavailable("Kafka broker", str(e))
         return
     print(f"\n[kafka] local Apache Kafka {broker.version} (KRaft) at {broker.bootstrap}")

@@ -90,8 +90,10 @@ def redis_url() -> Iterator[str]:
     server = LocalRedis()
     try:
         server.start()
-    except RedisStartError as e:
-        server.close()
+    except BaseException as e:
+        server.close()  # also on Ctrl-C or an unexpected error: no process or temp dir outlives a failed start
+        if not isinstance(e, RedisStartError):
+            raise
         problems.append(f"local redis-server: {e}")
         unavailable("no Redis for integration tests: set REDIS_URL, run Docker, or install redis-server "
                     "(apt-get install redis-server)\n" + "\n".join(problems))
@@ -112,13 +114,18 @@ def local_redis_factory() -> Iterator[Callable[..., LocalRedis]]:
         made.append(server)
         try:
             return server.start()
-        except RedisStartError as e:
+        except BaseException as e:
+            server.close()
+            if not isinstance(e, RedisStartError):
+                raise
             unavailable(f"cannot start a local redis-server: {e}")
             raise  # unreachable: unavailable() raises
 
-    yield factory
-    for server in made:
-        server.close()
+    try:
+        yield factory
+    finally:
+        for server in made:
+            server.close()
 
 
 @pytest.fixture

@@ -39,7 +39,12 @@ def demo(records: int = 5000, model: str = "tiny", bootstrap: str | None = None,
         from worker.local.kafka_broker import LocalKafka
 
         print("starting a local Apache Kafka broker (KRaft) ...", flush=True)
-        broker = LocalKafka().start()
+        broker = LocalKafka()
+        try:
+            broker.start()
+        except BaseException:
+            broker.close()  # a failed or interrupted start leaves no process or temp dir behind
+            raise
         bootstrap = broker.bootstrap
         print(f"  broker {broker.version} ready at {bootstrap} in {time.monotonic() - t_start:.1f}s", flush=True)
     if warm_up_s is None:

@@ -1,7 +1,7 @@
 """A single-node Apache Kafka broker (KRaft) run from jars that Maven fetches from Maven Central.
 
 Used by the tests and by ``worker demo`` when no broker address is given. The jars are cached outside
-the repository (``~/.cache/kafka-inference-worker/kafka-<version>/libs``); the broker runs with the
+the repository (``~/.cache/kafka-inference-worker/kafka-<version>-<pom hash>/libs``); the broker runs with the
 machine's Java on 127.0.0.1, on free ports, with its data in a temporary directory and settings tuned
 for fast tests (no initial rebalance delay, replication factors of 1).
 """
@@ -9,15 +9,19 @@ for fast tests (no initial rebalance delay, replication factors of 1).
 from __future__ import annotations
 
 import base64
+import contextlib
+import fcntl
+import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
-from worker.local.process import free_port, terminate
+from worker.local.process import die_with_parent, free_ports, terminate
 
 KAFKA_VERSION = "4.1.1"
 POM = Path(__file__).with_name("kafka") / "pom.xml"
@@ -31,9 +35,32 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KIW_CACHE", Path.home() / ".cache" / "kafka-inference-worker"))
 
 
+def jar_dir(version: str = KAFKA_VERSION) -> Path:
+    """The cache folder for one Kafka version AND one pom.xml: ``kafka-<version>-<sha256(pom)[:12]>``. A
+    changed pom gets a folder of its own, so the change reaches machines that have the old jars, and jars
+    that the pom no longer asks for are not left on the classpath."""
+    digest = hashlib.sha256(POM.read_bytes()).hexdigest()[:12]
+    return cache_dir() / f"kafka-{version}-{digest}"
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive flock on ``path``: one fetch at a time per cache folder, across processes."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def ensure_jars(version: str = KAFKA_VERSION) -> Path:
-    """Fetch the broker jars once per machine; returns the libs directory."""
-    libs = cache_dir() / f"kafka-{version}" / "libs"
+    """Fetch the broker jars once per machine (and pom); returns the libs directory.
+
+    Maven copies into a temporary folder beside it, which is renamed into place once complete: a fetch
+    that fails or is interrupted leaves no half-filled ``libs``, and concurrent callers wait on a lock."""
+    home = jar_dir(version)
+    libs = home / "libs"
     marker = libs / ".complete"
     if marker.exists():
         return libs
@@ -41,16 +68,29 @@ def ensure_jars(version: str = KAFKA_VERSION) -> Path:
         raise BrokerStartError("Maven (mvn) is needed to fetch the Kafka broker jars; install it (apt-get install maven)")
     if shutil.which("java") is None:
         raise BrokerStartError("Java 17+ is needed to run the local Kafka broker; install a JDK")
-    libs.mkdir(parents=True, exist_ok=True)
-    print(f"[kafka] fetching Apache Kafka {version} jars from Maven Central into {libs}", flush=True)
-    cmd = [
-        "mvn", "-q", "-B", "-f", str(POM), "dependency:copy-dependencies",
-        f"-Dkafka.version={version}", f"-DoutputDirectory={libs}", "-DincludeScope=runtime",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise BrokerStartError(f"mvn failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    marker.touch()
+    home.mkdir(parents=True, exist_ok=True)
+    with _locked(home / ".lock"):
+        if marker.exists():  # fetched by another process while this one waited for the lock
+            return libs
+        print(f"[kafka] fetching Apache Kafka {version} jars from Maven Central into {libs}", flush=True)
+        for stale in home.glob("libs.tmp-*"):  # left by a fetch that was killed; none runs now (the lock)
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix="libs.tmp-", dir=home))
+        try:
+            cmd = ["mvn", "-q", "-B", "-f", str(POM), "dependency:copy-dependencies",
+                   f"-Dkafka.version={version}", f"-DoutputDirectory={tmp}"]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise BrokerStartError(
+                    f"mvn failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+            if not any(tmp.glob("kafka_2.13-*.jar")):
+                raise BrokerStartError(f"mvn copied no Kafka jar into {tmp}:\n{proc.stdout[-4000:]}")
+            (tmp / ".complete").touch()
+            tmp.chmod(0o755)  # mkdtemp made it 0700
+            shutil.rmtree(libs, ignore_errors=True)  # an unfinished folder from an older version of this code
+            os.rename(tmp, libs)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return libs
 
 
@@ -88,11 +128,11 @@ class LocalKafka:
         self.version = version
         self._own_dir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="kiw-kafka-"))
-        self.port = free_port()
-        self.controller_port = free_port()
+        self.port, self.controller_port = free_ports(2)
         self.extra_props = extra_props or {}
         self.proc: subprocess.Popen[bytes] | None = None
         self._formatted = False
+        self._was_ready = False  # set by the first start() that succeeds; a restart then keeps the data
 
     @property
     def bootstrap(self) -> str:
@@ -140,6 +180,28 @@ class LocalKafka:
         return cmd
 
     def start(self, timeout: float = 90.0) -> LocalKafka:
+        """Start (or restart after stop(): same ports and data). Returns self once the broker answers.
+
+        If it fails or is interrupted (Ctrl-C) the process is killed before the exception goes on; a broker
+        that was never ready also loses its own temporary directory (close()), a restart keeps its data."""
+        if self.proc is not None and self.proc.poll() is None:
+            return self
+        try:
+            self._start(timeout)
+        except BaseException:
+            self._abort()
+            raise
+        self._was_ready = True
+        return self
+
+    def _abort(self) -> None:
+        if self.proc is not None:
+            terminate(self.proc, 10, group=True, hard=True)
+            self.proc = None
+        if not self._was_ready:
+            self.close()
+
+    def _start(self, timeout: float) -> None:
         libs = ensure_jars(self.version)
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / "server.properties").write_text(self._props())
@@ -153,13 +215,14 @@ class LocalKafka:
             if fmt.returncode != 0:
                 raise BrokerStartError(f"kafka storage format failed:\n{fmt.stdout}\n{fmt.stderr}")
         self._formatted = True
-        out = open(self.workdir / "stdout.log", "ab")
-        self.proc = subprocess.Popen(
-            self._java(libs, "kafka.Kafka", str(self.workdir / "server.properties")),
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        out.close()
+        with open(self.workdir / "stdout.log", "ab") as out:
+            # Own session: the terminal's Ctrl-C goes to the caller, which stops the broker in order.
+            # die_with_parent: a caller killed outright (kill -9, SIGTERM, a crash) takes the broker with it.
+            self.proc = subprocess.Popen(
+                self._java(libs, "kafka.Kafka", str(self.workdir / "server.properties")),
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                preexec_fn=die_with_parent())
         self._wait_ready(timeout)
-        return self
 
     def _wait_ready(self, timeout: float) -> None:
         from confluent_kafka.admin import AdminClient
@@ -177,7 +240,6 @@ class LocalKafka:
             except Exception as e:  # noqa: BLE001 - retried until the deadline
                 last = e
             time.sleep(0.3)
-        self.stop()
         raise BrokerStartError(f"Kafka broker not ready after {timeout:.0f}s ({last})\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 60) -> str:
@@ -198,6 +260,7 @@ class LocalKafka:
         self.stop()
         if self._own_dir:
             shutil.rmtree(self.workdir, ignore_errors=True)
+            self._formatted = self._was_ready = False
 
     def __enter__(self) -> LocalKafka:
         return self.start()

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
-from worker.local.process import free_port, terminate
+from worker.local.process import die_with_parent, free_port, terminate
 
 
 class RedisStartError(RuntimeError):
@@ -57,6 +57,7 @@ class LocalRedis:
         self._tls_files = (tls_cert_file, tls_key_file, tls_ca_file)
         self.extra_args = list(extra_args or [])
         self.proc: subprocess.Popen[bytes] | None = None
+        self._was_ready = False  # set by the first start() that succeeds
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
@@ -108,15 +109,30 @@ class LocalRedis:
         return cmd + self.extra_args
 
     def start(self, timeout: float = 10.0) -> LocalRedis:
-        """Start (or restart, on the same port). Returns self once the server answers PING."""
+        """Start (or restart, on the same port). Returns self once the server answers PING.
+
+        If it fails or is interrupted (Ctrl-C) the process is killed before the exception goes on; a server
+        that was never ready also loses its own temporary directory (close())."""
         if self.running:
             return self
-        binary = find_redis_server()
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        with open(self.workdir / "stdout.log", "ab") as out:
-            self.proc = subprocess.Popen(self._command(binary), stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
-        self._wait_ready(timeout)
+        try:
+            binary = find_redis_server()
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            with open(self.workdir / "stdout.log", "ab") as out:
+                # Own session: the terminal's Ctrl-C goes to the caller, which stops the server itself.
+                # die_with_parent: a caller killed outright (kill -9, SIGTERM, a crash) takes it along.
+                self.proc = subprocess.Popen(self._command(binary), stdout=out, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, start_new_session=True,
+                                             preexec_fn=die_with_parent())
+            self._wait_ready(timeout)
+        except BaseException:
+            if self.proc is not None:
+                terminate(self.proc, 5, hard=True, wake=True)
+                self.proc = None
+            if not self._was_ready:
+                self.close()
+            raise
+        self._was_ready = True
         return self
 
     def _ping(self) -> bool:
@@ -148,7 +164,6 @@ class LocalRedis:
             except OSError as e:
                 last = e
             time.sleep(0.02)
-        self.stop()
         raise RedisStartError(f"redis-server not ready after {timeout:.0f}s on port {self.port} ({last})\n"
                               f"{self.log_tail()}")
 
@@ -182,6 +197,7 @@ class LocalRedis:
         self.stop()
         if self._own_dir:
             shutil.rmtree(self.workdir, ignore_errors=True)
+            self._was_ready = False
 
     def __enter__(self) -> LocalRedis:
         return self.start()
