@@ -130,6 +130,10 @@ class Runner:
         self._isolated = 0  # suspects on a device now: nothing else is dispatched meanwhile
         self._broker_ok = True
         self._abort_pending: str | None = None  # exactly-once: a delivery failed; abort at the end of the turn
+        # Set when the consumer's position can no longer be trusted (a rewind that could not seek): nothing may
+        # be committed any more, the worker exits 1 and the next process starts from the committed offsets.
+        self._no_commit = False
+        self._shutdown_deadline: float | None = None  # revokes during shutdown (close) wait no longer than it
         self._delivery_aborts = 0  # such aborts in a row, without a commit between them
         self._next_lag_report = 0.0
         self._done_at_last_lag = 0
@@ -323,17 +327,14 @@ class Runner:
         except FatalDeliveryError as e:
             self._fatal = str(e)
         if self._abort_pending is not None and self._fatal is None:
-            log.warning("exactly-once: a result was not delivered (%s); aborting the transaction", self._abort_pending)
-            self._abort_pending = None
-            self._delivery_aborts += 1
-            self._abort_transaction()
+            self._abort_for_failed_delivery()
         for w in self.workers:
             err = w.error
             if err is not None and self._fatal is None:
                 # A thread of its pipeline died (a handler raised SystemExit, say): the batches it held never
                 # come back, and waiting for them would stall the worker with a healthy heartbeat.
-                self._fatal = (f"{w.name}: a device pipeline thread died ({type(err).__name__}: {err}); its records "
-                               "are not committed and are processed again after a restart")
+                self._fatal = (f"{w.name}: a device pipeline thread failed ({type(err).__name__}: {err}); its "
+                               "records are not committed and are processed again after a restart")
 
     def _turn(self, consume: bool) -> None:
         now = time.monotonic()
@@ -683,14 +684,16 @@ class Runner:
                 log.debug("could not wake the fetcher of %s[%d]: %s", k.topic, k.partition, e)
 
     # ------------------------------------------------------------------ commits
-    def _commit(self, only: set[TopicPartition] | None = None, sync: bool = True) -> None:
+    def _commit(self, only: set[TopicPartition] | None = None, sync: bool = True, flush_s: float = 30.0) -> None:
         """Commit the done prefix. ``sync=False`` (the periodic commit): the request is sent and the loop goes
         on; ``_on_commit`` records the outcome when poll() serves it. A synchronous commit held the loop for a
         broker round trip every ``commit_interval_ms``, and every result finished meanwhile waited (the p99
         at light load). Revoke and shutdown commit synchronously: the partitions are handed over after."""
         self._last_commit = time.monotonic()
+        if self._no_commit:
+            return
         if self.txn is not None:
-            self._checkpoint_transaction()
+            self._checkpoint_transaction(flush_s)
             return
         offsets = self.tracker.committable()
         if only is not None:
@@ -740,15 +743,29 @@ class Runner:
         log.warning("commit failed: %s", err)
         self.metrics.event("commit_failures")
 
-    def _checkpoint_transaction(self) -> None:
+    def _abort_for_failed_delivery(self) -> None:
+        log.warning("exactly-once: a result was not delivered (%s); aborting the transaction", self._abort_pending)
+        self._abort_pending = None
+        self._delivery_aborts += 1
+        self._abort_transaction()
+
+    def _checkpoint_transaction(self, flush_s: float = 30.0) -> None:
+        """``flush_s``: how long produced results may take to be delivered (a revoke or a shutdown passes what
+        is left of its budget); later, the transaction is aborted and the records are read again."""
         assert self.txn is not None
+        if self._abort_pending is not None:
+            # librdkafka refuses to commit a transaction with a failed delivery (it must be aborted): abort now
+            # rather than send a commit that fails and then abort anyway.
+            self._abort_for_failed_delivery()
+            return
         t0 = time.monotonic()
         # Every produced result must be delivered before its offset can go into the transaction.
-        left = self.emitter.flush(30)
+        left = self.emitter.flush(flush_s)
         if left:
             # Committing now would commit those results (commit_transaction flushes them itself) without the
             # offsets that cover them: abort, and read again from the last commit.
-            log.warning("exactly-once checkpoint: %d messages still undelivered after 30 s; aborting", left)
+            log.warning("exactly-once checkpoint: %d messages still undelivered after %.0f s; aborting", left,
+                        flush_s)
             self._abort_transaction()
             return
         offsets = self.tracker.committable()
@@ -790,9 +807,18 @@ class Runner:
             self.txn.drop(tps)
         for tp in tps:
             self.epochs[tp] += 1
-        committed = retry_transient(self.consumer.committed, [KTP(t, p) for t, p in tps], timeout=30)
-        for k in committed:
-            self.consumer.seek(KTP(k.topic, k.partition, k.offset if k.offset >= 0 else OFFSET_BEGINNING))
+        try:
+            committed = retry_transient(self.consumer.committed, [KTP(t, p) for t, p in tps], timeout=30)
+            for k in committed:
+                self.consumer.seek(KTP(k.topic, k.partition, k.offset if k.offset >= 0 else OFFSET_BEGINNING))
+        except Exception as e:
+            # The consumer would go on from its fetch position with nothing tracked before it, and the next
+            # checkpoint would commit past records whose results the abort discarded (never visible). Commit
+            # nothing more and exit 1: the next process starts from the committed offsets.
+            self._no_commit = True
+            self._fatal = f"exactly-once: could not rewind to the committed offsets after an abort: {e}"
+            log.error(self._fatal)
+            return
         log.warning("rewound to the committed offsets after an aborted transaction", extra={"partitions": len(tps)})
 
     # ------------------------------------------------------------------ rebalance (loop thread, inside poll)
@@ -817,22 +843,31 @@ class Runner:
             # After a fatal error nothing more will complete: do not wait out revoke_timeout for it.
             self._release(tps, graceful=self._fatal is None)
             self.metrics.event("rebalances", kind="revoke")
-        except Exception:
+        except Exception as e:
             log.exception("error in on_revoke")
+            self._fatal_if_refused(e)
             # The partitions are gone whatever failed (waiting, flushing, committing): forget them, or their
             # dropped records stay "in flight" for good (backpressure) and their late outputs get produced.
             try:
                 self._release(tps, graceful=False)
-            except Exception:
+            except Exception as e2:
                 log.exception("error releasing the revoked partitions")
+                self._fatal_if_refused(e2)
 
     def _on_lost(self, consumer: Any, partitions: list[KTP]) -> None:
         try:
             tps = {TopicPartition(p.topic, p.partition) for p in partitions}
             self._release(tps, graceful=False)
             self.metrics.event("rebalances", kind="lost")
-        except Exception:
+        except Exception as e:
             log.exception("error in on_lost")
+            self._fatal_if_refused(e)
+
+    def _fatal_if_refused(self, e: Exception) -> None:
+        """A message the producer refuses (raised while serving results inside a rebalance callback) ends the
+        worker as it does in a loop turn: the callback must not swallow it."""
+        if isinstance(e, FatalDeliveryError) and self._fatal is None:
+            self._fatal = str(e)
 
     def _release(self, tps: set[TopicPartition], graceful: bool) -> None:
         """Revoke: queued records of these partitions are dropped (not yet started: the new owner will
@@ -845,11 +880,22 @@ class Runner:
         dropped_per: Counter[TopicPartition] = Counter(r.tp for r in dropped)
         if graceful:
             deadline = time.monotonic() + self.cfg.delivery.revoke_timeout_ms / 1000.0
+            if self._shutdown_deadline is not None:
+                # The revoke of consumer.close() after a shutdown: what could finish had shutdown_timeout_s.
+                deadline = min(deadline, self._shutdown_deadline)
             # Nothing at or after a partition's first dropped record can be committed now (nor, in exactly-once
             # mode, produced: it waits in the reorder buffer behind it), so only the records before it count.
             first_dropped = {tp: min(r.offset for r in dropped if r.tp == tp) for tp in dropped_per}
+            txn = self.txn
 
             def settled(tp: TopicPartition) -> bool:
+                if txn is not None:
+                    # Exactly-once: enough once every record before the first dropped one has been produced
+                    # (it left the reorder buffer); the checkpoint below flushes and commits them. Waiting for
+                    # the one transactional producer to drain never ends while other partitions keep producing.
+                    q = txn.order.get(tp)
+                    head = q[0] if q else None
+                    return head is None or head >= first_dropped.get(tp, head + 1)
                 oldest = self.tracker.first_pending(tp)
                 return oldest is None or oldest >= first_dropped.get(tp, oldest + 1)
 
@@ -857,8 +903,9 @@ class Runner:
                 if all(settled(tp) for tp in tps):
                     break
                 self._serve_results(0.005, time.monotonic())
-            self.emitter.flush(max(0.0, deadline - time.monotonic()))
-            self._commit(only=tps)
+            if txn is None:
+                self.emitter.flush(max(0.0, deadline - time.monotonic()))
+            self._commit(only=tps, flush_s=max(1.0, deadline - time.monotonic()))
         self.tracker.revoke(tps)
         if self.txn is not None:
             self.txn.drop(tps)
@@ -894,11 +941,13 @@ class Runner:
             self.scheduler.flush(time.monotonic())
             self.cv.notify_all()
         deadline = time.monotonic() + self.cfg.delivery.shutdown_timeout_s
+        self._shutdown_deadline = deadline
         while self.tracker.in_flight() > 0 and time.monotonic() < deadline and self._fatal is None:
             self._iterate(consume=False)
             time.sleep(0.001)
-        self.emitter.flush(max(1.0, deadline - time.monotonic()))
-        self._commit()
+        if self.txn is None:  # a checkpoint flushes itself
+            self.emitter.flush(max(1.0, deadline - time.monotonic()))
+        self._commit(flush_s=max(1.0, deadline - time.monotonic()))
         left = self.tracker.in_flight()
         if left:
             log.warning("shutdown timeout: records left uncommitted (they will be reprocessed)", extra={"count": left})
@@ -911,9 +960,13 @@ class Runner:
         self._stop_devices = True
         with self.cv:
             self.cv.notify_all()
+        # All devices stop at once and share one 5 s budget (one after the other, each had 5 s).
+        for w in self.workers:
+            w.request_stop()
+        stop_by = time.monotonic() + 5.0
         for w in self.workers:
             try:
-                w.stop(timeout=5.0)
+                w.stop(timeout=max(0.0, stop_by - time.monotonic()))
             except Exception:
                 log.exception("stopping device worker")
         if self.consumer is not None:

@@ -746,9 +746,13 @@ class FakeDevice:
         self.stopped = False
         self.auto = False  # when True, every consumer/producer poll runs all ready batches
         self.error: BaseException | None = None  # as DeviceWorker: set when a pipeline thread died
+        self.stop_requested = False
 
     def start(self) -> None:
         self.started = True
+
+    def request_stop(self) -> None:
+        self.stop_requested = True
 
     def stop(self, timeout: float | None = None) -> bool:
         self.stopped = True

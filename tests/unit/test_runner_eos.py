@@ -329,3 +329,95 @@ def test_a_delivery_that_fails_every_time_ends_the_worker_after_a_few_aborts(mon
     assert sum(c[0] == "abort" for c in h.p.txn_calls) == DELIVERY_ABORTS_MAX
     # Nothing at or past the record is visible or committed.
     assert all(src(p) < (0, 1) for p in h.p.visible("out")) and (h.committed() or 0) <= 1
+
+
+# ------------------------------------------------------------------ revoke under load, rewind failure (review)
+def _steady_load(h: Harness) -> None:
+    """Other partitions' results keep arriving: every poll produces one more message and the broker
+    acknowledges all but the newest, so the producer never drains; a flush (nothing new meanwhile) does."""
+    p = h.p
+    p.hold = True
+    real_poll, real_flush = p.poll, p.flush
+
+    def poll(timeout: float | None = None) -> Any:
+        p.deliver(lambda m: True)
+        p.produce("noise", b"x")
+        return real_poll(timeout)
+
+    def flush(timeout: float | None = None) -> Any:
+        p.hold = False
+        try:
+            return real_flush(timeout)
+        finally:
+            p.hold = True
+
+    p.poll, p.flush = poll, flush  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_a_revoke_under_steady_load_does_not_wait_out_revoke_timeout(monkeypatch: pytest.MonkeyPatch,
+                                                                     on_device: bool) -> None:
+    # It waited for the one transactional producer to drain, which never happens while other partitions keep
+    # producing: every graceful revoke took the whole revoke_timeout_ms (5 s here).
+    h = Harness(monkeypatch, make_config(delivery={"mode": "exactly_once", "transactional_id": "t",
+                                                   "revoke_timeout_ms": 5000})).start()
+    h.c.assign(("in", 0), ("in", 1))
+    h.send(3, partition=0)
+    h.send(3, partition=1)
+    h.process()
+    late = None
+    if on_device:
+        h.send(2, partition=0)
+        h.iterate()
+        late = h.device.take()
+    _steady_load(h)
+    t0 = h.clock.t
+    if late is not None:
+        finished = []
+
+        def finish_later() -> None:  # the device finishes in[0]@3,4 100 ms into the revoke
+            if not finished and h.clock.t - t0 >= 0.1:
+                finished.append(True)
+                h.device.finish(late)
+
+        h.p.hooks.append(finish_later)
+    h.c.revoke(("in", 0))
+    took = h.clock.t - t0
+    committed = dict(h.p.group_offsets)
+    h.p.hold = False
+    h.process()
+    h.commit()
+    check_transactions(h)
+    assert committed.get(IN0) == (5 if on_device else 3)
+    visible = sorted(src(p) for p in h.p.visible("out"))
+    assert [v for v in visible if v[0] == 0] == [(0, o) for o in range(committed[IN0])]
+    assert took < 1.0
+
+
+def test_a_rewind_that_cannot_seek_stops_the_worker_and_commits_nothing_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A checkpoint fails during a graceful revoke, the abort's rewind cannot read the committed offsets. The
+    # error used to be swallowed by the rebalance callback: the kept partition went on from its fetch position
+    # with nothing tracked before it, and the next checkpoint committed past results the abort discarded.
+    import worker.runner as runner_mod
+
+    h = Harness(monkeypatch, make_config(delivery={"mode": "exactly_once", "transactional_id": "t"})).start()
+    real = runner_mod.retry_transient
+    monkeypatch.setattr(runner_mod, "retry_transient",
+                        lambda fn, *a, timeout=60, **k: real(fn, *a, timeout=0.2, **k))  # not 30 s of retries
+    h.c.assign(("in", 0), ("in", 1))
+    h.send(3, partition=1)
+    h.send(1, partition=0)
+    h.process()  # results in the open transaction, not committed yet
+    h.p.fail_txn("commit", KafkaException(KafkaError(KafkaError.COORDINATOR_NOT_AVAILABLE, "moved", retriable=True)))
+
+    def committed(parts: Any, timeout: float | None = None) -> Any:
+        raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "Local: Timed out", retriable=True))
+
+    monkeypatch.setattr(h.c, "committed", committed)
+    h.c.revoke(("in", 0))
+    assert "could not rewind" in (h.runner._fatal or "")
+    h.send(2, partition=1)
+    h.process()
+    h.commit()
+    assert h.p.group_offsets.get(IN1) is None  # nothing committed past the discarded results
+    assert h.p.visible("out") == []

@@ -7,6 +7,7 @@ is committed. No exception ever escapes a rebalance callback."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 from confluent_kafka import KafkaError, KafkaException
@@ -264,3 +265,25 @@ def test_a_released_partitions_lag_series_is_removed(monkeypatch: pytest.MonkeyP
     assert lag_series() == {("in", "1"), ("in", "2")}
     h.c.lose(("in", 1))
     assert lag_series() == {("in", "2")}
+
+
+def test_a_refused_message_inside_a_revoke_stops_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Serving results inside the revoke callback can raise FatalDeliveryError (the producer refuses a message);
+    # the callback logged it and the worker went on, where a loop turn would have stopped it.
+    from worker.emit import FatalDeliveryError
+
+    h = Harness(monkeypatch).start()
+    h.c.assign(("in", 0))
+    real = h.runner._release
+    calls: list[bool] = []
+
+    def release(tps: Any, graceful: bool) -> None:
+        calls.append(graceful)
+        if graceful:
+            raise FatalDeliveryError("cannot produce to 'out' (kafka.output_topic): Broker: Message size too large")
+        real(tps, graceful)
+
+    monkeypatch.setattr(h.runner, "_release", release)
+    h.c.revoke(("in", 0))
+    assert calls == [True, False]  # still released: the partition is gone whatever failed
+    assert "Message size too large" in (h.runner._fatal or "")

@@ -205,6 +205,40 @@ def test_a_dead_device_thread_stops_the_worker_with_exit_1(monkeypatch: pytest.M
     h.on_polls({2: die})
     t0 = h.clock.t
     assert h.run(max_polls=200) == 1
-    assert "fake-0: a device pipeline thread died (SystemExit: 3)" in (h.runner._fatal or "")
+    assert "fake-0: a device pipeline thread failed (SystemExit: 3)" in (h.runner._fatal or "")
     assert h.clock.t - t0 < 3.0  # did not wait out shutdown_timeout_s for the held batch
     assert h.committed() == 2
+
+
+@pytest.mark.parametrize("mode,slow_broker", [("at_least_once", False), ("exactly_once", False),
+                                              ("exactly_once", True)])
+def test_a_graceful_stop_is_bounded_by_shutdown_timeout(monkeypatch: pytest.MonkeyPatch, mode: str,
+                                                        slow_broker: bool) -> None:
+    # Records stuck on a device: the shutdown waits shutdown_timeout_s (3 s). consumer.close() then revoked the
+    # partitions gracefully, which waited revoke_timeout_ms (5 s) again for the same records, and a
+    # checkpoint could add a flush of 30 s: the pod outlived its grace period and was killed.
+    cfg = make_config(batching={"lanes": [{"name": "default", "max_batch_size": 2}]},
+                      delivery={"shutdown_timeout_s": 3, "revoke_timeout_ms": 5000, "mode": mode,
+                                "transactional_id": "t"})
+    h = Harness(monkeypatch, cfg)
+    h.send(4)
+    h.c.schedule(lambda: h.c.assign(("in", 0)))
+    t: dict[str, float] = {}
+
+    def hang() -> None:
+        b = h.device.take()
+        assert b is not None
+        h.device.finish(b)  # 0, 1 done
+        h.device.take()  # 2, 3 on a device that never finishes
+        if slow_broker:
+            h.p.hold = True  # nothing produced from now on is acknowledged
+
+    def stop() -> None:
+        t["stop"] = h.clock.t
+        h.runner.stop()
+
+    h.on_polls({2: hang, 4: stop})
+    h.run()
+    # 1 s more at most where a checkpoint's flush gets its minimum of 1 s.
+    assert h.clock.t - t["stop"] <= 3 + (1.1 if slow_broker else 0.1)
+    assert all(d.stop_requested for d in h.runner.workers)

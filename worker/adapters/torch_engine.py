@@ -653,6 +653,10 @@ class DeviceWorker:
             self._threads.append(t)
             t.start()
 
+    def request_stop(self) -> None:
+        """Stop taking batches; ``stop()`` waits for the threads."""
+        self._stopping.set()
+
     def stop(self, timeout: float | None = None) -> bool:
         """Stop taking batches, finish those already taken (done() is called for each), then exit.
         Returns True when every thread has exited within ``timeout``."""
