@@ -96,6 +96,9 @@ class ModelConfig(_Strict):
     dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
     compile: bool = False
     warmup: bool = True
+    # A batch on a device longer than this (a hung kernel or driver, a forward that never returns) ends the
+    # worker with exit 1, so that it is restarted instead of holding its partitions forever; 0 = never.
+    batch_timeout_s: NonNegFloat = 300.0
 
 
 class DeliveryConfig(_Strict):

@@ -328,7 +328,17 @@ class Runner:
             self._fatal = str(e)
         if self._abort_pending is not None and self._fatal is None:
             self._abort_for_failed_delivery()
+        batch_timeout = self.cfg.model.batch_timeout_s
         for w in self.workers:
+            if batch_timeout and self._fatal is None:
+                busy = w.busy_for(time.monotonic())
+                if busy > batch_timeout:
+                    # The threads are alive and the heartbeat is fresh, but this batch will not come back: its
+                    # partitions would stay unprocessed for good. Restarting is the way out (the attempt
+                    # counters, with Redis, quarantine a record that hangs every time).
+                    self._fatal = (f"{w.name}: a batch has been on the device for {busy:.0f} s "
+                                   f"(model.batch_timeout_s={batch_timeout:g}); its records are not committed and "
+                                   "are processed again after a restart")
             err = w.error
             if err is not None and self._fatal is None:
                 # A thread of its pipeline died (a handler raised SystemExit, say): the batches it held never

@@ -747,12 +747,16 @@ class FakeDevice:
         self.auto = False  # when True, every consumer/producer poll runs all ready batches
         self.error: BaseException | None = None  # as DeviceWorker: set when a pipeline thread died
         self.stop_requested = False
+        self.busy_since: float | None = None  # what DeviceWorker.busy_for reports (the test sets it)
 
     def start(self) -> None:
         self.started = True
 
     def request_stop(self) -> None:
         self.stop_requested = True
+
+    def busy_for(self, now: float) -> float:
+        return now - self.busy_since if self.busy_since is not None else 0.0
 
     def stop(self, timeout: float | None = None) -> bool:
         self.stopped = True

@@ -499,6 +499,35 @@ def test_a_take_or_done_that_raises_is_reported_in_error() -> None:
     assert isinstance(w.error, KeyError)
 
 
+class Blocks(Fake):
+    """A forward that waits until the test lets it go (a hung kernel, as far as the worker can tell)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+
+    def forward(self, batch: list[Any]) -> list[Any]:
+        self.go.wait(10)
+        return super().forward(batch)
+
+
+def test_busy_for_reports_how_long_the_oldest_batch_has_been_on_the_device() -> None:
+    model = Blocks()
+    feeder = Feeder([make_batch([1], offset=0)])
+    w = DeviceWorker(Engine(model, "cpu", warmup=False), feeder.take, feeder.done, poll_s=0.01)
+    assert w.busy_for(time.monotonic()) == 0.0
+    w.start()
+    deadline = time.monotonic() + 10
+    while w.busy_for(time.monotonic()) == 0.0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert w.busy_for(time.monotonic()) >= 0.2  # the runner's watchdog compares this with batch_timeout_s
+    model.go.set()
+    assert feeder.all_done.wait(10)
+    w.stop(5)
+    assert w.busy_for(time.monotonic()) == 0.0
+
+
 # ------------------------------------------------------------------------------------ review fixes
 class FitsUnder(Fake):
     """Batches over ``limit`` records run out of device memory."""

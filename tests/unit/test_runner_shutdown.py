@@ -210,6 +210,32 @@ def test_a_dead_device_thread_stops_the_worker_with_exit_1(monkeypatch: pytest.M
     assert h.committed() == 2
 
 
+def test_a_batch_that_never_comes_back_from_the_device_stops_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward that never returns (a hung kernel or driver): the threads live, the heartbeat is fresh, and
+    the partitions were held forever. Past model.batch_timeout_s the worker exits 1 (restarted), committing
+    what was done and not the hung batch."""
+    cfg = make_config(batching={"lanes": [{"name": "default", "max_batch_size": 2}]},
+                      model={"batch_timeout_s": 10}, delivery={"shutdown_timeout_s": 1})
+    h = Harness(monkeypatch, cfg)
+    h.send(4)
+    h.c.schedule(lambda: h.c.assign(("in", 0)))
+    hung_at: list[float] = []
+
+    def hang() -> None:
+        first = h.device.take()
+        assert first is not None
+        h.device.finish(first)  # 0, 1 done
+        assert h.device.take() is not None  # 2, 3 taken, never finished
+        h.device.busy_since = h.clock.t
+        hung_at.append(h.clock.t)
+
+    h.on_polls({2: hang})
+    assert h.run(max_polls=100_000) == 1
+    assert "a batch has been on the device for 10 s (model.batch_timeout_s=10)" in (h.runner._fatal or "")
+    assert 10 <= h.clock.t - hung_at[0] < 13
+    assert h.committed() == 2
+
+
 @pytest.mark.parametrize("mode,slow_broker", [("at_least_once", False), ("exactly_once", False),
                                               ("exactly_once", True)])
 def test_a_graceful_stop_is_bounded_by_shutdown_timeout(monkeypatch: pytest.MonkeyPatch, mode: str,

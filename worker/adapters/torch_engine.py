@@ -38,6 +38,7 @@ import queue
 import threading
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -641,6 +642,9 @@ class DeviceWorker:
         self._threads: list[threading.Thread] = []
         self.error: BaseException | None = None  # set if a stage thread died
         self.batches = 0
+        # Start times of the batches between the device thread and done(), oldest first (finish order is
+        # launch order): the runner's watchdog reads the oldest.
+        self._running: deque[float] = deque()
 
     def start(self) -> None:
         if self._threads:
@@ -652,6 +656,14 @@ class DeviceWorker:
             t = threading.Thread(target=self._guard, args=(target,), name=self.name + suffix, daemon=True)
             self._threads.append(t)
             t.start()
+
+    def busy_for(self, now: float) -> float:
+        """Seconds the oldest batch has been on the device (0 when none): a forward that never returns shows
+        here while the threads stay alive."""
+        try:
+            return now - self._running[0]
+        except IndexError:
+            return 0.0
 
     def request_stop(self) -> None:
         """Stop taking batches; ``stop()`` waits for the threads."""
@@ -740,6 +752,7 @@ class DeviceWorker:
             self._slot.release()
             batch, lane = job.batch, job.batch.lane
             items = [r.item for r in batch.records]
+            self._running.append(time.monotonic())  # every job puts exactly one _Done on _finishing
             t = time.perf_counter()
             if job.prepared is None:  # over the lowered limit, or collate failed: the safe path
                 err = job.error
@@ -790,6 +803,10 @@ class DeviceWorker:
             else:
                 self._launched.release()
             self.batches += 1
+            try:
+                self._running.popleft()
+            except IndexError:
+                pass
             try:
                 self.done(d.batch, d.results or [], d.timings)
             except Exception as e:
