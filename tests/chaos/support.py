@@ -36,6 +36,7 @@ class OutputWatcher:
     def __init__(self, bootstrap: str, topic: str, *, read_committed: bool = True) -> None:
         self.ids: Counter[str] = Counter()
         self.records = 0
+        self.max_source: dict[int, int] = {}  # input partition -> highest source offset with a visible result
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._consumer = Consumer({
@@ -58,17 +59,30 @@ class OutputWatcher:
         while not self._stop.is_set():
             msgs = self._consumer.consume(2000, 0.2)
             got = []
+            sources: list[tuple[int, int]] = []
             for m in msgs:
                 if m.error() is not None:
                     continue
                 try:
-                    got.append(_dec.decode(m.value())["id"])
+                    v = _dec.decode(m.value())
+                    got.append(v["id"])
+                    src = v.get("source") or {}
+                    if isinstance(src.get("partition"), int) and isinstance(src.get("offset"), int):
+                        sources.append((src["partition"], src["offset"]))
                 except Exception:  # noqa: BLE001 - not a result: counted, not an id
                     got.append(None)
             if got:
                 with self._lock:
                     self.records += len(got)
                     self.ids.update(i for i in got if i is not None)
+                    for p, o in sources:
+                        if o > self.max_source.get(p, -1):
+                            self.max_source[p] = o
+
+    def visible_ends(self) -> dict[int, int]:
+        """Per input partition: one past the highest source offset that has a visible result."""
+        with self._lock:
+            return {p: o + 1 for p, o in self.max_source.items()}
 
     def seen(self, expected: set[str]) -> int:
         """How many of ``expected`` have at least one result."""
@@ -129,11 +143,12 @@ class Supervision:
 def supervise(make_worker: Callable[[int], WorkerProcess], progress: Callable[[], int], target: int, *,
               kill_at: Iterable[int] = (), deadline_s: float = 150.0, restart_exits: bool = True,
               max_exits: int = 10, tick: Callable[[Supervision], None] | None = None,
-              poll_s: float = 0.05) -> Supervision:
+              on_kill: Callable[[Incident], None] | None = None, poll_s: float = 0.05) -> Supervision:
     """Runs worker incarnations ``make_worker(0), make_worker(1), ...`` until ``progress() >= target``.
 
-    - Each time ``progress()`` passes the next value of ``kill_at``, the live worker is SIGKILLed (kill -9)
-      and a new one started.
+    - Each time ``progress()`` passes the next value of ``kill_at``, the live worker is SIGKILLed (kill -9),
+      ``on_kill(incident)`` is called (before the next worker starts: the state the kill left), and a new one
+      started.
     - A worker that exits by itself is recorded (return code, log tail) and, with ``restart_exits``,
       restarted, up to ``max_exits`` times.
     - Past ``deadline_s`` the last worker is killed and AssertionError raised with the incidents and logs.
@@ -166,6 +181,8 @@ def supervise(make_worker: Callable[[int], WorkerProcess], progress: Callable[[]
                 pending.pop(0)
                 w.kill()  # SIGKILL: no shutdown hook, no final commit, no LeaveGroup
                 sup.incidents.append(Incident("kill", w.name, now, done, w.proc.returncode))
+                if on_kill is not None:
+                    on_kill(sup.incidents[-1])
                 sup.workers.append(make_worker(len(sup.workers)).start())
                 continue
             if now > deadline_s:
