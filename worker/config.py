@@ -166,8 +166,10 @@ class Config(_Strict):
 
 _SECRET_REF = re.compile(r"\$\{(env|file):([^}]+)\}")
 _PASSTHROUGH = {("kafka", "consumer"), ("kafka", "producer")}
-SECRET_WORDS = ("password", "passwd", "secret", "token", "sasl.jaas", "key.pem", "private", "credential", "api_key",
-                "apikey", "authorization")
+# Matched against a key with "-" and "." read as "_" (x-api-key, API.KEY, sasl.oauthbearer.config all match);
+# sasl.mechanisms and sasl.username stay visible.
+SECRET_WORDS = ("password", "passwd", "secret", "token", "sasl_jaas", "sasl_oauthbearer_config", "key_pem",
+                "private", "credential", "api_key", "apikey", "authorization")
 # librdkafka reads a boolean property as true from "true", "t" or "1" (any case); only these read as false.
 _FALSE = ("false", "f", "0")
 
@@ -319,7 +321,8 @@ def _check_semantics(cfg: Config) -> None:
             raise ConfigError(f"$.kafka.consumer.{key}: must stay false; offsets are committed only after delivery")
     if cfg.redis.url:
         # The store would refuse it only when the worker starts; check-config should say so first.
-        scheme = cfg.redis.url.partition("://")[0].lower() if "://" in cfg.redis.url else ""
+        # Exactly as written: redis-py takes the scheme in lower case only (REDIS://h fails when it connects).
+        scheme = cfg.redis.url.partition("://")[0] if "://" in cfg.redis.url else ""
         if scheme not in ("redis", "rediss", "unix"):
             got = f"{scheme!r}://" if scheme else "no scheme"
             raise ConfigError(f"$.redis.url: expected redis://host:port/db, rediss://... (TLS) or unix:///path, got {got}")
@@ -408,21 +411,23 @@ class _DuplicateKey(yaml.YAMLError):
                 "the last one")
 
 
-def _node_path(node: yaml.Node, target: yaml.Node, path: str) -> str | None:
-    """The path (``$.batching.lanes[0]``) of ``target`` in the composed document under ``node``."""
-    if node is target:
-        return path
-    if isinstance(node, yaml.MappingNode):
-        children = [(f"{path}.{k.value}" if isinstance(k, yaml.ScalarNode) else f"{path}.?", v)
-                    for k, v in node.value]
-    elif isinstance(node, yaml.SequenceNode):
-        children = [(f"{path}[{i}]", v) for i, v in enumerate(node.value)]
-    else:
-        return None
-    for child_path, child in children:
-        found = _node_path(child, target, child_path)
-        if found is not None:
-            return found
+def _node_path(root: yaml.Node, target: yaml.Node, path: str) -> str | None:
+    """The path (``$.batching.lanes[0]``) of ``target`` in the composed document under ``root``. Iterative and
+    each node visited once: aliases make the tree a graph (``&x {self: *x}`` is a cycle)."""
+    stack: list[tuple[yaml.Node, str]] = [(root, path)]
+    seen: set[int] = set()
+    while stack:
+        node, at = stack.pop()
+        if node is target:
+            return at
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            stack += [(v, f"{at}.{k.value}" if isinstance(k, yaml.ScalarNode) else f"{at}.?")
+                      for k, v in reversed(node.value)]
+        elif isinstance(node, yaml.SequenceNode):
+            stack += [(v, f"{at}[{i}]") for i, v in reversed(list(enumerate(node.value)))]
     return None
 
 
@@ -476,7 +481,8 @@ def load(path: str | Path | None, environ: dict[str, str] | None = None) -> Conf
 
 
 def _is_secret(key: str) -> bool:
-    return any(w in key.lower() for w in SECRET_WORDS)
+    k = key.lower().replace("-", "_").replace(".", "_")
+    return any(w in k for w in SECRET_WORDS)
 
 
 def redact(props: dict[str, Any]) -> dict[str, Any]:

@@ -29,12 +29,14 @@ __all__ = ["JsonFormatter", "RedactingFilter", "TextFormatter", "is_secret_key",
            "setup_logging"]
 
 SECRET_KEY_WORDS = ("password", "passwd", "secret", "token", "sasl", "credential", "api_key", "apikey",
-                    "authorization", "private_key", "privatekey")
+                    "authorization", "private_key", "privatekey", "key_pem")
 PAYLOAD_FIELDS = frozenset({"payload", "inputs", "outputs", "body", "raw"})
 REDACTED = "***"
 
 # The password runs to the last "@" before the host (greedy, then backtracking): one may contain "@".
 _URL_CREDS = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*):([^/\s]+)@")
+# ...and a secret passed as a URL query parameter (redis-py reads redis://host/0?password=...).
+_URL_QUERY_SECRET = re.compile(r"([?&][^=&\s]*(?:password|passwd|secret|token)[^=&\s]*=)[^&#\s]+", re.IGNORECASE)
 _RESERVED = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime", "taskName"}
 _BASE_FIELDS = ("ts", "level", "logger", "msg")
 _MARK = "_kiw_handler"
@@ -46,8 +48,13 @@ def is_secret_key(key: str) -> bool:
 
 
 def redact_text(text: str) -> str:
-    """Mask the password part of ``scheme://user:password@host`` URLs."""
-    return _URL_CREDS.sub(rf"\1:{REDACTED}@", text) if "@" in text else text
+    """Mask the password part of ``scheme://user:password@host`` URLs, and secret query parameters
+    (``?password=...``)."""
+    if "@" in text:
+        text = _URL_CREDS.sub(rf"\1:{REDACTED}@", text)
+    if "=" in text and ("?" in text or "&" in text):
+        text = _URL_QUERY_SECRET.sub(rf"\1{REDACTED}", text)
+    return text
 
 
 def redact(key: str, value: Any, depth: int = 0) -> Any:

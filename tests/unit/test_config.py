@@ -234,7 +234,7 @@ def test_auto_commit_may_be_spelled_false(value):
 
 @pytest.mark.parametrize("url, ok", [
     ("redis://h:6379/0", True), ("rediss://:pw@h:6380/0", True), ("unix:///run/redis.sock", True),
-    ("REDIS://h", True), ("http://x", False), ("h:6379", False), ("ftp://u:pw@h", False),
+    ("REDIS://h", False), ("http://x", False), ("h:6379", False), ("ftp://u:pw@h", False),
 ])
 def test_redis_url_scheme_is_checked(url, ok):
     data = {**BASE, "redis": {"url": url}}
@@ -244,6 +244,14 @@ def test_redis_url_scheme_is_checked(url, ok):
     with pytest.raises(ConfigError, match=r"^\$.redis.url: expected redis://") as e:
         from_dict(data, environ={})
     assert "pw" not in str(e.value)  # the URL's password is not echoed
+
+
+def test_a_repeated_key_next_to_a_cyclic_alias_is_still_a_config_error(tmp_path):
+    # Naming the key walked the node graph recursively: a self-referencing alias raised RecursionError.
+    f = tmp_path / "cyc.yaml"
+    f.write_text("kafka:\n  input_topics: [in]\n  consumer: &x {self: *x}\nmodel:\n  name: tiny\n  name: tiny\n")
+    with pytest.raises(ConfigError, match=r"duplicate key \$.model.name"):
+        load(f, environ={})
 
 
 def test_a_repeated_key_is_named_by_its_path(tmp_path):
@@ -284,6 +292,14 @@ def test_redact_config_masks_secret_keys_at_any_depth_and_url_passwords():
         "kafka": {"consumer": {"sasl.password": "***", "ssl.key.password": "***", "sasl.mechanisms": "PLAIN"}},
         "redis": {"url": "rediss://user:***@h:6380/0", "password": "***"}, "lanes": [{"client_secret": "***"}],
         "empty": {"password": ""}, "unset": {"password": None}}
+    # Any separator, secrets in sasl.oauthbearer.config, and a password passed in a URL's query.
+    tricky = {"kafka": {"consumer": {"sasl.oauthbearer.config": "clientId=a clientSecret=b"}},
+              "model": {"options": {"x-api-key": "k", "API.KEY": "k", "ssl.key.pem": "-----BEGIN"}},
+              "redis": {"url": "redis://h:6379/0?password=s3cr3t&db=1"}}
+    assert redact_config(tricky) == {
+        "kafka": {"consumer": {"sasl.oauthbearer.config": "***"}},
+        "model": {"options": {"x-api-key": "***", "API.KEY": "***", "ssl.key.pem": "***"}},
+        "redis": {"url": "redis://h:6379/0?password=***&db=1"}}
 
 
 def test_check_config_print_shows_no_resolved_secret(tmp_path):
