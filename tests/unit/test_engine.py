@@ -471,7 +471,7 @@ def test_a_pipeline_thread_that_dies_is_reported_in_error() -> None:
     assert 1 not in feeder.results  # the batch it held never came back
 
 
-def test_a_take_or_done_that_raises_is_reported_in_error() -> None:
+def test_a_take_done_or_swap_that_raises_is_reported_in_error() -> None:
     # Either one may lose a batch that already left the scheduler (its records then stay in flight for good):
     # the runner must stop (exit 1), not go on with a partition that never commits again. They were only logged.
     feeder = Feeder([make_batch([1], offset=0)])
@@ -497,6 +497,18 @@ def test_a_take_or_done_that_raises_is_reported_in_error() -> None:
         time.sleep(0.01)
     w.stop(5)
     assert isinstance(w.error, KeyError)
+
+    def bad_swap(batch: Batch) -> Batch | None:
+        raise ValueError("count_dispatch failed after preempt() took the better batch")
+
+    feeder = Feeder([make_batch([2], offset=1)])
+    w = DeviceWorker(Engine(Fake(), "cpu", warmup=False), feeder.take, feeder.done, poll_s=0.01, swap=bad_swap)
+    w.start()
+    deadline = time.monotonic() + 10
+    while w.error is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    w.stop(5)
+    assert isinstance(w.error, ValueError)
 
 
 class Blocks(Fake):

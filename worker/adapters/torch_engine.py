@@ -743,8 +743,11 @@ class DeviceWorker:
                 # and leave it waiting behind this one.)
                 try:
                     better = self.swap(job.batch)
-                except Exception:
+                except Exception as e:
+                    # It may have taken another batch from the scheduler and put this one back: running this
+                    # one now would run it twice and leave the other in flight for good. The runner exits 1.
                     log.exception("%s: swap() failed", self.name)
+                    self.error = e
                     better = None
                 if better is not None:
                     job.prepared = None  # discarded; the batch is re-collated when it is taken again
