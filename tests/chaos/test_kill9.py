@@ -26,6 +26,7 @@ from tests.support.kafka_io import (
     WorkerProcess,
     committed_offsets,
     create_topics,
+    end_offsets,
     produce_values,
     request,
     worker_config,
@@ -60,6 +61,14 @@ def test_kill9_five_times(kafka, topic_names, tmp_path, mode):
             # the next worker cannot commit before the killed member is evicted (session.timeout.ms, 6 s).
             time.sleep(1.0)
             committed = committed_offsets(bs, group, topic_names["in"])
+            if mode == "at_least_once":
+                # The watcher reads in the background: wait until it has read every result on the topic now
+                # (no transactions here, so records = end offsets), or a slow machine shrinks the window.
+                on_topic = sum(end_offsets(bs, topic_names["out"]).values())
+                deadline = time.monotonic() + 30
+                while watch.records < on_topic and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert watch.records >= on_topic, f"the watcher read {watch.records} of {on_topic} results"
             ends = watch.visible_ends()
             windows.append({p: (max(committed.get(p, 0), 0), ends.get(p, 0)) for p in set(committed) | set(ends)})
 
