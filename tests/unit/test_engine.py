@@ -471,44 +471,39 @@ def test_a_pipeline_thread_that_dies_is_reported_in_error() -> None:
     assert 1 not in feeder.results  # the batch it held never came back
 
 
-def test_a_take_done_or_swap_that_raises_is_reported_in_error() -> None:
-    # Either one may lose a batch that already left the scheduler (its records then stay in flight for good):
-    # the runner must stop (exit 1), not go on with a partition that never commits again. They were only logged.
-    feeder = Feeder([make_batch([1], offset=0)])
-
-    def bad_take(timeout: float) -> Batch | None:
-        raise RuntimeError("store said no")
-
-    w = DeviceWorker(Engine(Fake(), "cpu", warmup=False), bad_take, feeder.done, poll_s=0.01)
+def _error_of(w: DeviceWorker) -> BaseException | None:
+    """Run ``w`` until it reports an error (10 s at most); the error."""
     w.start()
     deadline = time.monotonic() + 10
     while w.error is None and time.monotonic() < deadline:
         time.sleep(0.01)
     w.stop(5)
-    assert isinstance(w.error, RuntimeError)
+    return w.error
+
+
+def test_a_take_done_or_swap_that_raises_is_reported_in_error() -> None:
+    # Each may lose a batch that already left the scheduler (its records then stay in flight for good; swap may
+    # also have put one back that then runs twice): the runner must stop (exit 1), not go on with a partition
+    # that never commits again. They were only logged.
+    def bad_take(timeout: float) -> Batch | None:
+        raise RuntimeError("store said no")
 
     def bad_done(batch: Batch, results: list[Any], timings: dict[str, float]) -> None:
         raise KeyError("gone")
 
-    w = DeviceWorker(Engine(Fake(), "cpu", warmup=False), feeder.take, bad_done, poll_s=0.01)
-    w.start()
-    deadline = time.monotonic() + 10
-    while w.error is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    w.stop(5)
-    assert isinstance(w.error, KeyError)
-
     def bad_swap(batch: Batch) -> Batch | None:
         raise ValueError("count_dispatch failed after preempt() took the better batch")
 
-    feeder = Feeder([make_batch([2], offset=1)])
-    w = DeviceWorker(Engine(Fake(), "cpu", warmup=False), feeder.take, feeder.done, poll_s=0.01, swap=bad_swap)
-    w.start()
-    deadline = time.monotonic() + 10
-    while w.error is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    w.stop(5)
-    assert isinstance(w.error, ValueError)
+    def feeder() -> Feeder:
+        return Feeder([make_batch([1], offset=0)])
+
+    assert isinstance(_error_of(DeviceWorker(Engine(Fake(), "cpu", warmup=False), bad_take, feeder().done,
+                                             poll_s=0.01)), RuntimeError)
+    assert isinstance(_error_of(DeviceWorker(Engine(Fake(), "cpu", warmup=False), feeder().take, bad_done,
+                                             poll_s=0.01)), KeyError)
+    f = feeder()
+    assert isinstance(_error_of(DeviceWorker(Engine(Fake(), "cpu", warmup=False), f.take, f.done, poll_s=0.01,
+                                             swap=bad_swap)), ValueError)
 
 
 class Blocks(Fake):
