@@ -984,9 +984,12 @@ class Runner:
                 self.consumer.close()  # leaves the group now (no session-timeout wait for the others)
             except Exception:
                 log.exception("closing consumer")
+        # Both producers share one 5 s budget: with the broker gone each flush would wait it out in turn, and a
+        # stop must fit in the pod's grace period (shutdown_timeout_s + a 15 s margin in the chart).
+        flush_by = time.monotonic() + 5.0
         if self.producer is not None:
             if self.txn is not None:
                 self.txn.close()
-            self.producer.flush(5.0)
+            self.producer.flush(max(0.0, flush_by - time.monotonic()))
         if self.spare_producer is not None:
-            self.spare_producer.flush(5.0)
+            self.spare_producer.flush(max(0.0, flush_by - time.monotonic()))
