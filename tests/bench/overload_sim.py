@@ -14,7 +14,7 @@ batch may take its place (``preempt``); otherwise a free device takes the best b
 (``next_batch(idle=True)``). Records over a lane's ``queue_bound`` wait "in Kafka" (the runner pauses the
 lane's partitions) and enter when the lane drops below it; their latency counts from arrival.
 
-Why: the bench's overload figures (0.45 of capacity served at a 10 ms high-lane window, 0.80 at 30 ms) take
+Why: the bench's overload figures (0.44-0.46 of capacity served at a 10 ms high-lane window, 0.80-0.81 at 30 ms) take
 minutes on a noisy machine. This reproduces them within a few hundredths in a second, deterministically, so a
 scheduler change that alters them shows up in the unit tests (``tests/unit/test_overload_sim.py``).
 """

@@ -1,6 +1,6 @@
 """The scheduler under 2x overload, replayed without Kafka (``tests.bench.overload_sim``): the real
 PriorityScheduler driven by the runner's dispatch rules, on the latency bench's two lanes. The bench measured
-0.45 of capacity served with a 10 ms high-lane window and 0.80 with 30 ms (README, design note 11); the
+0.44-0.46 of capacity served with a 10 ms high-lane window and 0.80-0.81 with 30 ms (README, design note 11); the
 replay gives 0.49 and 0.81. These tests pin what README tells operators about that window. If a scheduler
 change makes them fail, the README's advice and figures need the same change."""
 
