@@ -961,6 +961,7 @@ class Runner:
         left = self.tracker.in_flight()
         if left:
             log.warning("shutdown timeout: records left uncommitted (they will be reprocessed)", extra={"count": left})
+        self.intake.report_unknown_lanes(self.metrics)  # what came since the last lag report
         if self._fatal:
             log.error(self._fatal)
             return 1

@@ -269,3 +269,17 @@ def test_unknown_lanes_reach_the_metrics_at_the_lag_report(monkeypatch: pytest.M
     h.c.append("in", 0, request("x", 1, priority="nope"))
     h.iterate()  # the first turn reports
     assert m.registry.get_sample_value("kiw_unknown_lane_total", {"topic": "in"}) == 1
+
+
+def test_unknown_lanes_since_the_last_report_are_reported_at_shutdown(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.adapters.metrics import PrometheusMetrics
+
+    m = PrometheusMetrics()
+    h = Harness(monkeypatch, make_config(batching=LANES), metrics=m).start()
+    h.c.assign(("in", 0))
+    h.iterate()  # the first turn's lag report, nothing unknown yet
+    h.c.append("in", 0, request("x", 1, priority="nope"))
+    h.iterate()  # read; the next lag report is lag_interval_s away
+    assert m.registry.get_sample_value("kiw_unknown_lane_total", {"topic": "in"}) is None
+    h.runner._shutdown()
+    assert m.registry.get_sample_value("kiw_unknown_lane_total", {"topic": "in"}) == 1
