@@ -13,6 +13,9 @@ import pytest
 pytest_plugins = ["tests.conftest_redis"]
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+# KIW_TEST_SERVERS=local (set by .ci/run): always the local broker and redis-server processes, never one named
+# by the environment or a Docker engine that happens to answer (the chaos tests restart the local ones).
+LOCAL_ONLY = os.environ.get("KIW_TEST_SERVERS", "").strip().lower() == "local"
 
 
 def unavailable(what: str, why: str) -> None:
@@ -54,11 +57,11 @@ class KafkaHandle:
 @pytest.fixture(scope="session")
 def kafka() -> Iterator[KafkaHandle]:
     env = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    if env:
+    if env and not LOCAL_ONLY:
         print(f"\n[kafka] using broker from KAFKA_BOOTSTRAP_SERVERS={env}")
         yield KafkaHandle(env, "external (version not reported by the admin API)")
         return
-    if docker_engine_answers():
+    if not LOCAL_ONLY and docker_engine_answers():
         try:
             from testcontainers.kafka import KafkaContainer
 

@@ -8,6 +8,7 @@ Fixtures:
   1. ``$REDIS_URL``,
   2. a testcontainers ``RedisContainer`` when a Docker engine answers (checked in well under a second),
   3. a ``LocalRedis`` (Debian's ``redis-server``) on a free port.
+  With ``KIW_TEST_SERVERS=local`` (CI) only the third.
   With ``CI=true`` a missing Redis FAILS the tests that need it; elsewhere they are skipped with the reason.
   Tests sharing it must use their own key prefix (the server may be shared; nothing flushes it).
 - ``local_redis`` (function): a started ``LocalRedis`` the test owns and may ``stop()``/``start()``
@@ -26,6 +27,8 @@ import pytest
 
 from worker.adapters.redis_store import redact_url
 from worker.local.redis_server import LocalRedis, RedisStartError
+
+LOCAL_ONLY = os.environ.get("KIW_TEST_SERVERS", "").strip().lower() == "local"  # as in tests/conftest.py
 
 
 def in_ci() -> bool:
@@ -68,12 +71,12 @@ def _start_container() -> tuple[Any, str]:
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     env = os.environ.get("REDIS_URL")
-    if env:
+    if env and not LOCAL_ONLY:
         print(f"\n[redis] using server from REDIS_URL={redact_url(env)}")
         yield env
         return
     problems: list[str] = []
-    if docker_answers():
+    if not LOCAL_ONLY and docker_answers():
         try:
             container, url = _start_container()
         except Exception as e:  # noqa: BLE001 - fall through to the local server
