@@ -82,6 +82,10 @@ class BatchingConfig(_Strict):
     # Backpressure: pause the partitions when this many records are in flight; resume below resume_ratio*it.
     max_in_flight: PosInt = 20_000
     resume_ratio: Fraction = 0.5
+    # Per partition: records read since its oldest unfinished one, done or not. max_in_flight counts only the
+    # unfinished; behind one stuck record (a batch on a hung device, a delivery being retried) the finished
+    # ones pile up uncommitted: memory, and duplicates after a crash. Pause the partition at this many.
+    max_uncommitted: PosInt = 50_000
 
 
 class ModelConfig(_Strict):

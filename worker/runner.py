@@ -656,10 +656,19 @@ class Runner:
             full = self.scheduler.over_bound()
         lanes_of, default_lane = self.intake.topic_lanes, self.cfg.batching.default_lane
         bound = self.cfg.batching.max_in_flight
-        want = partitions_to_pause(in_flight=in_flight, bound=bound,
-                                   resume_ratio=self.cfg.batching.resume_ratio, assigned=self.assigned,
+        span_bound, ratio = self.cfg.batching.max_uncommitted, self.cfg.batching.resume_ratio
+        # Only the partitions near their bound matter (a handful of len() calls per turn otherwise).
+        tracker, low = self.tracker, span_bound * ratio
+        spans = {tp: n for tp in self.assigned if (n := tracker.span(tp)) > low}
+        want = partitions_to_pause(in_flight=in_flight, bound=bound, resume_ratio=ratio, assigned=self.assigned,
                                    paused=self.paused, reached=self.reached if self.stop_at is not None else set(),
-                                   full_lanes=full, lane_of=lambda tp: lanes_of.get(tp.topic, default_lane))
+                                   full_lanes=full, lane_of=lambda tp: lanes_of.get(tp.topic, default_lane),
+                                   spans=spans, span_bound=span_bound)
+        for tp, n in spans.items():
+            if n >= span_bound and tp not in self.paused:
+                log.warning("partition paused: %d records read since its oldest unfinished record (offset %s), "
+                            "batching.max_uncommitted=%d", n, tracker.first_pending(tp), span_bound,
+                            extra={"topic": tp.topic, "partition": tp.partition})
         if want != self.paused:
             to_pause = want - self.paused
             to_resume = (self.paused - want) & self.assigned

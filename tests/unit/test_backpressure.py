@@ -66,3 +66,11 @@ def test_every_reason_is_honoured_and_nothing_unassigned_is_paused(in_flight: in
         assert want == assigned
     if not reached and not full and in_flight <= 50:
         assert want == set()
+
+
+def test_a_partition_whose_uncommitted_span_reaches_its_bound_pauses_alone() -> None:
+    # Behind one stuck record, finished ones count nowhere else: the span bound stops reading that partition.
+    assert decide(10, spans={LO0: 1000, HI0: 999}, span_bound=1000) == {LO0}
+    assert decide(10, spans={LO0: 501}, span_bound=1000, paused=frozenset({LO0})) == {LO0}  # hysteresis
+    assert decide(10, spans={LO0: 500}, span_bound=1000, paused=frozenset({LO0})) == set()
+    assert decide(10, spans={TopicPartition("lo", 9): 5000}, span_bound=1000) == set()  # not assigned

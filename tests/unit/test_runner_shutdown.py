@@ -268,3 +268,29 @@ def test_a_graceful_stop_is_bounded_by_shutdown_timeout(monkeypatch: pytest.Monk
     # 1 s more at most where a checkpoint's flush gets its minimum of 1 s.
     assert h.clock.t - t["stop"] <= 3 + (1.1 if slow_broker else 0.1)
     assert all(d.stop_requested for d in h.runner.workers)
+
+
+def test_finished_records_behind_a_stuck_one_pause_their_partition(monkeypatch: pytest.MonkeyPatch) -> None:
+    """max_in_flight counts only unfinished records: behind one stuck batch the finished ones piled up
+    uncommitted without limit (memory, and duplicates after a crash). batching.max_uncommitted bounds them."""
+    cfg = make_config(batching={"lanes": [{"name": "default", "max_batch_size": 2}], "max_uncommitted": 10,
+                                "max_in_flight": 1000})
+    h = Harness(monkeypatch, cfg).start()
+    h.c.assign(("in", 0))
+    h.send(8)
+    h.iterate()
+    stuck = h.device.take()  # offsets 0, 1: on a device that does not finish
+    assert stuck is not None
+    h.device.run_all()  # 2..7 done and delivered
+    h.iterate()
+    assert h.runner.tracker.in_flight() == 2 and IN0 not in h.c.paused
+    h.send(4)  # 8..11: the span from offset 0 is now 12, past 10
+    h.iterate(2)
+    h.device.run_all()
+    h.iterate()
+    assert h.runner.tracker.in_flight() == 2  # far below max_in_flight
+    assert IN0 in h.c.paused
+    h.device.finish(stuck)
+    h.iterate(2)
+    h.commit()
+    assert IN0 not in h.c.paused and h.committed() == 12

@@ -12,11 +12,14 @@ Three reasons to hold a partition paused, any of which is enough:
 - **A full lane**: a lane whose queue is at its bound pauses the partitions of the topics routed to it,
   so a flood on a low-priority topic cannot crowd out a high-priority one.
 - **Backfill**: a partition read up to its end snapshot has nothing more to read.
+- **Uncommitted span**: a partition with ``max_uncommitted`` records read since its oldest unfinished one
+  (done or not) pauses, until the span falls to ``max_uncommitted * resume_ratio``. The in-flight bound
+  counts only unfinished records: behind one that is stuck, finished ones would pile up without limit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Set
+from collections.abc import Callable, Collection, Mapping, Set
 
 from worker.core.records import TopicPartition
 
@@ -24,10 +27,13 @@ from worker.core.records import TopicPartition
 def partitions_to_pause(*, in_flight: int, bound: int, resume_ratio: float, assigned: Set[TopicPartition],
                         paused: Set[TopicPartition], reached: Set[TopicPartition] = frozenset(),
                         full_lanes: Collection[str] = (),
-                        lane_of: Callable[[TopicPartition], str] | None = None) -> set[TopicPartition]:
+                        lane_of: Callable[[TopicPartition], str] | None = None,
+                        spans: Mapping[TopicPartition, int] | None = None,
+                        span_bound: int = 0) -> set[TopicPartition]:
     """The assigned partitions to hold paused now. ``paused`` is what is paused at present (for the
     hysteresis); ``reached``, the backfill partitions read to their end; ``full_lanes``, the lanes at their
-    queue bound, and ``lane_of`` the lane a partition's topic is routed to."""
+    queue bound, and ``lane_of`` the lane a partition's topic is routed to; ``spans``, each partition's
+    uncommitted span (partitions left out count as 0), paused from ``span_bound`` on."""
     want: set[TopicPartition]
     if in_flight >= bound:
         want = set(assigned)
@@ -36,6 +42,9 @@ def partitions_to_pause(*, in_flight: int, bound: int, resume_ratio: float, assi
     else:
         want = set()
     want |= reached & assigned
+    if spans and span_bound > 0:
+        want |= {tp for tp, n in spans.items() if tp in assigned
+                 and (n >= span_bound or (tp in paused and n > span_bound * resume_ratio))}
     if full_lanes and lane_of is not None:
         want |= {tp for tp in assigned if lane_of(tp) in full_lanes}
     return want

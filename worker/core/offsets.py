@@ -141,6 +141,12 @@ class OffsetTracker:
         """Tracked records not yet done, all partitions."""
         return self._in_flight
 
+    def span(self, tp: TopicPartition) -> int:
+        """Records read from the partition's oldest unfinished one on, done or not: what its commit is behind
+        by (the done prefix is popped, so this is the length of what is left)."""
+        p = self._parts.get(tp)
+        return len(p.order) if p is not None else 0
+
     def pending(self, tp: TopicPartition) -> int:
         p = self._parts.get(tp)
         return len(p.pending) if p is not None else 0
