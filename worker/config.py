@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
-from worker.logs import redact_text
+from worker.logs import is_secret_key, redact_text
 
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
@@ -170,7 +170,7 @@ class Config(_Strict):
 
 _SECRET_REF = re.compile(r"\$\{(env|file):([^}]+)\}")
 _PASSTHROUGH = {("kafka", "consumer"), ("kafka", "producer")}
-# Matched against a key with "-" and "." read as "_" (x-api-key, API.KEY, sasl.oauthbearer.config all match);
+# Matched by logs.is_secret_key ("-" and "." read as "_"); fewer sasl keys than the log redactor masks:
 # sasl.mechanisms and sasl.username stay visible.
 SECRET_WORDS = ("password", "passwd", "secret", "token", "sasl_jaas", "sasl_oauthbearer_config", "key_pem",
                 "private", "credential", "api_key", "apikey", "authorization")
@@ -485,8 +485,7 @@ def load(path: str | Path | None, environ: dict[str, str] | None = None) -> Conf
 
 
 def _is_secret(key: str) -> bool:
-    k = key.lower().replace("-", "_").replace(".", "_")
-    return any(w in k for w in SECRET_WORDS)
+    return is_secret_key(key, SECRET_WORDS)
 
 
 def redact(props: dict[str, Any]) -> dict[str, Any]:

@@ -42,9 +42,11 @@ _BASE_FIELDS = ("ts", "level", "logger", "msg")
 _MARK = "_kiw_handler"
 
 
-def is_secret_key(key: str) -> bool:
+def is_secret_key(key: str, words: tuple[str, ...] = SECRET_KEY_WORDS) -> bool:
+    """Whether ``key`` names a secret: it contains one of ``words``, with "-" and "." read as "_" (x-api-key,
+    API.KEY, sasl.oauthbearer.config)."""
     k = key.lower().replace("-", "_").replace(".", "_")
-    return any(w in k for w in SECRET_KEY_WORDS)
+    return any(w in k for w in words)
 
 
 def redact_text(text: str) -> str:
