@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from typing import Any
 
 import pytest
 from confluent_kafka import KafkaError
@@ -56,22 +57,32 @@ def test_stop_pauses_flushes_windows_finishes_in_flight_work_and_commits(monkeyp
     assert h.runner._fatal is None
 
 
-def test_shutdown_timeout_commits_the_done_prefix_and_still_exits_0(monkeypatch: pytest.MonkeyPatch,
-                                                                    caplog: pytest.LogCaptureFixture) -> None:
-    cfg = make_config(batching={"lanes": [{"name": "default", "max_batch_size": 2}]},
-                      delivery={"shutdown_timeout_s": 3})
-    h = Harness(monkeypatch, cfg)
+def _stuck(monkeypatch: pytest.MonkeyPatch, **cfg: Any) -> Harness:
+    """Four records in in[0], batches of 2, partition assigned at the first poll: what the tests below start
+    from before one batch gets stuck on the device (``_one_done_one_stuck``)."""
+    h = Harness(monkeypatch, make_config(batching={"lanes": [{"name": "default", "max_batch_size": 2}]}, **cfg))
     h.send(4)
     h.c.schedule(lambda: h.c.assign(("in", 0)))
+    return h
+
+
+def _one_done_one_stuck(h: Harness) -> Batch:
+    """Offsets 0, 1 finish; 2, 3 are taken by a device that never finishes them (returned)."""
+    first = h.device.take()
+    assert first is not None
+    h.device.finish(first)
+    stuck = h.device.take()
+    assert stuck is not None
+    return stuck
+
+
+def test_shutdown_timeout_commits_the_done_prefix_and_still_exits_0(monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    h = _stuck(monkeypatch, delivery={"shutdown_timeout_s": 3})
     stuck: list[Batch] = []
 
     def hang() -> None:
-        first = h.device.take()
-        assert first is not None
-        h.device.finish(first)  # 0, 1 done
-        second = h.device.take()
-        assert second is not None
-        stuck.append(second)  # 2, 3 never finish (a hung device)
+        stuck.append(_one_done_one_stuck(h))  # 2, 3 never finish (a hung device)
 
     h.on_polls({2: hang, 4: h.runner.stop})
     t0 = h.clock.t
@@ -189,17 +200,10 @@ def test_a_dead_device_thread_stops_the_worker_with_exit_1(monkeypatch: pytest.M
     """A pipeline thread that dies (a handler raising SystemExit) never hands back the batch it held. The loop
     used to keep its heartbeat and wait for it forever, reading up to max_in_flight and then nothing. Now
     it stops with exit 1 at once (no shutdown_timeout_s wait), commits what was done, and not the held batch."""
-    cfg = make_config(batching={"lanes": [{"name": "default", "max_batch_size": 2}]},
-                      delivery={"shutdown_timeout_s": 30})
-    h = Harness(monkeypatch, cfg)
-    h.send(4)
-    h.c.schedule(lambda: h.c.assign(("in", 0)))
+    h = _stuck(monkeypatch, delivery={"shutdown_timeout_s": 30})
 
     def die() -> None:
-        first = h.device.take()
-        assert first is not None
-        h.device.finish(first)  # 0, 1 done
-        assert h.device.take() is not None  # 2, 3 taken, never finished
+        _one_done_one_stuck(h)
         h.device.error = SystemExit(3)
 
     h.on_polls({2: die})
@@ -214,18 +218,11 @@ def test_a_batch_that_never_comes_back_from_the_device_stops_the_worker(monkeypa
     """A forward that never returns (a hung kernel or driver): the threads live, the heartbeat is fresh, and
     the partitions were held forever. Past model.batch_timeout_s the worker exits 1 (restarted), committing
     what was done and not the hung batch."""
-    cfg = make_config(batching={"lanes": [{"name": "default", "max_batch_size": 2}]},
-                      model={"batch_timeout_s": 10}, delivery={"shutdown_timeout_s": 1})
-    h = Harness(monkeypatch, cfg)
-    h.send(4)
-    h.c.schedule(lambda: h.c.assign(("in", 0)))
+    h = _stuck(monkeypatch, model={"batch_timeout_s": 10}, delivery={"shutdown_timeout_s": 1})
     hung_at: list[float] = []
 
     def hang() -> None:
-        first = h.device.take()
-        assert first is not None
-        h.device.finish(first)  # 0, 1 done
-        assert h.device.take() is not None  # 2, 3 taken, never finished
+        _one_done_one_stuck(h)
         h.device.busy_since = h.clock.t
         hung_at.append(h.clock.t)
 
@@ -243,19 +240,12 @@ def test_a_graceful_stop_is_bounded_by_shutdown_timeout(monkeypatch: pytest.Monk
     # Records stuck on a device: the shutdown waits shutdown_timeout_s (3 s). consumer.close() then revoked the
     # partitions gracefully, which waited revoke_timeout_ms (5 s) again for the same records, and a
     # checkpoint could add a flush of 30 s: the pod outlived its grace period and was killed.
-    cfg = make_config(batching={"lanes": [{"name": "default", "max_batch_size": 2}]},
-                      delivery={"shutdown_timeout_s": 3, "revoke_timeout_ms": 5000, "mode": mode,
-                                "transactional_id": "t"})
-    h = Harness(monkeypatch, cfg)
-    h.send(4)
-    h.c.schedule(lambda: h.c.assign(("in", 0)))
+    h = _stuck(monkeypatch, delivery={"shutdown_timeout_s": 3, "revoke_timeout_ms": 5000, "mode": mode,
+                                      "transactional_id": "t"})
     t: dict[str, float] = {}
 
     def hang() -> None:
-        b = h.device.take()
-        assert b is not None
-        h.device.finish(b)  # 0, 1 done
-        h.device.take()  # 2, 3 on a device that never finishes
+        _one_done_one_stuck(h)
         if slow_broker:
             h.p.hold = True  # nothing produced from now on is acknowledged
 
