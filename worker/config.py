@@ -19,7 +19,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
-from worker.logs import is_secret_key, redact_text
+from worker.logs import is_secret_key
+from worker.logs import redact as redact_log
 
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
@@ -496,15 +497,7 @@ def redact(props: dict[str, Any]) -> dict[str, Any]:
 def redact_config(value: Any, key: str = "") -> Any:
     """A copy of a config value (``to_dict(cfg)`` for one) safe to print: values of secret-looking keys
     become ``***`` at any depth (an empty one stays visible as such), and so do passwords in URLs."""
-    if value is not None and value != "" and _is_secret(key):
-        return "***"
-    if isinstance(value, dict):
-        return {k: redact_config(v, str(k)) for k, v in value.items()}
-    if isinstance(value, list):
-        return [redact_config(v) for v in value]
-    if isinstance(value, str):
-        return redact_text(value)
-    return value
+    return redact_log(key, value, words=SECRET_WORDS, show_empty=True)
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

@@ -59,18 +59,20 @@ def redact_text(text: str) -> str:
     return text
 
 
-def redact(key: str, value: Any, depth: int = 0) -> Any:
-    """A copy of ``value`` safe to log under ``key``."""
-    if is_secret_key(key) and value is not None:
+def redact(key: str, value: Any, depth: int = 0, words: tuple[str, ...] = SECRET_KEY_WORDS,
+           show_empty: bool = False) -> Any:
+    """A copy of ``value`` safe to log under ``key``: values of secret keys (``words``) masked at any depth,
+    URL credentials in strings masked. ``show_empty``: an empty secret stays visible as such."""
+    if value is not None and not (show_empty and value == "") and is_secret_key(key, words):
         return REDACTED
     if depth > 16:
         return "<omitted: nested too deep to check for secrets>"
     if isinstance(value, str):
         return redact_text(value)
     if isinstance(value, Mapping):
-        return {k: redact(str(k), v, depth + 1) for k, v in value.items()}
+        return {k: redact(str(k), v, depth + 1, words, show_empty) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [redact("", v, depth + 1) for v in value]
+        return [redact("", v, depth + 1, words, show_empty) for v in value]
     return value
 
 
