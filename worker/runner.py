@@ -621,7 +621,7 @@ class Runner:
         """Consumer lag per partition (high watermark - committed) and the drain-time signal."""
         self._next_lag_report = now + self.cfg.metrics.lag_interval_s
         done = self.stats.results_ok + self.stats.results_error + self.stats.results_expired
-        self._drain.record(done - self._done_at_last_lag, now)
+        self._drain.record(done - self._done_at_last_lag, now, busy=self.tracker.in_flight() > 0)
         self._done_at_last_lag = done
         total = 0
         for tp in list(self.assigned):
@@ -715,6 +715,11 @@ class Runner:
             self._checkpoint_transaction(flush_s)
             return
         offsets = self.tracker.committable()
+        if not sync and only is None and self.stop_at is None:
+            # The loop's periodic commit only: every message the consumer returned has been tracked by now.
+            # Inside a rebalance callback, consume() may hold fetched messages it has not returned yet while
+            # the position already counts them.
+            self._step_over_markers(offsets)
         if only is not None:
             offsets = {tp: o for tp, o in offsets.items() if tp in only}
         if not offsets:
@@ -735,6 +740,30 @@ class Runner:
         else:
             self._commit_in_flight = offsets
             self._commit_sent_at = t0
+
+    def _step_over_markers(self, offsets: dict[TopicPartition, int]) -> None:
+        """Where a partition has nothing unfinished, commit the consumer's position when it is past the tracker's
+        offset. librdkafka moves the position over transaction markers (and aborted records), which never reach
+        the worker: on input written by a transactional producer the commit otherwise stays one short of the
+        end for good, a lag of 1 per partition that keeps KEDA from scaling to zero and an HPA from seeing an
+        idle replica. Not in backfill (``stop_at``): records past its end are skipped untracked on purpose."""
+        tracker = self.tracker
+        idle = [tp for tp in self.assigned if tracker.span(tp) == 0]
+        if not idle:
+            return
+        try:
+            positions = self.consumer.position([KTP(tp.topic, tp.partition) for tp in idle])
+        except KafkaException:
+            return
+        for k in positions:
+            tp = TopicPartition(k.topic, k.partition)
+            base = offsets.get(tp)
+            if base is None:
+                base = tracker.committed(tp)
+            # Only past an offset this worker tracked or committed: a partition it has read nothing of commits
+            # nothing (its position is where the group's commit, or auto.offset.reset, put it).
+            if base is not None and k.offset > base and tracker.span(tp) == 0:
+                offsets[tp] = k.offset
 
     def _on_commit(self, err: Any, partitions: list[Any]) -> None:
         """librdkafka's report of a commit (served inside poll, on the loop thread). It reports synchronous

@@ -77,3 +77,32 @@ def test_5000_requests_exactly_once_each_and_offsets_committed(kafka, topic_name
     assert len(again) == n + 4, f"restart reprocessed {len(again) - n - 4} records"
     assert set(again) == set(ids) | {f"after-restart-{p}" for p in range(4)}
     print(f"[e2e] results={len(ids)} dlq={len(dlq)} committed==end for {len(ends)} partitions; restart added 0")
+
+
+def test_input_from_a_transactional_producer_is_committed_to_its_end(kafka, topic_names, tmp_path):
+    """Each committed transaction leaves a marker after its records, an offset no consume returns. The worker
+    commits the consumer's position past it once everything before it is done: committing "last record + 1"
+    left a lag of 1 per partition for good (KEDA never scaled to zero; the HPA read an idle replica as busy)."""
+    from confluent_kafka import Producer
+
+    bs = kafka.bootstrap
+    create_topics(bs, {topic_names["in"]: 2, topic_names["out"]: 2, topic_names["dlq"]: 1})
+    p = Producer({"bootstrap.servers": bs, "transactional.id": f"upstream-{topic_names['in']}"})
+    p.init_transactions(30)
+    for t in range(2):
+        p.begin_transaction()
+        for i in range(10):
+            key, value = request(t * 10 + i, prefix="txn")
+            p.produce(topic_names["in"], value=value, key=key, partition=i % 2)
+        p.commit_transaction(30)
+    ends = end_offsets(bs, topic_names["in"])
+    assert ends == {0: 12, 1: 12}  # 5 + marker, twice, per partition
+    cfg = worker_config(bs, topic_names)
+    w = WorkerProcess(cfg, tmp_path).start()
+    try:
+        assert len(read_all(bs, topic_names["out"], want=20, timeout=120)) == 20
+        wait_for(lambda: committed_offsets(bs, cfg["kafka"]["group_id"], topic_names["in"]) == ends, 30,
+                 what="committed offsets to pass the last transaction marker")
+        assert w.stop() == 0, w.log()[-3000:]
+    finally:
+        w.kill()

@@ -189,6 +189,7 @@ class FakeConsumer:
         # librdkafka's application position: after the last message returned, unknown (OFFSET_INVALID) after an
         # assign or a seek until a message is returned (what position() answers).
         self.app_positions: dict[TopicPartition, int] = {}
+        self.markers: set[tuple[TopicPartition, int]] = set()  # (partition, offset) of transaction markers
         self.committed_offsets: dict[TopicPartition, int] = {}
         self.assignment_set: list[TopicPartition] = []
         self.paused: set[TopicPartition] = set()
@@ -221,6 +222,18 @@ class FakeConsumer:
             raise ValueError(f"offsets must increase: {off} after {log[-1].offset()}")
         log.append(FakeMessage(topic, partition, off, value, key, headers, timestamp_ms))
         return off
+
+    def append_marker(self, topic: str, partition: int) -> int:
+        """A transaction's commit marker: it takes an offset that no consume returns, and the consumer's
+        position steps over it (as librdkafka's does, in read_committed and read_uncommitted alike)."""
+        off = self.append(topic, partition, None)
+        self.markers.add((TopicPartition(topic, partition), off))
+        return off
+
+    def _step_over_markers(self, tp: TopicPartition, pos: int) -> int:
+        while (tp, pos) in self.markers:
+            pos += 1
+        return pos
 
     def inject_error(self, err: KafkaError, topic: str = "in", partition: int = 0, offset: int = -1) -> None:
         """The next consume returns this error message first."""
@@ -304,11 +317,15 @@ class FakeConsumer:
                 if tp in self.paused:
                     continue
                 pos = self.positions.get(tp, 0)
-                nxt = next((m for m in self.logs.get(tp, ()) if m.offset() >= pos), None)
+                nxt = next((m for m in self.logs.get(tp, ()) if m.offset() >= pos and (tp, m.offset()) not in self.markers),
+                           None)
                 if nxt is None:
+                    end = self._step_over_markers(tp, pos)
+                    if end != pos:
+                        self.positions[tp] = self.app_positions[tp] = end
                     continue
                 out.append(nxt)
-                self.positions[tp] = self.app_positions[tp] = nxt.offset() + 1
+                self.positions[tp] = self.app_positions[tp] = self._step_over_markers(tp, nxt.offset() + 1)
                 progress = True
                 self._cursor = (self._cursor + i + 1) % k  # the next call goes on with the next partition
                 break

@@ -163,12 +163,16 @@ def test_instances_have_separate_registries() -> None:
 
 # -- DrainEstimator -------------------------------------------------------------------------------------
 
-def test_drain_zero_lag_is_zero_and_no_throughput_is_capped() -> None:
+def test_drain_zero_lag_is_zero_and_the_cap_means_stuck() -> None:
     d = DrainEstimator(window_s=10, cap_s=1000)
     assert d.estimate(0, now=0) == 0
-    assert d.estimate(50, now=0) == 1000
-    d.record(0, now=0)
-    assert d.estimate(50, now=5) == 1000
+    assert d.estimate(50, now=0) == 0  # nothing measured, nothing waiting: no evidence of slowness
+    d.record(0, now=0, busy=True)
+    assert d.estimate(50, now=5) == 0  # records waiting for 5 s of a 10 s window: not stuck yet
+    d.record(0, now=10, busy=True)
+    assert d.stuck(now=10) and d.estimate(50, now=10) == 1000  # a whole window waiting, none completed
+    d.record(3, now=12, busy=True)  # progress: not stuck any more, and a rate is known
+    assert not d.stuck(now=12) and d.estimate(50, now=12) < 1000
 
 
 def test_drain_is_lag_over_recent_throughput() -> None:
@@ -178,11 +182,32 @@ def test_drain_is_lag_over_recent_throughput() -> None:
         d.record(100, now=t)  # 100 records/s
     assert d.throughput(now=10) == pytest.approx(100)
     assert d.estimate(5000, now=10) == pytest.approx(50)
-    # the window forgets old throughput: after 10 quiet seconds the rate falls to 0 and the estimate caps
-    for t in range(11, 16):
-        d.record(0, now=t)
-    assert d.throughput(now=15) == pytest.approx(50)
-    assert d.estimate(5000, now=21) == 10_000
+    # Records still waiting and none completing: the rate falls as the busy seconds without progress fill the
+    # window, and after a whole window without any the replica is stuck.
+    for t in range(11, 20):
+        d.record(0, now=t, busy=True)
+    assert d.estimate(5000, now=19) == pytest.approx(500)  # 100 records in the window's 10 busy seconds
+    d.record(0, now=20, busy=True)
+    assert d.estimate(5000, now=20) == 10_000
+
+
+def test_drain_idle_time_does_not_dilute_the_rate() -> None:
+    """A burst after an idle hour is drained at the replica's speed, not at a sixtieth of it; with no busy
+    time in the window the last measured rate stands (the cap would send an HPA to its maximum)."""
+    d = DrainEstimator(window_s=60, cap_s=86_400)
+    d.record(0, now=0, busy=True)
+    d.record(500, now=5, busy=False)  # 100 records/s while busy
+    for t in range(10, 3600, 5):
+        d.record(0, now=t, busy=False)  # an idle hour
+    assert d.throughput(now=3600) == 0  # no busy time in the window
+    d.record(0, now=3600, busy=True)  # a burst: read, not finished at this report
+    assert d.estimate(1000, now=3600) == pytest.approx(10)  # 1000 records at the last rate, 100/s
+    d.record(200, now=3605, busy=False)  # done in that interval: 200 records in a 5 s busy interval
+    assert d.throughput(now=3605) == pytest.approx(40)
+    # Lag that nothing waits on (a transaction marker the commit cannot pass) never reads as stuck.
+    for t in range(3610, 3800, 5):
+        d.record(0, now=t, busy=False)
+    assert d.estimate(1, now=3800) == pytest.approx(1 / 40)
 
 
 def test_drain_rejects_bad_input() -> None:

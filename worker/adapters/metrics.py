@@ -231,12 +231,19 @@ def _child(metric: Any, labels: dict[str, Any]) -> Any:
 
 
 class DrainEstimator:
-    """Seconds to consume the current lag at the recent completion rate: ``lag / throughput``.
+    """Seconds to consume the current lag at the rate this replica works at: ``lag / throughput``.
 
-    ``record(n, now)`` adds records completed since the last call; throughput is the sum over the last
-    ``window_s`` seconds divided by the time covered (since the first observation, at most ``window_s``).
-    Lag 0 -> 0. Lag > 0 with no measurable throughput -> ``cap_s`` (also the upper bound), so the value is
-    always finite and usable as a scaling signal.
+    ``record(n, now, busy)`` adds the records completed since the last call and says whether records were
+    waiting on the replica (read, not yet finished) at this call. Throughput is the completions of the last
+    ``window_s`` seconds divided by the *busy* time in them: an interval between two calls counts when records
+    were waiting at its start or some completed in it. Idle time does not dilute the rate (a burst after an
+    idle hour is not read as a replica working at a sixtieth of its speed); when the window holds no busy time
+    the last measured rate stands.
+
+    Lag 0 -> 0. ``cap_s`` (also the upper bound) only when records have been waiting for a whole window with
+    none completed: the replica is stuck. Lag while no rate was ever measured and nothing is stuck (a fresh
+    replica, lag made of transaction markers) -> 0: there is no evidence the replica is slow, and the cap
+    would drive an HPA to its maximum. The value is always finite and usable as a scaling signal.
     """
 
     def __init__(self, window_s: float = 60.0, cap_s: float = 86_400.0) -> None:
@@ -246,41 +253,63 @@ class DrainEstimator:
             raise ValueError(f"cap_s must be > 0, got {cap_s}")
         self.window_s = window_s
         self.cap_s = cap_s
-        self._samples: deque[tuple[float, int]] = deque()
-        self._started: float | None = None
+        self._samples: deque[tuple[float, int, float]] = deque()  # (time, completed, busy seconds)
+        self._prev: float | None = None  # time of the last record()
+        self._prev_busy = False
+        self._waiting_since: float | None = None  # records have waited since then, without a gap
+        self._progress_at: float | None = None  # the last record() with completions
+        self._last_rate = 0.0
         self._lock = threading.Lock()
 
-    def record(self, completed: int, now: float) -> None:
+    def record(self, completed: int, now: float, busy: bool = True) -> None:
         if completed < 0:
             raise ValueError(f"completed must be >= 0, got {completed}")
         with self._lock:
-            if self._started is None:
-                self._started = now
+            if self._prev is not None:
+                dt = max(now - self._prev, 0.0)
+                busy_s = dt if (self._prev_busy or completed) else 0.0
+                if busy_s > 0:
+                    self._samples.append((now, completed, busy_s))
+            self._prev, self._prev_busy = now, busy
             if completed:
-                self._samples.append((now, completed))
-            self._prune(now)
+                self._progress_at = now
+            if not busy:
+                self._waiting_since = None
+            elif self._waiting_since is None:
+                self._waiting_since = now
+            rate = self._rate(now)
+            if rate > 0:
+                self._last_rate = rate
 
-    def _prune(self, now: float) -> None:
+    def _rate(self, now: float) -> float:
         horizon = now - self.window_s
         while self._samples and self._samples[0][0] <= horizon:
             self._samples.popleft()
+        busy = sum(s for _, _, s in self._samples)
+        return sum(n for _, n, _ in self._samples) / busy if busy > 0 else 0.0
 
     def throughput(self, now: float) -> float:
-        """Completed records per second over the window (0.0 before any time has passed)."""
+        """Completed records per busy second over the window (0.0 when the window holds no busy time)."""
         with self._lock:
-            if self._started is None:
-                return 0.0
-            self._prune(now)
-            span = min(now - self._started, self.window_s)
-            if span <= 0:
-                return 0.0
-            return sum(n for _, n in self._samples) / span
+            return self._rate(now)
+
+    def stuck(self, now: float) -> bool:
+        """Records have waited for a whole window and none completed meanwhile."""
+        with self._lock:
+            if self._waiting_since is None:
+                return False
+            since = self._waiting_since
+            if self._progress_at is not None and self._progress_at > since:
+                since = self._progress_at
+            return now - since >= self.window_s
 
     def estimate(self, lag: int | float, now: float) -> float:
         if lag <= 0:
             return 0.0
-        rate = self.throughput(now)
-        if rate <= 0:
+        if self.stuck(now):
             return self.cap_s
+        rate = self.throughput(now) or self._last_rate
+        if rate <= 0:
+            return 0.0
         seconds = lag / rate
         return self.cap_s if math.isnan(seconds) else min(seconds, self.cap_s)

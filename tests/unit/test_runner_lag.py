@@ -1,0 +1,86 @@
+"""Runner, the lag it reports and commits: ``kiw_consumer_lag`` and ``kiw_drain_seconds`` (the HPA's scaling
+signal) read 0 on an idle replica, and input written by a transactional producer does not leave a lag of 1
+per partition (the commit marker after the last record takes an offset no consume returns)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.fakes_kafka import Harness, make_config
+from worker.adapters.metrics import PrometheusMetrics
+
+ONE_BY_ONE = {"lanes": [{"name": "default", "max_batch_size": 1}]}
+
+
+def sample(m: PrometheusMetrics, name: str, **labels: str) -> float | None:
+    return m.registry.get_sample_value(name, labels)
+
+
+def lag_harness(monkeypatch: pytest.MonkeyPatch, **cfg: object) -> tuple[Harness, PrometheusMetrics]:
+    m = PrometheusMetrics()
+    h = Harness(monkeypatch, make_config(metrics={"enabled": False, "lag_interval_s": 5}, **cfg), metrics=m).start()
+    h.c.assign(("in", 0))
+    return h, m
+
+
+def report(h: Harness, seconds: float) -> None:
+    h.clock.advance(seconds)
+    h.runner._report_lag(h.clock.t)
+
+
+def test_the_periodic_commit_steps_over_transaction_markers(monkeypatch: pytest.MonkeyPatch) -> None:
+    h, m = lag_harness(monkeypatch)
+    h.send(3)
+    h.c.append_marker("in", 0)  # offset 3
+    h.send(2)
+    h.c.append_marker("in", 0)  # offset 6: the high watermark is 7
+    h.process()
+    assert h.result_ids() == ["in-0-0", "in-0-1", "in-0-2", "in-0-4", "in-0-5"]
+    h.commit()  # a synchronous commit (revoke, shutdown) keeps to the tracker's offsets
+    assert h.committed() == 6
+    h.runner._commit(sync=False)  # the loop's periodic commit: the consumer's position, past the marker
+    assert h.committed() == 7
+    h.iterate()  # serves the commit report
+    report(h, 5)
+    assert sample(m, "kiw_consumer_lag", topic="in", partition="0") == 0
+    assert sample(m, "kiw_drain_seconds") == 0
+
+
+def test_no_step_over_while_a_record_of_the_partition_is_unfinished(monkeypatch: pytest.MonkeyPatch) -> None:
+    h, _ = lag_harness(monkeypatch, batching=ONE_BY_ONE)
+    h.send(3)
+    h.c.append_marker("in", 0)  # offset 3
+    h.send(1)  # offset 4, left on the device
+    h.iterate()
+    for _ in range(3):
+        b = h.device.take()
+        assert b is not None
+        h.device.finish(b)
+    h.iterate()
+    assert h.result_ids() == ["in-0-0", "in-0-1", "in-0-2"]
+    h.runner._commit(sync=False)
+    assert h.committed() == 4  # up to the unfinished record (the marker before it is a gap), not the position 5
+    h.device.run_all()
+    h.iterate()
+    h.runner._commit(sync=False)
+    assert h.committed() == 5
+
+
+def test_drain_seconds_is_not_the_cap_for_a_burst_after_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cap (86400 s) sent an HPA to maxReplicas: it came for any lag reported while nothing had completed in
+    the last 60 s, i.e. for the first report of every burst after a quiet minute."""
+    h, m = lag_harness(monkeypatch)
+    h.send(10)
+    h.process()
+    h.commit()
+    for _ in range(30):  # 150 s idle
+        report(h, 5)
+    assert sample(m, "kiw_drain_seconds") == 0
+    h.send(5)
+    h.iterate()  # read; its batch not finished at the next report
+    report(h, 5)
+    drain = sample(m, "kiw_drain_seconds")
+    assert drain is not None and 0 < drain < 60
+    for _ in range(12):  # ... and still not after a whole minute: the replica is stuck, the cap is right
+        report(h, 5)
+    assert sample(m, "kiw_drain_seconds") == 86_400
