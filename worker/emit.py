@@ -125,7 +125,8 @@ class Emitter:
     def __init__(self, producer: Any, output_topic: str, dlq_topic: str, model_name: str, model_version: str | None,
                  fmt: str, on_done: Callable[[Record], None], on_failed: Callable[[Record, str], None],
                  max_retries: int = 5, is_stale: Callable[[Record], bool] | None = None,
-                 max_message_bytes: int = 1_000_000, spare_producer: Any = None) -> None:
+                 max_message_bytes: int = 1_000_000, spare_producer: Any = None,
+                 on_wait: Callable[[], None] | None = None) -> None:
         # With a spare, records are confirmed while results keep flowing: one producer takes new messages
         # while the other drains. Without one (the transactional producer, which flushes at every checkpoint
         # anyway), records are confirmed whenever the producer is idle or flushed.
@@ -144,6 +145,9 @@ class Emitter:
         # owner, or the rewound consumer, processes it again.
         self.is_stale = is_stale or (lambda _r: False)
         self.retry_queue: list[_Pending] = []
+        # Called while produce() waits for room in a full local queue (a slow or unreachable broker): that
+        # wait is bounded by message.timeout.ms, and the loop is alive in it (the runner's liveness heartbeat).
+        self.on_wait = on_wait
         self.produced = 0
         self.topic_keys = {output_topic: "kafka.output_topic", dlq_topic: "kafka.dlq_topic"}  # for messages
 
@@ -323,7 +327,10 @@ class Emitter:
                 self.produced += 1
                 return
             except BufferError:
-                # Local queue full: serve failure reports, then try again (bounded by the queue size).
+                # Local queue full: serve failure reports, then try again (the messages ahead are delivered or
+                # time out within message.timeout.ms).
+                if self.on_wait is not None:
+                    self.on_wait()
                 self.cur.producer.poll(0.05)
             except KafkaException as e:
                 raise self._refused(topic, e) from None

@@ -295,7 +295,7 @@ class Runner:
                                self.cfg.delivery.format, on_done=self._record_done, on_failed=self._record_failed,
                                is_stale=lambda r: self.epochs[r.tp] != r.epoch,
                                max_message_bytes=int(self.cfg.kafka.producer.get("message.max.bytes", 1_000_000)),
-                               spare_producer=self.spare_producer,
+                               spare_producer=self.spare_producer, on_wait=self._beat,
                                # A delivery that failed inside a transaction cannot be retried in it (librdkafka
                                # puts the transaction in an abortable state): _record_failed aborts instead.
                                **({"max_retries": 0} if self.txn is not None else {}))
@@ -345,6 +345,13 @@ class Runner:
                 # come back, and waiting for them would stall the worker with a healthy heartbeat.
                 self._fatal = (f"{w.name}: a device pipeline thread failed ({type(err).__name__}: {err}); its "
                                "records are not committed and are processed again after a restart")
+
+    def _beat(self) -> None:
+        """The loop is alive while it waits for room in the producer's full queue (up to message.timeout.ms, 120 s
+        by default): without a heartbeat there, /healthz failed after 30 s and the kubelet restarted a worker
+        that was only waiting for a slow broker (its records then processed twice)."""
+        if self.health is not None:
+            self.health.beat()
 
     def _turn(self, consume: bool) -> None:
         now = time.monotonic()

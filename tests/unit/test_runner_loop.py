@@ -88,3 +88,30 @@ def test_readiness_follows_the_broker(monkeypatch: pytest.MonkeyPatch) -> None:
     h.clock.advance(1.1)
     h.iterate()
     assert health.broker_reachable is True
+
+
+def test_the_loop_is_alive_while_it_waits_for_room_in_a_full_producer_queue(monkeypatch: pytest.MonkeyPatch) -> None:
+    """produce() into a full local queue waits for the messages ahead to be delivered or time out (up to
+    message.timeout.ms, 120 s): the liveness heartbeat is kept fresh meanwhile. It went stale after 30 s, and
+    the kubelet restarted a worker that was only waiting for a slow broker."""
+    from worker.adapters.health import HealthState
+
+    health = HealthState()
+    h = Harness(monkeypatch, health=health).start()
+    h.c.assign(("in", 0))
+    h.send(5)
+    h.p.queue_limit, h.p.hold = 2, True  # the broker acknowledges nothing for a while
+    seen: list[float] = []
+
+    def poll_hook() -> None:
+        if len(h.p.pending) < h.p.queue_limit:
+            return  # not a wait for room
+        seen.append(health.heartbeat)
+        health.heartbeat = -1.0  # stale unless the loop beats again before its next poll
+        if len(seen) >= 10:
+            h.p.hold = False
+
+    h.p.hooks.append(poll_hook)
+    h.process()
+    assert len(seen) >= 10 and -1.0 not in seen
+    assert sorted(h.result_ids()) == [f"in-0-{i}" for i in range(5)]
