@@ -284,3 +284,36 @@ def test_finished_records_behind_a_stuck_one_pause_their_partition(monkeypatch: 
     h.iterate(2)
     h.commit()
     assert IN0 not in h.c.paused and h.committed() == 12
+
+
+def test_results_confirmed_by_the_last_flush_reach_the_ledger(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At a shutdown timeout the last flush of the producer confirms results that were still unacknowledged.
+    Behind a stuck record no commit covers them, and they went into the delivered-id ledger only at the next
+    loop turn, which never came: after the restart they were processed and delivered a second time."""
+    from worker.adapters.memory_store import MemoryStore
+
+    store = MemoryStore(cache=False)
+    recorded: list[str] = []
+    real = store.mark_delivered
+    monkeypatch.setattr(store, "mark_delivered", lambda ids: (recorded.extend(ids), real(ids)))
+    h = Harness(monkeypatch, make_config(batching={"lanes": [{"name": "default", "max_batch_size": 2}]},
+                                         redis={"ledger": True}, delivery={"shutdown_timeout_s": 2}), store=store)
+    h.send(4)
+    h.c.schedule(lambda: h.c.assign(("in", 0)))
+
+    def hang() -> None:
+        h.p.hold = True  # the broker acknowledges nothing until the last flush
+        stuck, done = h.device.take(), h.device.take()  # 0, 1 never finish; 2, 3 do
+        assert stuck is not None and done is not None
+        h.device.finish(done)
+
+    def release_on_flush() -> None:
+        if h.p.flush_calls:
+            h.p.hold = False
+
+    h.p.hooks.append(release_on_flush)
+    h.on_polls({2: hang, 4: h.runner.stop})
+    assert h.run() == 0
+    assert [r["source"]["offset"] for r in h.p.results()] == [2, 3]
+    assert h.committed() is None  # behind the stuck record: no commit can cover them...
+    assert len(recorded) == 2 and all(i.endswith(("in-0-2", "in-0-3")) for i in recorded)  # ...the ledger does
