@@ -196,6 +196,7 @@ class Runner:
             return None
         with self.cv:
             now = time.monotonic()
+            self.scheduler.start(batch)
             current = batch
             epochs = self.epochs
             if any(epochs[r.tp] != r.epoch for r in batch.records):

@@ -830,7 +830,7 @@ def test_adaptive_preempt_fills_from_the_displaced_batch_only_where_its_deadline
 def _run_overloaded(s: PriorityScheduler, steps: int, arrivals: dict[int, dict[str, int]],
                     every: dict[str, int]) -> list[tuple[int, str, int]]:
     """The runner's pattern with one device under overload: the device always holds a batch taken ahead
-    (``next_batch(idle=False, full_only=True)``) and runs it after ``preempt``. Returns (step, lane, size) per
+    (``next_batch(idle=False, full_only=True)``) and runs it after ``start`` and ``preempt``. Returns (step, lane, size) per
     batch run."""
     now, pref, served = 0.0, None, []
     for i in range(steps):
@@ -839,6 +839,7 @@ def _run_overloaded(s: PriorityScheduler, steps: int, arrivals: dict[int, dict[s
             for _ in range(k):
                 s.add(rec(lane), now)
         if pref is not None:
+            s.start(pref)
             b = s.preempt(pref, now) or pref
             served.append((i, b.lane, len(b.records)))
         pref = s.next_batch(now, idle=False, full_only=True) or s.next_batch(now, idle=True)
@@ -918,3 +919,39 @@ def test_adaptive_fill_leaves_a_lower_lane_alone_if_its_own_model_says_it_would_
     assert s.expire(now) == []  # not expired on the filled batch's account
     alone = s.next_batch(now, idle=True)
     assert alone is not None and alone.records == [low]
+
+
+@pytest.mark.parametrize("lo_batch", [32, 128])
+def test_a_trickling_low_lane_runs_within_a_few_batches_under_overload(lo_batch: int) -> None:
+    """A deep high-lane backlog, one low-lane record per high batch, the runner's pipeline: take ahead while
+    the device is busy (full_only), then ``start`` and ``preempt`` when it is free. The low lane's batch is owed
+    the device after a batch or two; it used to lose its lag at every arrival (all its records were in the batch
+    taken ahead, so the new one made it "become backlogged" at the others' service) and be preempted again at
+    every start until the batch was full: 31 high batches (1.7 s) at max batch 32, 127 (6.9 s) at 128."""
+    cfg = lanes({"name": "hi", "priority": 10, "weight": 1, "max_batch_size": 32, "max_wait_ms": 10},
+                {"name": "lo", "priority": 0, "weight": 1, "max_batch_size": lo_batch, "max_wait_ms": 10})
+    s = PriorityScheduler(cfg, "hi", "fixed")
+    off = itertools.count()
+
+    def add(lane: str, n: int, now: float) -> None:
+        for _ in range(n):
+            s.add(Record(TopicPartition(lane, 0), next(off), b"", lane=lane, received_at=now), now)
+
+    now = 0.0
+    add("hi", 32 * 300, now)
+    add("lo", 1, now)
+    assert s.next_batch(now, idle=True) is not None  # the device starts a high batch
+    turns = 0
+    while turns < 200:
+        turns += 1
+        ahead = s.next_batch(now + 0.001, idle=False, full_only=True)
+        now += 0.052  # the running batch takes 52 ms; a low record arrives meanwhile
+        add("lo", 1, now - 0.02)
+        assert ahead is not None
+        s.start(ahead)
+        better = s.preempt(ahead, now)
+        running = better if better is not None else ahead
+        if any(r.lane == "lo" for r in running.records):
+            break
+    assert turns <= 6, f"the low lane first ran after {turns} high batches"
+

@@ -55,6 +55,9 @@ class Batch:
     # Records of lower-priority lanes were added to its free slots (lane option fill_with_lower): each
     # record's own lane is record.lane, not necessarily this batch's.
     mixed: bool = False
+    # Taken while its device was busy (``next_batch(idle=False)``) and not started yet: its lane still has
+    # work waiting (see PriorityScheduler.start).
+    ahead: bool = False
 
     def __len__(self) -> int:
         return len(self.records)

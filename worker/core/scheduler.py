@@ -110,6 +110,7 @@ class _Lane:
         "name", "index", "priority", "weight", "queue_bound", "max_batch", "batcher", "ready", "ready_n", "n", "dead",
         "heap", "live", "vservice", "served_records", "served_batches", "expired", "revoked", "arrivals",
         "rate", "rate_t", "rate_mark", "rate_num", "rate_den", "model", "hold_until", "cfg_max_batch", "fill",
+        "ahead",
     )
 
     def __init__(self, cfg: LaneConfig, index: int, bucket_width: int) -> None:
@@ -145,6 +146,7 @@ class _Lane:
         self.rate_den = 0.0  # ... over exponentially decayed elapsed time: unbiased from the first update
         self.model = LatencyModel()
         self.hold_until: float | None = None
+        self.ahead = 0  # batches taken ahead (next_batch(idle=False)) and not started yet
 
     def queued(self) -> int:
         return self.n
@@ -228,7 +230,10 @@ class PriorityScheduler:
             return [record]
         if lane.dead and id(record) in lane.dead:  # the same object is back while its tombstone is queued
             self._purge_dead(lane)
-        if lane.n == 0:
+        if lane.n == 0 and not lane.ahead:
+            # (A lane whose records are all in a batch taken ahead is still backlogged: raising its service to
+            # the others' would wipe out the lag that made its batch owed, and a preempted batch would then
+            # be preempted again at every start until it is full.)
             self._becomes_backlogged(lane, now)
         closed = lane.batcher.add(record, now)
         if closed:
@@ -297,7 +302,11 @@ class PriorityScheduler:
             batch = self._finalize(batch, now)
             if batch is not None:
                 # Only a batch the device starts now is filled: one taken ahead is full anyway (full_only).
-                return self._fill(batch, now) if idle else batch
+                if idle:
+                    return self._fill(batch, now)
+                batch.ahead = True
+                self._lanes[batch.lane].ahead += 1
+                return batch
         return None
 
     def _fill(self, batch: Batch, now: float, donor: Batch | None = None) -> Batch:
@@ -428,6 +437,15 @@ class PriorityScheduler:
         if lane is None:  # only reachable through float rounding on huge counters
             lane = min(cands, key=lambda ln: ln.vservice)
         return lane
+
+    def start(self, batch: Batch) -> None:
+        """The device is about to start ``batch`` (before ``drop_expired`` and ``preempt``): a batch taken ahead
+        no longer counts as its lane's waiting work. Called for every batch; a no-op for others."""
+        if batch.ahead:
+            batch.ahead = False
+            lane = self._lanes.get(batch.lane)
+            if lane is not None and lane.ahead > 0:
+                lane.ahead -= 1
 
     def preempt(self, batch: Batch, now: float) -> Batch | None:
         """A device is about to start ``batch``, which it took earlier (prefetched while it was busy). If a lane
