@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -294,7 +295,29 @@ def _check_passthrough(data: dict[str, Any]) -> None:
                                   f"got {got}")
 
 
+def _non_finite(value: Any, path: str) -> str | None:
+    """The path of the first float setting that is infinite (YAML's ``.inf``; NaN fails the range checks)."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else path
+    if isinstance(value, msgspec.Struct):
+        for name in value.__struct_fields__:
+            found = _non_finite(getattr(value, name), f"{path}.{name}")
+            if found:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            found = _non_finite(item, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
 def _check_semantics(cfg: Config) -> None:
+    # An infinite deadline, wait or weight passes "> 0" and then breaks the arithmetic that schedules batches
+    # (a deadline of .inf crashed the adaptive fill: the worker exited 1 at every restart).
+    bad = _non_finite(cfg, "$")
+    if bad:
+        raise ConfigError(f"{bad}: must be a finite number (leave the key out for no limit)")
     lanes = [lane.name for lane in cfg.batching.lanes]
     if not lanes:
         raise ConfigError("$.batching.lanes: at least one lane is required")

@@ -310,3 +310,15 @@ def test_check_config_print_shows_no_resolved_secret(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "s3cr3t-value" not in r.stdout
     assert "sasl.password: '***'" in r.stdout and "redis://:***@h:6379/0" in r.stdout
+
+
+@pytest.mark.parametrize("lane_key", ["deadline_ms", "max_wait_ms", "weight"])
+def test_an_infinite_number_is_refused_with_its_path(lane_key: str) -> None:
+    """``.inf`` passed the "> 0" checks; a lane deadline of .inf then crashed the adaptive scheduler's fill (an
+    OverflowError at dispatch, exit 1 at every restart)."""
+    data = {"kafka": {"input_topics": ["t"]},
+            "batching": {"lanes": [{"name": "default", lane_key: float("inf")}]}}
+    with pytest.raises(ConfigError, match=rf"\$\.batching\.lanes\[0\]\.{lane_key}: must be a finite number"):
+        from_dict(data, environ={})
+    with pytest.raises(ConfigError, match=r"WORKER__MODEL__BATCH_TIMEOUT_S"):
+        from_dict({"kafka": {"input_topics": ["t"]}}, environ={"WORKER__MODEL__BATCH_TIMEOUT_S": ".inf"})

@@ -955,3 +955,15 @@ def test_a_trickling_low_lane_runs_within_a_few_batches_under_overload(lo_batch:
             break
     assert turns <= 6, f"the low lane first ran after {turns} high batches"
 
+
+def test_the_adaptive_fill_takes_a_record_without_a_finite_deadline() -> None:
+    """The fill's room is computed from the batch's earliest deadline: an infinite one (a lane set up outside the
+    config's checks) raised OverflowError at dispatch."""
+    cfg = lanes({"name": "default", "fill_with_lower": True}, {"name": "bulk", "priority": -1})
+    s = PriorityScheduler(cfg, "default", "adaptive")
+    for n in (1, 3, 5):
+        s.observe("default", n, 0.002 + 0.001 * n)
+    s.add(rec("default", deadline=float("inf")), 0.0)
+    s.add(rec("bulk"), 0.0)
+    b = s.next_batch(0.0, idle=True)
+    assert b is not None and [r.lane for r in b.records] == ["default", "bulk"]

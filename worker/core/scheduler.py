@@ -403,7 +403,7 @@ class PriorityScheduler:
     def _fill_room(model: LatencyModel, batch: Batch, now: float, room: int) -> int:
         """Adaptive: at most ``room`` records, and no more than fit before the batch's earliest deadline."""
         earliest = min((r.deadline for r in batch.records if r.deadline is not None), default=None)
-        if earliest is None or model.b <= 0:
+        if earliest is None or model.b <= 0 or not math.isfinite(earliest):
             return room
         return min(room, math.floor((earliest - now - model.a) / model.b) - len(batch.records))
 
