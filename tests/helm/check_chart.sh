@@ -172,6 +172,62 @@ else
     "$(grep -nE 'port:|consumerGroup' "$work/port-group-from-env.yaml")"
 fi
 
+# KEDA reaches the brokers like the worker: sasl, tls and offsetResetPolicy follow config.kafka.consumer
+# (values-all-on.yaml sets SASL_SSL, SCRAM-SHA-512 and a private CA, and leaves the keda ones empty), and
+# the CA given in extraSecretTargetRefs lands in the TriggerAuthentication next to the SASL credentials.
+has_all() {  # has_all FILE FIXED-LINE... : every line occurs in FILE
+  local f=$1; shift
+  for line in "$@"; do grep -qxF -- "$line" "$f" || return 1; done
+}
+if has_all "$work/all-on-keda.yaml" '        sasl: "scram_sha512"' '        tls: "enable"' \
+     '        offsetResetPolicy: "earliest"' '    - parameter: ca' '      name: kafka-ca' '      key: ca.crt' \
+     '    - parameter: username'; then
+  pass "KEDA sasl/tls from config.kafka.consumer, CA and SASL in the TriggerAuthentication"
+else
+  fail "KEDA sasl/tls from config.kafka.consumer, CA and SASL in the TriggerAuthentication" \
+    "$(grep -nE 'sasl:|tls:|offsetResetPolicy|parameter:' "$work/all-on-keda.yaml")"
+fi
+# TLS without SASL: the TriggerAuthentication (CA only) is rendered and referenced; no sasl in the trigger.
+good_case keda-tls-only --set autoscaling.enabled=true \
+  --set 'config.kafka.consumer.security\.protocol=SSL' --set 'config.kafka.consumer.ssl\.ca\.location=/etc/ca/ca.crt' \
+  --set 'autoscaling.keda.extraSecretTargetRefs[0].parameter=ca' \
+  --set 'autoscaling.keda.extraSecretTargetRefs[0].name=kafka-ca' --set 'autoscaling.keda.extraSecretTargetRefs[0].key=ca.crt'
+if has_all "$work/keda-tls-only.yaml" 'kind: TriggerAuthentication' '    - parameter: ca' '        tls: "enable"' \
+     '        name: kiw-kafka-inference-worker-kafka' && ! grep -qE 'sasl:|parameter: username' "$work/keda-tls-only.yaml"; then
+  pass "KEDA TLS without SASL: TriggerAuthentication with the CA only"
+else
+  fail "KEDA TLS without SASL: TriggerAuthentication with the CA only" \
+    "$(grep -nE 'kind:|sasl:|tls:|parameter:|authenticationRef' "$work/keda-tls-only.yaml")"
+fi
+# offsetResetPolicy follows auto.offset.reset (librdkafka's synonyms too), in the config or through extraEnv.
+render keda-reset-latest --set autoscaling.enabled=true --set 'config.kafka.consumer.auto\.offset\.reset=latest'
+render keda-reset-env --set autoscaling.enabled=true \
+  --set 'extraEnv[0].name=WORKER__KAFKA__CONSUMER__AUTO_OFFSET_RESET' --set-string 'extraEnv[0].value=largest'
+if has_all "$work/keda-reset-latest.yaml" '        offsetResetPolicy: "latest"' \
+   && has_all "$work/keda-reset-env.yaml" '        offsetResetPolicy: "latest"' \
+   && has_all "$work/keda-plain.yaml" '        offsetResetPolicy: "earliest"'; then
+  pass "KEDA offsetResetPolicy follows kafka.consumer.auto.offset.reset (and its extraEnv override)"
+else
+  fail "KEDA offsetResetPolicy follows kafka.consumer.auto.offset.reset (and its extraEnv override)" \
+    "$(grep -n offsetResetPolicy "$work"/keda-reset-*.yaml "$work/keda-plain.yaml"; cat "$work"/keda-reset-*.err)"
+fi
+render keda-scram256 --set autoscaling.enabled=true --set secrets.kafkaSasl.enabled=true --set secrets.kafkaSasl.secretName=s \
+  --set 'config.kafka.consumer.security\.protocol=SASL_PLAINTEXT' --set 'config.kafka.consumer.sasl\.mechanism=SCRAM-SHA-256'
+if has_all "$work/keda-scram256.yaml" '        sasl: "scram_sha256"' && ! grep -q ' tls:' "$work/keda-scram256.yaml"; then
+  pass "KEDA sasl follows kafka.consumer.sasl.mechanism (SCRAM-SHA-256 -> scram_sha256, no TLS)"
+else
+  fail "KEDA sasl follows kafka.consumer.sasl.mechanism (SCRAM-SHA-256 -> scram_sha256, no TLS)" \
+    "$(grep -nE 'sasl:|tls:' "$work/keda-scram256.yaml"; cat "$work/keda-scram256.err")"
+fi
+# The probes need the metrics server on the pod IP; "::" is fine, and without probes a loopback bind is allowed.
+if render metrics-host-any6 --set config.metrics.host=:: \
+   && render metrics-loopback-no-probes --set config.metrics.host=127.0.0.1 --set probes.startup.enabled=false \
+        --set probes.liveness.enabled=false --set probes.readiness.enabled=false; then
+  pass "metrics.host :: with probes, 127.0.0.1 without probes: render"
+else
+  fail "metrics.host :: with probes, 127.0.0.1 without probes: render" "$(cat "$work"/metrics-*.err)"
+fi
+
 # ------------------------------------------------------------------------------- 4. negative cases
 echo "negative cases"
 bad_render() {  # bad_render NAME EXPECTED-SUBSTRING [helm args...]
@@ -200,6 +256,24 @@ bad_render hpa-to-zero "minReplicas >= 1" \
   --set autoscaling.enabled=true --set autoscaling.kind=hpa --set autoscaling.minReplicas=0
 bad_render probes-without-metrics "config.metrics.enabled=false" --set config.metrics.enabled=false
 bad_render no-input-topics "no input topics" --set 'config.kafka.input_topics=null'
+bad_render probes-loopback-host "config.metrics.host=127.0.0.1" --set config.metrics.host=127.0.0.1
+bad_render probes-env-loopback-host "config.metrics.host=127.0.0.1 (or an extraEnv WORKER__METRICS__HOST)" \
+  --set 'extraEnv[0].name=WORKER__METRICS__HOST' --set-string 'extraEnv[0].value=127.0.0.1'
+bad_render probes-env-metrics-off "config.metrics.enabled=false" \
+  --set 'extraEnv[0].name=WORKER__METRICS__ENABLED' --set-string 'extraEnv[0].value=false'
+# A private CA (or a client certificate) in the worker config that KEDA is not given: KEDA cannot read the lag.
+bad_render keda-tls-without-ca "config.kafka.consumer.ssl.ca.location is set" \
+  -f "$here/values-all-on.yaml" --set autoscaling.keda.extraSecretTargetRefs=null
+bad_render keda-client-cert-missing "config.kafka.consumer.ssl.certificate.location is set" \
+  -f "$here/values-all-on.yaml" --set 'config.kafka.consumer.ssl\.certificate\.location=/etc/kafka-ca/client.crt'
+bad_render keda-cert-without-key "cert and key together" --set autoscaling.enabled=true \
+  --set 'autoscaling.keda.extraSecretTargetRefs[0].parameter=cert' \
+  --set 'autoscaling.keda.extraSecretTargetRefs[0].name=c' --set 'autoscaling.keda.extraSecretTargetRefs[0].key=tls.crt'
+bad_render keda-ref-twice "parameter ca is given twice" -f "$here/values-all-on.yaml" \
+  --set 'autoscaling.keda.extraSecretTargetRefs[1].parameter=ca' \
+  --set 'autoscaling.keda.extraSecretTargetRefs[1].name=c' --set 'autoscaling.keda.extraSecretTargetRefs[1].key=ca.crt'
+bad_render keda-reset-error "auto.offset.reset=error has no KEDA equivalent" --set autoscaling.enabled=true \
+  --set 'config.kafka.consumer.auto\.offset\.reset=error'
 
 # A value the chart cannot judge but the worker rejects: check-config must exit 2 naming the key.
 name=worker-rejects

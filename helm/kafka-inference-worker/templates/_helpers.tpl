@@ -78,6 +78,67 @@ override. A valueFrom cannot be read at render time: then the config value stand
 {{- if $env }}{{ $env }}{{ else }}{{ dig "kafka" "bootstrap_servers" "127.0.0.1:9092" (.Values.config | default dict) }}{{ end }}
 {{- end }}
 
+{{/*
+A librdkafka property of config.kafka.consumer (.prop, e.g. "security.protocol") as a string, "" when unset.
+A literal extraEnv override wins, as in the worker: WORKER__KAFKA__CONSUMER__SECURITY_PROTOCOL (dots
+become underscores in the variable's name).
+*/}}
+{{- define "kiw.consumerProp" -}}
+{{- $env := include "kiw.envValue" (dict "ctx" .ctx "name" (printf "WORKER__KAFKA__CONSUMER__%s" (.prop | upper | replace "." "_"))) }}
+{{- if $env }}{{ $env }}{{ else }}{{ dig "kafka" "consumer" .prop "" (.ctx.Values.config | default dict) | toString }}{{ end }}
+{{- end }}
+
+{{/* metrics.enabled / metrics.host as the worker will read them (config, or a literal extraEnv override). */}}
+{{- define "kiw.metricsEnabled" -}}
+{{- $env := include "kiw.envValue" (dict "ctx" . "name" "WORKER__METRICS__ENABLED") }}
+{{- if $env }}{{ not (has (lower $env) (list "false" "no" "off" "0")) }}{{ else }}{{ dig "metrics" "enabled" true (.Values.config | default dict) }}{{ end }}
+{{- end }}
+
+{{- define "kiw.metricsHost" -}}
+{{- $cfg := .Values.config | default dict }}
+{{- $env := include "kiw.envValue" (dict "ctx" . "name" "WORKER__METRICS__HOST") }}
+{{- $hasEnv := false }}
+{{- range .Values.extraEnv }}{{ if and (eq .name "WORKER__METRICS__HOST") (hasKey . "value") }}{{ $hasEnv = true }}{{ end }}{{ end }}
+{{- if $hasEnv }}{{ $env }}{{ else }}{{ dig "metrics" "host" "0.0.0.0" $cfg | toString }}{{ end }}
+{{- end }}
+
+{{/*
+The KEDA kafka trigger's settings, derived from the worker's consumer config the same way as the
+bootstrap servers and the group, unless autoscaling.keda sets them: KEDA must reach the brokers and judge
+uncommitted partitions exactly like the worker does.
+*/}}
+{{- define "kiw.kedaSasl" -}}
+{{- if .Values.autoscaling.keda.sasl }}{{ .Values.autoscaling.keda.sasl }}
+{{- else }}
+{{- $mech := include "kiw.consumerProp" (dict "ctx" . "prop" "sasl.mechanism") | default (include "kiw.consumerProp" (dict "ctx" . "prop" "sasl.mechanisms")) | upper }}
+{{- /* librdkafka's names -> KEDA's; with no mechanism configured, PLAIN (username/password). */}}
+{{- $map := dict "" "plaintext" "PLAIN" "plaintext" "SCRAM-SHA-256" "scram_sha256" "SCRAM-SHA-512" "scram_sha512" "GSSAPI" "gssapi" "OAUTHBEARER" "oauthbearer" }}
+{{- if not (hasKey $map $mech) }}
+{{- fail (printf "config.kafka.consumer.sasl.mechanism=%s has no KEDA equivalent: set autoscaling.keda.sasl" $mech) }}
+{{- end }}
+{{- get $map $mech }}
+{{- end }}
+{{- end }}
+
+{{- define "kiw.kedaTls" -}}
+{{- if .Values.autoscaling.keda.tls }}{{ .Values.autoscaling.keda.tls }}
+{{- else if has (include "kiw.consumerProp" (dict "ctx" . "prop" "security.protocol") | upper) (list "SSL" "SASL_SSL") }}enable
+{{- end }}
+{{- end }}
+
+{{- define "kiw.kedaOffsetResetPolicy" -}}
+{{- if .Values.autoscaling.keda.offsetResetPolicy }}{{ .Values.autoscaling.keda.offsetResetPolicy }}
+{{- else }}
+{{- /* The worker's default is earliest (worker/adapters/kafka_clients.py), not librdkafka's latest. */}}
+{{- $reset := include "kiw.consumerProp" (dict "ctx" . "prop" "auto.offset.reset") | default "earliest" | lower }}
+{{- if has $reset (list "earliest" "smallest" "beginning") }}earliest
+{{- else if has $reset (list "latest" "largest" "end") }}latest
+{{- else }}
+{{- fail (printf "config.kafka.consumer.auto.offset.reset=%s has no KEDA equivalent (earliest or latest): set autoscaling.keda.offsetResetPolicy" $reset) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* Every input topic of the config: kafka.input_topics plus batching.lanes[].topics, as a JSON list. */}}
 {{- define "kiw.inputTopics" -}}
 {{- $cfg := .Values.config | default dict }}
@@ -142,8 +203,15 @@ secrets the chart injects as env vars.
 {{- fail (printf "terminationGracePeriodSeconds=%d must be larger than config.delivery.shutdown_timeout_s (or its extraEnv override) + lifecycle.preStopSleepSeconds = %d: Kubernetes would kill the worker before in-flight batches finish and offsets commit (leave it empty to derive it)" (.Values.terminationGracePeriodSeconds | int) $budget) }}
 {{- end }}
 {{- end }}
-{{- if and (not (dig "metrics" "enabled" true $cfg)) (or .Values.probes.liveness.enabled .Values.probes.readiness.enabled .Values.probes.startup.enabled) }}
-{{- fail "config.metrics.enabled=false leaves nothing to answer /healthz and /readyz: enable metrics or disable probes.*" }}
+{{- if or .Values.probes.liveness.enabled .Values.probes.readiness.enabled .Values.probes.startup.enabled }}
+{{- if not (include "kiw.metricsEnabled" . | eq "true") }}
+{{- fail "config.metrics.enabled=false (or an extraEnv WORKER__METRICS__ENABLED) leaves nothing to answer /healthz and /readyz: enable metrics or disable probes.*" }}
+{{- end }}
+{{- /* The kubelet probes the pod IP: a loopback (or any single-address) bind never answers it. */}}
+{{- $host := include "kiw.metricsHost" . }}
+{{- if not (has $host (list "0.0.0.0" "::" "")) }}
+{{- fail (printf "config.metrics.host=%s (or an extraEnv WORKER__METRICS__HOST): the kubelet probes the pod IP, so the probes would never pass; use 0.0.0.0 (or ::) or disable probes.*" $host) }}
+{{- end }}
 {{- end }}
 {{- if and .Values.secrets.kafkaSasl.enabled (not .Values.secrets.kafkaSasl.secretName) }}
 {{- fail "secrets.kafkaSasl.enabled needs secrets.kafkaSasl.secretName (an existing Secret)" }}
@@ -164,6 +232,37 @@ secrets the chart injects as env vars.
 {{- end }}
 {{- if and (eq .kind "hpa") (lt (.minReplicas | int) 1) }}
 {{- fail "autoscaling.kind=hpa needs minReplicas >= 1 (scale to zero needs kind=keda)" }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- $a := .Values.autoscaling }}
+{{- if and $a.enabled (eq $a.kind "keda") }}
+{{- /* KEDA connects to the brokers itself: what the worker needs to reach them, KEDA needs too. */}}
+{{- $refs := dict }}
+{{- range $i, $r := ($a.keda.extraSecretTargetRefs | default list) }}
+{{- if hasKey $refs $r.parameter }}
+{{- fail (printf "autoscaling.keda.extraSecretTargetRefs[%d]: parameter %s is given twice" $i $r.parameter) }}
+{{- end }}
+{{- $_ := set $refs $r.parameter $r }}
+{{- end }}
+{{- if ne (hasKey $refs "cert") (hasKey $refs "key") }}
+{{- fail "autoscaling.keda.extraSecretTargetRefs: KEDA takes a client certificate only as cert and key together" }}
+{{- end }}
+{{- if and (hasKey $refs "keyPassword") (not (hasKey $refs "key")) }}
+{{- fail "autoscaling.keda.extraSecretTargetRefs: keyPassword without key (it decrypts the client key)" }}
+{{- end }}
+{{- if eq (include "kiw.kedaTls" .) "enable" }}
+{{- range $prop := list "ssl.ca.location" "ssl.ca.pem" }}
+{{- $v := include "kiw.consumerProp" (dict "ctx" $ "prop" $prop) }}
+{{- /* "probe" is librdkafka's system trust store, which KEDA uses too when given no CA. */}}
+{{- if and $v (ne $v "probe") (not (hasKey $refs "ca")) }}
+{{- fail (printf "config.kafka.consumer.%s is set (the brokers' certificates are signed by a private CA) but KEDA is not given that CA: it could not read the group's lag (with minReplicas 0 no pod would ever start). Add {parameter: ca, name: <Secret>, key: <PEM key>} to autoscaling.keda.extraSecretTargetRefs" $prop) }}
+{{- end }}
+{{- end }}
+{{- range $prop := list "ssl.certificate.location" "ssl.certificate.pem" }}
+{{- if and (include "kiw.consumerProp" (dict "ctx" $ "prop" $prop)) (not (hasKey $refs "cert")) }}
+{{- fail (printf "config.kafka.consumer.%s is set (the brokers require a client certificate) but KEDA is not given one: add cert and key entries to autoscaling.keda.extraSecretTargetRefs" $prop) }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- end }}
