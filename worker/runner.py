@@ -109,6 +109,11 @@ class Runner:
         self.assigned: set[TopicPartition] = set()
         self.epochs: Counter[TopicPartition] = Counter()
         self.paused: set[TopicPartition] = set()
+        # The backpressure decision's hysteresis, per reason (worker/core/backpressure.py): the in-flight bound
+        # holds every partition, partitions held for their uncommitted span, lanes held full.
+        self._holding = False
+        self._span_held: set[TopicPartition] = set()
+        self._full_lanes: set[str] = set()
         self._tps: dict[tuple[str, int], TopicPartition] = {}
         self._commit_in_flight: dict[TopicPartition, int] | None = None  # an asynchronous commit not yet reported
         self._commit_sent_at = 0.0
@@ -660,18 +665,19 @@ class Runner:
     def _backpressure(self) -> None:
         in_flight = self.tracker.in_flight()
         self.metrics.gauge("in_flight", in_flight)
-        with self.cv:
-            full = self.scheduler.over_bound()
-        lanes_of, default_lane = self.intake.topic_lanes, self.cfg.batching.default_lane
         bound = self.cfg.batching.max_in_flight
         span_bound, ratio = self.cfg.batching.max_uncommitted, self.cfg.batching.resume_ratio
+        with self.cv:
+            full = self._full_lanes = self.scheduler.over_bound(self._full_lanes, ratio)
+        lanes_of, default_lane = self.intake.topic_lanes, self.cfg.batching.default_lane
         # Only the partitions near their bound matter (a handful of len() calls per turn otherwise).
         tracker, low = self.tracker, span_bound * ratio
         spans = {tp: n for tp in self.assigned if (n := tracker.span(tp)) > low}
-        want = partitions_to_pause(in_flight=in_flight, bound=bound, resume_ratio=ratio, assigned=self.assigned,
-                                   paused=self.paused, reached=self.reached if self.stop_at is not None else set(),
-                                   full_lanes=full, lane_of=lambda tp: lanes_of.get(tp.topic, default_lane),
-                                   spans=spans, span_bound=span_bound)
+        want, self._holding, self._span_held = partitions_to_pause(
+            in_flight=in_flight, bound=bound, resume_ratio=ratio, assigned=self.assigned, holding=self._holding,
+            reached=self.reached if self.stop_at is not None else set(), full_lanes=full,
+            lane_of=lambda tp: lanes_of.get(tp.topic, default_lane), spans=spans, span_bound=span_bound,
+            span_held=self._span_held)
         for tp, n in spans.items():
             if n >= span_bound and tp not in self.paused:
                 log.warning("partition paused: %d records read since its oldest unfinished record (offset %s), "

@@ -967,3 +967,18 @@ def test_the_adaptive_fill_takes_a_record_without_a_finite_deadline() -> None:
     s.add(rec("bulk"), 0.0)
     b = s.next_batch(0.0, idle=True)
     assert b is not None and [r.lane for r in b.records] == ["default", "bulk"]
+
+
+def test_a_full_lane_stays_full_until_its_low_watermark() -> None:
+    """A lane at its queue_bound paused its partitions and resumed them one record below it: at every loop turn
+    a pause, a resume and a fetcher wake-up. Held lanes now stay full until queue_bound * resume_ratio."""
+    cfg = lanes({"name": "default", "max_batch_size": 4, "queue_bound": 10, "max_wait_ms": 60_000})
+    s = PriorityScheduler(cfg, "default", "fixed")
+    for i in range(10):
+        s.add(rec("default", offset=i), 0.0)
+    assert s.over_bound() == {"default"}
+    assert s.next_batch(0.0, idle=True) is not None  # 6 left
+    assert s.over_bound() == set()  # not held: below the bound
+    assert s.over_bound({"default"}, 0.5) == {"default"}  # held: 6 > 5
+    assert s.next_batch(0.0, idle=True) is not None  # 2 left
+    assert s.over_bound({"default"}, 0.5) == set()

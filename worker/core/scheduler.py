@@ -91,7 +91,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any, Literal
 
 from worker.config import LaneConfig
@@ -837,9 +837,12 @@ class PriorityScheduler:
     def queued(self, lane: str) -> int:
         return self._lanes[lane].queued()
 
-    def over_bound(self) -> set[str]:
-        """Lanes whose queued count reached their ``queue_bound``: pause the partitions feeding them."""
-        return {ln.name for ln in self._order if ln.queued() >= ln.queue_bound}
+    def over_bound(self, held: Collection[str] = (), resume_ratio: float = 1.0) -> set[str]:
+        """Lanes whose queued count reached their ``queue_bound`` (pause the partitions feeding them), and of the
+        lanes ``held`` (the last answer), those still above ``queue_bound * resume_ratio``: without that low
+        watermark a lane at its bound paused and resumed its partitions at every loop turn."""
+        return {ln.name for ln in self._order
+                if ln.queued() >= ln.queue_bound or (ln.name in held and ln.queued() > ln.queue_bound * resume_ratio)}
 
     def stats(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
