@@ -141,11 +141,13 @@ def test_limit_is_lifted_to_the_configured_lane_max() -> None:
 
 def test_oom_with_a_record_that_does_not_fit_alone() -> None:
     m = synthetic(oom_above=0)
-    eng = Engine(m, "cpu", warmup=False)
+    eng = Engine(m, "cpu", warmup=False, oom_retry_backoff_s=0)
     eng.setup()
     out = eng.infer([m.decode(x) for x in (1, 2, 3)])
     assert all(is_oom(e) for e in out)
-    assert eng.effective_max("default") == 1
+    # Every record runs out of memory alone, each after 2 retries: no batch size would help, so the lane's limit
+    # is not left lowered (it used to stay at 1).
+    assert eng.effective_max("default") is None
 
 
 def test_poison_record_is_isolated_at_its_index() -> None:
@@ -650,3 +652,256 @@ def test_a_dataclass_batch_is_moved_too() -> None:
 
     moved = _map_tensors(Inputs(torch.zeros(2), [1, 2]), lambda t: t + 1)
     assert isinstance(moved, Inputs) and moved.ids.tolist() == [1.0, 1.0] and moved.lengths == [1, 2]
+
+
+# ------------------------------------------------------------------------------- device errors, OOM retries
+class Sticky(Fake):
+    """What a CUDA device-side assert does: one bad record breaks the context, every later call fails."""
+
+    def __init__(self, message: str = "CUDA error: device-side assert triggered\nCUDA kernel errors might be "
+                 "asynchronously reported at some other API call") -> None:
+        super().__init__()
+        self.message = message
+        self.broken = False
+        self.forwards = 0
+
+    def forward(self, batch: list[Any]) -> list[Any]:
+        self.forwards += 1
+        if 13 in batch:
+            self.broken = True
+        if self.broken:
+            raise RuntimeError(self.message)
+        return [x * 10 for x in batch]
+
+
+def test_is_device_error_tells_device_errors_from_oom_and_input_errors() -> None:
+    from worker.adapters.torch_engine import is_device_error
+
+    for text in ("CUDA error: device-side assert triggered", "CUDA error: an illegal memory access was encountered",
+                 "CUDA error: uncorrectable ECC error encountered",
+                 "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm( handle)`",
+                 "cuDNN error: CUDNN_STATUS_EXECUTION_FAILED",
+                 "[ONNXRuntimeError] : 1 : FAIL : CUDA failure 700: an illegal memory access was encountered"):
+        assert is_device_error(RuntimeError(text)), text
+    assert not is_device_error(RuntimeError("CUDA error: out of memory"))  # an OOM: split, not fatal
+    assert not is_device_error(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not is_device_error(ValueError("index 7 is out of bounds"))
+    accelerator = getattr(torch, "AcceleratorError", None)  # torch >= 2.8
+    if accelerator is not None:
+        assert is_device_error(accelerator("unspecified launch failure"))
+
+
+def test_a_sticky_device_error_raises_instead_of_dead_lettering_every_record() -> None:
+    from worker.adapters.torch_engine import DeviceError
+
+    m = Sticky()
+    eng = Engine(m, "cpu", warmup=False)
+    with pytest.raises(DeviceError, match="device-side assert.*unusable until the process restarts"):
+        eng.infer([1, 13, 2, 3])
+    assert m.forwards == 1 and eng.stats.poison == 0  # not bisected into single records
+    with pytest.raises(DeviceError):
+        eng.infer([4, 5])  # a later batch too: never an exception per record
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread dies: intended
+def test_a_sticky_device_error_stops_the_device_worker() -> None:
+    """It used to bisect every later batch to single records and hand each an exception: every record
+    dead-lettered and committed, /healthz green. Now the thread dies with DeviceError in ``error`` (the runner
+    exits 1 on it without committing the batch: tests/unit/test_runner_shutdown.py)."""
+    from worker.adapters.torch_engine import DeviceError
+
+    feeder = Feeder([make_batch([1, 2], offset=0), make_batch([3, 13, 4], offset=10),
+                     make_batch([5, 6], offset=20)])
+    w = DeviceWorker(Engine(Sticky(), "cpu", warmup=False), feeder.take, feeder.done, poll_s=0.01)
+    assert isinstance(_error_of(w), DeviceError) and not w.alive
+    assert feeder.results[0][1] == [10, 20]
+    assert 10 not in feeder.results and 20 not in feeder.results  # nothing settled, nothing dead-lettered
+    assert not any(isinstance(r, BaseException) for _, res, _ in feeder.results.values() for r in res)
+
+
+def test_a_cuda_error_the_device_survives_is_bisected_like_any_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A non-sticky CUDA error (a launch configuration one input's shape cannot use) leaves the context
+    usable: a sync works, so it is the record's, not a reason to restart the worker over and over."""
+
+    class OneShape(Fake):
+        def forward(self, batch: list[Any]) -> list[Any]:
+            if 13 in batch:
+                raise RuntimeError("CUDA error: invalid configuration argument")
+            return [x * 10 for x in batch]
+
+    probes: list[Any] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: probes.append(device))
+    eng = Engine(OneShape(), "cpu", warmup=False)
+    eng.kind = "cuda"  # what the probe looks at; the handler itself does not use torch
+    out = eng.infer([1, 13, 2, 3])
+    assert out[0] == 10 and isinstance(out[1], RuntimeError) and out[2:] == [20, 30]
+    assert probes and eng.stats.poison == 1
+
+
+class Squeezed(Fake):
+    """Runs out of memory for its first ``bad_calls`` forwards whatever their size (another process held
+    the memory for a moment), and always for a batch holding "HUGE"."""
+
+    def __init__(self, bad_calls: int = 0, fits: int | None = None) -> None:
+        super().__init__()
+        self.left = bad_calls
+        self.fits = fits
+        self.sizes: list[int] = []
+
+    def forward(self, batch: list[Any]) -> list[Any]:
+        self.sizes.append(len(batch))
+        if self.left > 0 or "HUGE" in batch or (self.fits is not None and len(batch) > self.fits):
+            self.left -= 1
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return batch
+
+
+def test_a_record_that_runs_out_of_memory_for_a_moment_is_retried_not_dead_lettered() -> None:
+    m = Squeezed(bad_calls=4)
+    eng = Engine(m, "cpu", warmup=False)
+    items = [f"r{i}" for i in range(8)]
+    assert eng.infer(items) == items  # record 0 used to get the OOM at once, without one retry
+    assert m.sizes[:5] == [8, 4, 2, 1, 1]
+    m2 = Squeezed(bad_calls=10)
+    out = Engine(m2, "cpu", warmup=False, oom_retries=2, oom_retry_backoff_s=0).infer(["a"])
+    assert is_oom(out[0]) and m2.sizes == [1, 1, 1]  # bounded: the first try and 2 retries
+
+
+def test_a_record_too_big_even_alone_does_not_collapse_the_lane_limit() -> None:
+    """One oversized record drove its lane's limit to 1, and the lane then took ~400 batches of 64 arrivals
+    (1,777 small forwards) to climb back. The OOM was the record's, not the batch size's: the limit goes back."""
+    m = Squeezed()
+    limits: list[int] = []
+    eng = Engine(m, "cpu", warmup=False, max_batch_sizes={"default": 64}, on_limit=lambda lane, n: limits.append(n))
+    batch = [f"r{i}" for i in range(64)]
+    batch[40] = "HUGE"
+    out = eng.infer(batch)
+    assert [i for i, o in enumerate(out) if isinstance(o, BaseException)] == [40]
+    assert eng.effective_max("default") is None and limits[-1] == 64
+    assert len(m.sizes) < 20  # the rest of the batch did not run one record at a time either
+    m.sizes.clear()
+    assert eng.infer([f"x{i}" for i in range(64)]) == [f"x{i}" for i in range(64)] and m.sizes == [64]
+
+
+def test_a_batch_size_oom_next_to_an_oversized_record_keeps_the_lowered_limit() -> None:
+    m = Squeezed(fits=16)  # only 16 fit, and one record never does
+    eng = Engine(m, "cpu", warmup=False, oom_retry_backoff_s=0, max_batch_sizes={"default": 64})
+    batch = [f"r{i}" for i in range(64)]
+    batch[40] = "HUGE"
+    out = eng.infer(batch)
+    assert [i for i, o in enumerate(out) if isinstance(o, BaseException)] == [40]
+    limit = eng.effective_max("default")
+    assert limit is not None and limit <= 16
+
+
+class HostRace(Fake):
+    """collate and split that notice being entered on two threads at once (what an HF fast tokenizer answers
+    with "Already borrowed")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside = {"collate": 0, "split": 0}
+        self.most = {"collate": 0, "split": 0}
+
+    def _enter(self, what: str) -> None:
+        with self.lock:
+            self.inside[what] += 1
+            self.most[what] = max(self.most[what], self.inside[what])
+        time.sleep(0.005 if what == "collate" else 0.02)  # the finish thread lags: recovery splits meanwhile
+        with self.lock:
+            self.inside[what] -= 1
+
+    def collate(self, items: Sequence[Any]) -> list[Any]:
+        self._enter("collate")
+        return list(items)
+
+    def forward(self, batch: list[Any]) -> list[Any]:
+        if "BAD" in batch:
+            raise ValueError("poison")
+        return batch
+
+    def split(self, out: list[Any], n: int) -> list[Any]:
+        self._enter("split")
+        return out
+
+
+def test_collate_and_split_never_run_on_two_threads_at_once() -> None:
+    """Recovery re-runs collate and split on the device thread while the collate and finish threads handle
+    the next batches; handlers need not be thread-safe."""
+    model = HostRace()
+    batches = []
+    for k in range(16):
+        items: list[Any] = [f"{k}-{i}" for i in range(16)]
+        if k % 2 == 0:
+            items[5] = "BAD"
+        batches.append(make_batch(items, offset=k * 100))
+    feeder = Feeder(batches)
+    w = DeviceWorker(Engine(model, "cpu", warmup=False), feeder.take, feeder.done, poll_s=0.01)
+    w.start()
+    assert feeder.all_done.wait(60)
+    w.stop(5)
+    assert model.most == {"collate": 1, "split": 1}, model.most
+    assert all(isinstance(feeder.results[k * 100][1][5], ValueError) for k in range(0, 16, 2))
+
+
+@pytest.mark.parametrize(("kind", "name"), [("tensor", "torch.Tensor"), ("numpy", "numpy.ndarray"),
+                                            ("generator", "builtins.generator")])
+def test_a_split_that_returns_no_list_says_what_it_returned(kind: str, name: str) -> None:
+    class Rows(Fake):
+        def collate(self, items: Sequence[Any]) -> torch.Tensor:
+            return torch.tensor(items, dtype=torch.float32)
+
+        def forward(self, batch: torch.Tensor) -> torch.Tensor:
+            return batch * 2
+
+        def split(self, out: torch.Tensor, n: int) -> Any:
+            return {"tensor": out, "numpy": out.numpy(), "generator": (float(x) for x in out)}[kind]
+
+    eng = Engine(Rows(), "cpu", warmup=False)
+    # It said "returned 3 outputs for a batch of 3; it must return a list".
+    with pytest.raises(OutputCountError, match=rf"split\(\) returned a {name} for a batch of 3, not a list"):
+        eng.infer([1.0, 2.0, 3.0])
+
+
+def test_a_handler_exception_is_logged_with_its_traceback_once_per_site(caplog: pytest.LogCaptureFixture) -> None:
+    class Buggy(Fake):
+        def _lookup(self, x: int) -> int:
+            return [1, 2][x]
+
+        def forward(self, batch: list[Any]) -> list[Any]:
+            return [self._lookup(x) for x in batch]
+
+    eng = Engine(Buggy(), "cpu", warmup=False)
+    with caplog.at_level("WARNING", logger="worker.engine"):
+        out = eng.infer([0, 5, 1, 7])
+        eng.infer([9])
+    assert isinstance(out[1], IndexError) and isinstance(out[3], IndexError) and out[0] == 1
+    assert out[1].__traceback__ is None  # the results carry no frames (they would pin device memory)
+    with_tb = [r for r in caplog.records if r.exc_info]
+    assert len(with_tb) == 1, [r.getMessage() for r in with_tb]  # 4 failures at one site: one traceback
+    text = caplog.text
+    assert "in _lookup" in text and f"{__file__}:" in with_tb[0].getMessage()
+    assert "IndexError" in with_tb[0].getMessage()
+
+
+def test_tensors_finds_what_map_tensors_moves() -> None:
+    """record_stream (CUDA) runs on what ``_tensors`` yields: it skipped dataclass batches that ``_map_tensors``
+    had moved, so the copy stream's allocator could reuse their memory while forward still read it."""
+    import dataclasses as dc
+
+    from worker.adapters.torch_engine import _map_tensors, _tensors
+
+    @dc.dataclass
+    class Inputs:
+        ids: torch.Tensor
+        extra: dict[str, Any]
+
+    batch = {"a": [Inputs(torch.zeros(1), {"m": torch.ones(2)})], "b": (torch.zeros(3),)}
+    moved: list[torch.Tensor] = []
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        moved.append(t)
+        return t
+
+    _map_tensors(batch, fn)
+    assert sorted(id(t) for t in _tensors(batch)) == sorted(id(t) for t in moved) and len(moved) == 3

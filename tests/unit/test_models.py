@@ -405,3 +405,44 @@ def test_an_onnx_input_type_the_loader_does_not_map_is_refused_at_load(tmp_path:
     onnx.save(model, str(tmp_path / "i16.onnx"))
     with pytest.raises(ConfigError, match=r"input 'x' has type tensor\(int16\), which the ONNX loader does not map"):
         load_model(ModelConfig(name=str(tmp_path / "i16.onnx")))
+
+
+def test_an_onnx_file_with_a_dynamic_sequence_axis_batches_records_of_different_lengths(tmp_path: Path) -> None:
+    """A symbolic non-batch axis: records of different lengths cannot be stacked. Every mixed batch used to
+    fail np.stack and be bisected to single records (one session.run per record, silently); now it runs
+    one session.run per distinct shape and the rows go back in input order."""
+    needs.module("onnxruntime")
+    import onnx
+    from onnx import TensorProto, helper
+
+    from worker.adapters.torch_engine import Engine
+
+    graph = helper.make_graph([helper.make_node("ReduceSum", ["x", "axes"], ["y"], keepdims=1)], "sum",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 1])],
+                              [helper.make_tensor("axes", TensorProto.INT64, [1], [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(tmp_path / "sum.onnx"))
+    m: Any = load_model(ModelConfig(name=str(tmp_path / "sum.onnx")))
+    eng = Engine(m, "cpu", warmup=False)
+    eng.setup()
+    runs: list[int] = []
+    session = m.session
+
+    class Counting:
+        def run(self, names: Any, feeds: dict[str, Any]) -> Any:
+            runs.append(len(feeds["x"]))
+            return session.run(names, feeds)
+
+    m.session = Counting()
+    inputs = [[float(i)] * (1 + i % 3) for i in range(12)]  # lengths 1, 2, 3, 1, 2, 3, ...
+    items = [m.decode(x) for x in inputs]
+    assert [m.size_of(it) for it in items[:3]] == [1, 2, 3]  # for batching.bucket_width
+    out = eng.infer(items)
+    assert out == [[sum(x)] for x in inputs]
+    assert sorted(runs) == [4, 4, 4] and eng.stats.poison == 0
+    runs.clear()
+    assert eng.infer(items[:2:]) == [[0.0], [2.0]] and sorted(runs) == [1, 1]
+    runs.clear()
+    assert eng.infer([items[1], items[4]]) == [[2.0], [8.0]] and runs == [2]  # one shape: one stack

@@ -7,10 +7,29 @@
   half the failed batch (``on_limit(lane, new_max)``), and the batch is rerun in chunks of that size.
   After ``grow_after`` successful batches in a row the limit steps up (x1.25, at least +1) until it
   reaches the largest batch seen, where it is lifted; a step that OOMs again doubles the wait (backoff).
+  A record that runs out of memory alone is retried ``oom_retries`` times after freeing memory (a brief
+  squeeze: another process, fragmentation) before it gets the error. When every chunk that ran out of
+  memory during one recovery held such a record, that record was the cause, not the batch size: the
+  lane's limit goes back to what it was before.
 - **Poison records**: a batch whose collate/forward/split raises anything else is bisected until the
   failing records are found; they get the exception object at their position, every other record its
-  output. A split that returns the wrong number of outputs is a model bug, not a record's: it raises
-  ``OutputCountError``.
+  output. The traceback of a handler's exception is logged (WARNING) once per raising site every
+  ``traceback_every_s``; the exceptions handed out carry none (their frames would pin device memory).
+  A split that returns the wrong number of outputs, or not a list, is a model bug, not a record's: it
+  raises ``OutputCountError``.
+- **Device errors**: a CUDA error other than out of memory (device-side assert, illegal memory access,
+  ECC error, ``torch.AcceleratorError``) leaves the CUDA context unusable: every later call fails, so
+  bisecting would dead-letter every record from then on. When a sync on the device fails too (or there is
+  nothing to probe with), ``DeviceError`` is raised instead: the DeviceWorker thread dies, ``error`` is set
+  and the runner exits 1 without committing the batch's records, which are processed again after the
+  restart. A CUDA error the device survives (a launch configuration one shape cannot use) is bisected
+  like any other.
+
+Handlers need not be thread-safe: ``forward`` never runs on two threads at once, and neither does
+``collate`` nor ``split`` (recovery re-runs them on the device or finish thread while the pipeline runs
+the next batch, and a Hugging Face fast tokenizer entered twice raises "Already borrowed"). ``collate`` of
+one batch and ``split`` of another do overlap, as the pipeline intends: a handler that uses one
+non-thread-safe object in both must lock it itself.
 
 ``DeviceWorker`` is the per-device pipeline of three threads so the device never waits for Python:
 
@@ -31,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import math
 import os
@@ -61,6 +81,11 @@ THREADS_ENV = "WORKER_TORCH_THREADS"
 
 class OutputCountError(RuntimeError):
     """The handler's split() returned a different number of outputs than it was given inputs."""
+
+
+class DeviceError(RuntimeError):
+    """The device's context is unusable (a sticky CUDA error): nothing runs on it until the process restarts.
+    Not a record's fault: the worker must stop rather than dead-letter every record from now on."""
 
 
 # ----------------------------------------------------------------------------------------------- devices
@@ -148,6 +173,11 @@ def configure_threads(device: str, threads: int | None = None) -> int:
     return torch.get_num_threads()
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
 def _drop_frames(exc: BaseException) -> None:
     seen: set[int] = set()
     e: BaseException | None = exc
@@ -164,6 +194,26 @@ def is_oom(exc: BaseException) -> bool:
     # (onnxruntime's RuntimeException: "... CUDA failure 2: out of memory", "Failed to allocate memory").
     text = str(exc).lower()
     return isinstance(exc, Exception) and ("out of memory" in text or "failed to allocate memory" in text)
+
+
+# torch >= 2.8 raises AcceleratorError for CUDA errors; older ones a RuntimeError("CUDA error: ...").
+_ACCELERATOR_ERROR: type[BaseException] | None = getattr(torch, "AcceleratorError", None)
+# Lower-case message parts of device (not input) errors: torch's, and onnxruntime's CUDA provider's
+# ("CUDA failure 700: an illegal memory access was encountered", "CUBLAS failure 14: ...").
+_DEVICE_ERROR_MARKS = ("cuda error:", "cuda failure", "device-side assert", "illegal memory access",
+                       "cublas_status_", "cublas failure", "cudnn error", "cudnn failure", "ecc error",
+                       "unspecified launch failure", "misaligned address", "illegal instruction")
+
+
+def is_device_error(exc: BaseException) -> bool:
+    """An error of the device itself, not out of memory (that one is checked first: "CUDA error: out of
+    memory" is an OOM). Whether the context survived it is ``Engine``'s probe's call."""
+    if not isinstance(exc, Exception) or is_oom(exc):
+        return False
+    if _ACCELERATOR_ERROR is not None and isinstance(exc, _ACCELERATOR_ERROR):
+        return True
+    text = str(exc).lower()
+    return any(mark in text for mark in _DEVICE_ERROR_MARKS)
 
 
 # -------------------------------------------------------------------------------------------- tree maps
@@ -191,11 +241,17 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``obj``, through the containers ``_map_tensors`` moves (record_stream must see each
+    tensor the copy stream allocated). All dataclass fields: one set in __post_init__ from moved tensors was
+    allocated on the copy stream too."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, Mapping):
         for v in obj.values():
             yield from _tensors(v)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _tensors(getattr(obj, f.name, None))
     elif isinstance(obj, list | tuple):
         for v in obj:
             yield from _tensors(v)
@@ -231,11 +287,21 @@ class Launched:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class _OomChain:
+    """One OOM recovery on one thread, from the first split of a batch until its records are all done."""
+
+    before: tuple[Any, ...]  # the lane's limit state when it began (Engine._lane_state)
+    failed: list[set[int]] = field(default_factory=list)  # ids of the items of each chunk that ran out of memory
+    culprits: set[int] = field(default_factory=set)  # ids of the items that ran out of memory alone
+    restored: bool = False  # the lane's limit was put back during the recovery already
+
+
 @dataclass
 class EngineStats:
     batches: int = 0
     records: int = 0
-    oom: int = 0  # out-of-memory errors caught (each one split a batch)
+    oom: int = 0  # out-of-memory errors caught (each one split a batch, or retried a record alone)
     poison: int = 0  # records isolated as failing
     limit_changes: int = 0
 
@@ -249,7 +315,9 @@ class Engine:
     warm-up. ``warmup``: run the handler's ``example_inputs()`` at batch 1 and 8 in ``setup()``.
     ``on_limit(lane, new_max)``: called (from a device thread) whenever a lane's max batch size changes
     after OOM, down or back up; ``max_batch_sizes`` (lane -> configured max) is where it is lifted to.
-    ``threads``: torch intra-op threads (see ``configure_threads``).
+    ``threads``: torch intra-op threads (see ``configure_threads``). ``oom_retries`` /
+    ``oom_retry_backoff_s``: retries of a record that runs out of memory alone, after ``backoff * attempt``
+    seconds each. ``traceback_every_s``: how often one raising site's traceback is logged.
     """
 
     def __init__(
@@ -266,6 +334,9 @@ class Engine:
         threads: int | None = None,
         warmup_iters: int = 2,
         max_batch_sizes: Mapping[str, int] | None = None,
+        oom_retries: int = 2,
+        oom_retry_backoff_s: float = 0.05,
+        traceback_every_s: float = 600.0,
     ) -> None:
         self.model = model
         self.device = resolve_device(device)
@@ -283,8 +354,16 @@ class Engine:
         self.kind = self.device.split(":")[0]
         self.is_cuda = self.kind == "cuda" and self.uses_torch
         self._copy_stream: Any = None
+        self.oom_retries = max(0, oom_retries)
+        self.oom_retry_backoff_s = max(0.0, oom_retry_backoff_s)
+        self.traceback_every_s = traceback_every_s
         self._lock = threading.Lock()
         self._forward_lock = threading.Lock()
+        # collate and split each run on one thread at a time (see the module docstring), host time only.
+        self._collate_lock = threading.Lock()
+        self._split_lock = threading.Lock()
+        self._tl = threading.local()  # .chain: the OOM recovery this thread is in (_OomChain), if any
+        self._tb_logged: dict[tuple[str, str, int], float] = {}  # raising site -> when its traceback was logged
         self._limits: dict[str, int] = {}
         # Where a lowered limit is lifted: the lane's configured max, else the largest batch seen.
         self._configured = dict(max_batch_sizes or {})
@@ -335,8 +414,8 @@ class Engine:
             try:
                 out = compiled(batch)
             except Exception as e:
-                if is_oom(e):
-                    raise  # the OOM policy's, not the compiler's
+                if is_oom(e) or is_device_error(e):
+                    raise  # the OOM / device-error policy's, not the compiler's
                 log.warning("torch.compile of %s failed on its first batch (%s); running eager", self.name, e)
                 self.model.forward = eager
                 return eager(batch)
@@ -391,7 +470,8 @@ class Engine:
     def prepare(self, items: Sequence[Any]) -> Prepared:
         """collate + start the copy to the device (pinned memory, non_blocking, side stream on CUDA)."""
         t0 = time.perf_counter()
-        batch = self.model.collate(items)
+        with self._collate_lock:
+            batch = self.model.collate(items)
         ready = None
         if self.uses_torch and self.kind != "cpu":
             dev = torch.device(self.device)
@@ -449,14 +529,21 @@ class Engine:
         forward_s = lx.launch_s
         t = time.perf_counter()
         n = len(lx.items)
-        outs = self.model.split(lx.output, n)
+        with self._split_lock:
+            outs = self.model.split(lx.output, n)
+        if isinstance(outs, tuple):
+            outs = list(outs)
         if not isinstance(outs, list):
-            outs = list(outs) if isinstance(outs, tuple) else outs
-        if not isinstance(outs, list) or len(outs) != n:
-            got = len(outs) if hasattr(outs, "__len__") else type(outs).__name__
+            # A tensor, array or generator of n rows would pass a count check: name what came back instead.
             raise OutputCountError(
-                f"model {self.name}: split() returned {got} outputs for a batch of {n}; it must return a list "
-                "with exactly one output per input, in order"
+                f"model {self.name}: split() returned a {type(outs).__module__}.{type(outs).__qualname__} for a "
+                f"batch of {n}, not a list; it must return a list with exactly one output per input, in order "
+                "(e.g. output.tolist(), or worker.models.base.split_rows(output, n))"
+            )
+        if len(outs) != n:
+            raise OutputCountError(
+                f"model {self.name}: split() returned {len(outs)} outputs for a batch of {n}; it must return a "
+                "list with exactly one output per input, in order"
             )
         end = time.perf_counter()
         lx.timings.update(collate=lx.collate_s, forward=forward_s, split=end - t,
@@ -471,7 +558,8 @@ class Engine:
 
     def infer(self, items: Sequence[Any], lane: str = "default") -> list[Any | BaseException]:
         """Outputs in input order; a record that fails (alone) gets its exception object instead.
-        Batches above the lane's effective max are run in chunks. Raises only OutputCountError."""
+        Batches above the lane's effective max are run in chunks. Raises only OutputCountError and
+        DeviceError."""
         n = len(items)
         if n == 0:
             return []
@@ -488,7 +576,7 @@ class Engine:
     def _infer_chunk(self, items: Sequence[Any], lane: str) -> list[Any | BaseException]:
         try:
             outs = self.run(items)
-        except OutputCountError:
+        except (OutputCountError, DeviceError):
             raise
         except Exception as e:
             return self.recover(items, lane, e)
@@ -496,24 +584,42 @@ class Engine:
         return outs
 
     def recover(self, items: Sequence[Any], lane: str, exc: BaseException) -> list[Any | BaseException]:
-        """``exc`` was raised by a batch of ``items``: split it (OOM) or bisect it (poison)."""
-        if isinstance(exc, OutputCountError):
+        """``exc`` was raised by a batch of ``items``: split it (OOM), bisect it (poison) or, for an error that
+        left the device unusable, raise ``DeviceError``."""
+        if isinstance(exc, OutputCountError | DeviceError):
             raise exc
         n = len(items)
         self._seen(lane, n)
         oom = is_oom(exc)
+        if not oom and is_device_error(exc) and self._device_lost():
+            # Every later call on this CUDA context fails the same way: bisecting would dead-letter each record
+            # (and commit it) from now on while /healthz stays green. Stop instead (the runner exits 1).
+            log.critical("model %s on %s: device error (%s: %s); the CUDA context is unusable until the process "
+                         "restarts: the batch's %d record(s) are not dead-lettered, the worker stops and they are "
+                         "processed again after the restart", self.name, self.device, type(exc).__name__,
+                         _first_line(exc), n)
+            raise DeviceError(f"model {self.name} on {self.device}: {type(exc).__name__}: {_first_line(exc)} "
+                              "(the device context is unusable until the process restarts)") from exc
+        if not oom:
+            self._log_traceback(exc)  # a handler's bug, probably: where it is, before the frames go
         if log.isEnabledFor(logging.DEBUG):
             log.debug("model %s: batch of %d failed", self.name, n, exc_info=exc)
         _drop_frames(exc)  # the failed forward's frames pin its (device) tensors until the exception dies
         if n == 1:
+            if oom:
+                return self._alone_out_of_memory(items, lane, exc)
             with self._lock:
-                self.stats.oom += oom
-                self.stats.poison += not oom
+                self.stats.poison += 1
             log.warning("model %s: record failed alone in lane %s: %r", self.name, lane, exc)
             return [exc]
         del exc
         if oom:
+            chain: _OomChain | None = getattr(self._tl, "chain", None)
+            top = chain is None
             with self._lock:
+                if chain is None:
+                    chain = self._tl.chain = _OomChain(self._lane_state(lane))
+                chain.failed.append({id(x) for x in items})
                 self.stats.oom += 1
                 good = self._good.get(lane, 0)
                 if good >= n:  # it fitted before; memory got tighter (longer inputs, fragmentation)
@@ -523,12 +629,122 @@ class Engine:
             self._release_memory()
             # Back to the largest size known to fit, else half; infer() then runs the batch in chunks.
             self._set_limit(lane, max(1, n // 2, good), grow=False)
-            return self.infer(items, lane)
+            try:
+                results = self.infer(items, lane)
+            finally:
+                if top:
+                    self._tl.chain = None
+            if top and chain.culprits and all(ids & chain.culprits for ids in chain.failed):
+                # Every chunk that ran out of memory held a record that does so even alone: the batch size was
+                # not the cause, and a lane left at 1 would take hundreds of batches to climb back.
+                self._restore_lane(lane, chain.before)
+            return results
         log.info("model %s: batch of %d failed; bisecting to isolate the failing records", self.name, n)
         h = n // 2
         return self.infer(items[:h], lane) + self.infer(items[h:], lane)
 
-    def _release_memory(self) -> None:
+    def _alone_out_of_memory(self, items: Sequence[Any], lane: str, exc: BaseException) -> list[Any | BaseException]:
+        """A record ran out of memory alone. The memory may have been held only for a moment (another process
+        on the GPU, fragmentation, the tensors of the failed forward): free what can be and retry it a few
+        times before it gets the error."""
+        with self._lock:
+            self.stats.oom += 1
+        for attempt in range(1, self.oom_retries + 1):
+            self._release_memory(collect=True)
+            time.sleep(self.oom_retry_backoff_s * attempt)
+            try:
+                outs = self.run(items)
+            except (OutputCountError, DeviceError):
+                raise
+            except Exception as e:
+                if not is_oom(e):
+                    return self.recover(items, lane, e)  # poison or a device error after all
+                _drop_frames(e)
+                with self._lock:
+                    self.stats.oom += 1
+                exc = e
+                continue
+            log.info("model %s lane %s: a record that ran out of memory alone ran on retry %d", self.name, lane,
+                     attempt)
+            self.note_success(lane, 1)
+            return outs
+        log.warning("model %s: record ran out of memory alone in lane %s (%d retries): %r", self.name, lane,
+                    self.oom_retries, exc)
+        chain: _OomChain | None = getattr(self._tl, "chain", None)
+        if chain is not None:
+            chain.culprits.add(id(items[0]))
+            if not chain.restored and all(ids & chain.culprits for ids in chain.failed):
+                # Now, not only at the end: the rest of the batch would otherwise run one record at a time. Once
+                # per recovery, so a device where nothing fits does not split every remaining chunk all over.
+                chain.restored = True
+                self._restore_lane(lane, chain.before)
+        return [exc]
+
+    def _device_lost(self) -> bool:
+        """After a device error: is the CUDA context gone? A sticky error (device-side assert, illegal memory
+        access, ECC) fails every later call, a sync included; one it survives (an invalid launch configuration)
+        does not. Without a CUDA device to probe, assume the worst: restarting costs a batch's latency,
+        dead-lettering costs every record."""
+        if self.kind != "cuda":
+            return True
+        try:
+            torch.cuda.synchronize(self.device)
+        except Exception as e:
+            log.debug("device probe after an error failed: %r", e)
+            return True
+        return False
+
+    def _log_traceback(self, exc: BaseException) -> None:
+        """WARNING with the traceback, once per raising site (innermost frame) every ``traceback_every_s``: the
+        per-record lines carry only the exception, whose frames are dropped to free device memory."""
+        tb = exc.__traceback__
+        if tb is None:
+            return
+        while tb.tb_next is not None:
+            tb = tb.tb_next
+        site = (type(exc).__qualname__, tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+        now = time.monotonic()
+        with self._lock:
+            last = self._tb_logged.get(site)
+            if last is not None and now - last < self.traceback_every_s:
+                return
+            if len(self._tb_logged) >= 256:  # bounded: sites are few unless something is very wrong
+                self._tb_logged.clear()
+            self._tb_logged[site] = now
+        log.warning("model %s raised %s at %s:%d (traceback logged once per site every %.0f s)", self.name,
+                    site[0], site[1], site[2], self.traceback_every_s, exc_info=exc)
+
+    def _lane_state(self, lane: str) -> tuple[Any, ...]:
+        """(limit, patience, probing, good, streak) of ``lane``; the caller holds ``_lock``."""
+        return (self._limits.get(lane), self._patience.get(lane), self._probing.get(lane), self._good.get(lane, 0),
+                self._ok_streak.get(lane))
+
+    def _restore_lane(self, lane: str, state: tuple[Any, ...]) -> None:
+        limit, patience, probing, good, streak = state
+        with self._lock:
+            old = self._limits.get(lane)
+            for d, v in ((self._limits, limit), (self._patience, patience), (self._probing, probing),
+                         (self._ok_streak, streak)):
+                if v is None:
+                    d.pop(lane, None)
+                else:
+                    d[lane] = v
+            self._good[lane] = max(good, self._good.get(lane, 0))
+            if old == limit:
+                return
+            self.stats.limit_changes += 1
+            new = limit if limit is not None else self._ceiling.get(lane)
+        log.warning("model %s lane %s: a record runs out of memory even alone, so the batch size was not the cause: "
+                    "max batch size %s -> %s%s", self.name, lane, old, new, " (limit lifted)" if limit is None else "")
+        if self.on_limit is not None and new is not None:
+            try:
+                self.on_limit(lane, new)
+            except Exception:
+                log.exception("on_limit callback failed")
+
+    def _release_memory(self, collect: bool = False) -> None:
+        if collect:
+            gc.collect()  # tensors only a reference cycle still holds (the hot path leaves gc to its thresholds)
         if self.is_cuda:
             torch.cuda.empty_cache()
 
@@ -820,6 +1036,8 @@ class DeviceWorker:
     def _safe(fn: Callable[..., list[Any | BaseException]], items: Sequence[Any], *args: Any) -> list[Any | BaseException]:
         try:
             return fn(items, *args)
+        except DeviceError:
+            raise  # the thread dies, ``error`` is set and the runner exits 1: nothing of the batch is settled
         except Exception as e:  # OutputCountError, or a bug: every record of the batch fails with it
-            log.error("batch of %d failed: %r", len(items), e)
+            log.error("batch of %d failed: %r", len(items), e, exc_info=not isinstance(e, OutputCountError))
             return [e] * len(items)

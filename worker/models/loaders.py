@@ -178,7 +178,12 @@ class ExportedModel(TensorModel):
 class OnnxModel:
     """An ONNX file run by onnxruntime (CUDA provider on ``cuda`` devices when installed). Inputs: nested
     lists for a single-input graph, else ``{input_name: nested list}``; outputs: the row of the single
-    output, else ``{output_name: row}``."""
+    output, else ``{output_name: row}``.
+
+    An input with a symbolic axis besides the batch one (a sequence length) takes records of different
+    shapes, which cannot be stacked into one array: a batch runs as one ``session.run`` per distinct shape
+    and the rows go back in input order (``size_of`` is the first such axis' length, so
+    ``batching.bucket_width`` can group equal lengths into the same batch)."""
 
     input_type: ClassVar[Any] = Any
     output_type: ClassVar[Any] = Any
@@ -215,6 +220,9 @@ class OnnxModel:
                               f"the ONNX loader does not map (it takes {', '.join(sorted(self._NP))}); wrap it "
                               "in a handler (a 'package.module:callable' factory)")
         self.inputs = [(i.name, self._NP[i.type], i.shape) for i in probe.get_inputs()]
+        # (input index, axis of its record) of the first axis not fixed by the graph, if any.
+        self._ragged = next(((k, d) for k, (_, _, shape) in enumerate(self.inputs)
+                             for d, dim in enumerate(shape[1:] if shape else []) if not isinstance(dim, int)), None)
         self.outputs = [o.name for o in probe.get_outputs()]
         # A fixed batch axis: torch.onnx.export's default without dynamic_axes.
         self.max_batch = _fixed_batch({i.shape[0] for i in probe.get_inputs() if i.shape and isinstance(i.shape[0], int)},
@@ -261,17 +269,48 @@ class OnnxModel:
             out[name] = a
         return out
 
-    def collate(self, items: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    def size_of(self, item: dict[str, Any]) -> int:
+        if self._ragged is None:
+            return 1
+        k, d = self._ragged
+        return int(item[self.inputs[k][0]].shape[d])
+
+    def collate(self, items: Sequence[dict[str, Any]]) -> list[tuple[list[int] | None, dict[str, Any]]]:
+        """``[(positions, feeds)]``: one group per distinct input shape (positions None: every item, in order)."""
         np = self._np
-        return {name: np.stack([it[name] for it in items]) for name, _, _ in self.inputs}
+        names = [name for name, _, _ in self.inputs]
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        if self._ragged is not None:
+            for i, it in enumerate(items):
+                groups.setdefault(tuple(it[name].shape for name in names), []).append(i)
+        if len(groups) <= 1:
+            return [(None, {name: np.stack([it[name] for it in items]) for name in names})]
+        return [(pos, {name: np.stack([items[i][name] for i in pos]) for name in names}) for pos in groups.values()]
 
-    def forward(self, batch: dict[str, Any]) -> list[Any]:
-        return self.session.run(None, batch)
+    def forward(self, batch: list[tuple[list[int] | None, dict[str, Any]]]) -> list[tuple[list[int] | None, Any]]:
+        return [(pos, self.session.run(None, feeds)) for pos, feeds in batch]
 
-    def split(self, output: list[Any], n: int) -> list[Any]:
+    def _rows(self, output: list[Any], n: int) -> list[Any]:
         if len(self.outputs) == 1:
             return split_rows(output[0], n)
         return split_rows(dict(zip(self.outputs, output, strict=True)), n)
+
+    def split(self, output: list[tuple[list[int] | None, Any]], n: int) -> list[Any]:
+        if len(output) == 1 and output[0][0] is None:
+            return self._rows(output[0][1], n)  # one stack: the engine checks the count
+        rows: list[Any] = [None] * n
+        for pos, part in output:
+            pos = pos or []
+            got = self._rows(part, len(pos))
+            if len(got) != len(pos):
+                from worker.adapters.torch_engine import OutputCountError
+
+                # As for one stack (the engine's check): a model bug, not the records' (no bisecting).
+                raise OutputCountError(f"{self.path.name}: {len(got)} output rows for a group of {len(pos)} inputs "
+                                       "of one shape; every output needs a batch axis")
+            for i, row in zip(pos, got, strict=True):
+                rows[i] = row
+        return rows
 
     def example_inputs(self) -> list[Any]:
         if self.example_input is not None:
