@@ -158,6 +158,11 @@ class Runner:
 
         specs = self._device_specs or self.cfg.model.devices or [self.cfg.model.device]
         devices = [resolve_device(s) for s in specs]
+        if self._model_arg is not None and len(devices) > 1:
+            # One handler object cannot be set up on several devices, and the others would load cfg.model,
+            # which may be another model: results would depend on the device a batch happened to run on.
+            raise ValueError(f"Runner(model=...) runs one device, but the config lists {len(devices)} "
+                             f"({', '.join(devices)}): pass no model (each device loads model.name) or one device")
         for i, dev in enumerate(devices):
             model = self._model_arg if (i == 0 and self._model_arg is not None) else load_model(self.cfg.model)
             engine = Engine(model, dev, dtype=self.cfg.model.dtype, compile=self.cfg.model.compile,

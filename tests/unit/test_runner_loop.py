@@ -115,3 +115,14 @@ def test_the_loop_is_alive_while_it_waits_for_room_in_a_full_producer_queue(monk
     h.process()
     assert len(seen) >= 10 and -1.0 not in seen
     assert sorted(h.result_ids()) == [f"in-0-{i}" for i in range(5)]
+
+
+def test_a_model_object_is_not_spread_over_several_devices() -> None:
+    """Runner(cfg, model) with several devices set the object up on the first and loaded cfg.model on the
+    others, which may be another model."""
+    from tests.unit.fakes_kafka import FakeModel
+    from worker.runner import Runner
+
+    r = Runner(make_config(model={"name": "identity", "devices": ["cpu", "cpu"]}), FakeModel())
+    with pytest.raises(ValueError, match="runs one device, but the config lists 2"):
+        r._build_models()
