@@ -82,6 +82,13 @@ def test_memory_bound_and_plateau() -> None:
     # 1% of max RSS, ~5 MB): growth, whatever the median does.
     rising = [v + i * 30_720.0 / 60 for i, v in enumerate(lows_highs)]
     assert _plateau(_timeline(rising))["verdict"] == "MISS"
+    # One sample's spike in the last third is not growth (it read as a miss when the envelope was the highest
+    # sample); the same spike held for a quarter of the third is.
+    spiked = list(lows_highs)
+    spiked[50] = 560_000.0
+    assert _plateau(_timeline(spiked))["verdict"] == "pass"
+    held = [560_000.0 if 45 <= i < 50 else v for i, v in enumerate(lows_highs)]
+    assert _plateau(_timeline(held))["verdict"] == "MISS"
     # The bound: idle + (max_in_flight + poll_max) x bytes per record + the consumer queue + one fetch per
     # partition.
     res = memory.summarize(_timeline([510_000.0] * 10))
