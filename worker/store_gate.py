@@ -10,23 +10,46 @@ the record is simply processed, so nothing is lost.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
-from worker.config import Config
+from worker.config import Config, ModelConfig
 from worker.core.ports import Metrics, Store
 from worker.core.records import Batch, Outcome, Record
 from worker.emit import UNENCODABLE
 
 _cache_enc = msgspec.msgpack.Encoder()
 _cache_dec = msgspec.msgpack.Decoder()
+# Sorted keys: equal options written in another order give the same fingerprint.
+_fingerprint_enc = msgspec.json.Encoder(order="sorted")
 
 
-def attempt_key(rec: Record) -> str:
-    """Attempts are counted per source position: the same record read again after a crash has the same key."""
-    return f"{rec.tp.topic}:{rec.tp.partition}:{rec.offset}"
+def attempt_key(group_id: str, rec: Record) -> str:
+    """Attempts are counted per consumer group and source position: the same record read again after a crash
+    has the same key. The group is part of it because deployments may share one Redis (and key_prefix) and
+    read the same input: a record that crashed one deployment's model says nothing about another's."""
+    return f"{group_id}:{rec.tp.topic}:{rec.tp.partition}:{rec.offset}"
+
+
+def ledger_key(output_topic: str, record_id: str) -> str:
+    """The ledger says "this id has an ok result on this output topic": another deployment writing to another
+    topic must still answer the id there, while a second group writing to the same topic may skip it."""
+    return f"{output_topic}:{record_id}"
+
+
+def model_fingerprint(model: ModelConfig) -> str:
+    """A short hash of what decides the model's outputs besides its name and version: the configured name
+    (a factory's module path, a file's full path), the options (weights path, factory arguments) and the
+    dtype. Two models that report the same name and version (factory models are all version "0", minilm
+    with ``options.path`` is versioned by the folder's name) then never share cached results."""
+    # str_keys: YAML allows {0: neg, 1: pos}, which a sorted encoding refuses; enc_hook: a value JSON has no
+    # type for hashes by its repr rather than failing the worker's start.
+    plain = msgspec.to_builtins([model.name, model.options, model.dtype], str_keys=True, enc_hook=repr)
+    canonical = _fingerprint_enc.encode(plain)
+    return hashlib.sha256(canonical).hexdigest()[:16]
 
 
 class StoreGate:
@@ -39,6 +62,10 @@ class StoreGate:
         self.cache = store is not None and cfg.redis.cache
         self.attempts = store is not None and cfg.redis.url is not None
         self.max_attempts = cfg.delivery.max_attempts
+        self.group_id = cfg.kafka.group_id
+        self.output_topic = cfg.kafka.output_topic
+        # Cache entries are stored under "<fingerprint>:<record's cache key>" (see model_fingerprint).
+        self._cache_ns = model_fingerprint(cfg.model) + ":"
         self.stats = stats
         self.metrics = metrics
         # Written after delivery, once per loop turn (flush): one round trip for many records.
@@ -67,7 +94,7 @@ class StoreGate:
         # Read only: a fetched record is not an attempt (thousands are fetched ahead of the device and would
         # all be counted at every crash). Attempts are counted at dispatch (count_dispatch).
         assert self.store is not None
-        counts = self.store.get_attempts_many([attempt_key(r) for r in admitted])
+        counts = self.store.get_attempts_many([attempt_key(self.group_id, r) for r in admitted])
         keep = []
         suspects = []
         for r, c in zip(admitted, counts, strict=True):
@@ -87,13 +114,14 @@ class StoreGate:
 
     def _skip_delivered(self, admitted: list[Record], ack: Callable[[Record], None]) -> list[Record]:
         assert self.store is not None
-        seen = self.store.delivered_many([r.id for r in admitted if r.id])
+        out = self.output_topic
+        seen = self.store.delivered_many([ledger_key(out, r.id) for r in admitted if r.id])
         if not seen:
             return admitted
         keep = []
         skipped = 0
         for r in admitted:
-            if r.id not in seen:
+            if not r.id or ledger_key(out, r.id) not in seen:
                 keep.append(r)
                 continue
             # Its result was delivered before (redelivery after a crash or rebalance): done.
@@ -106,12 +134,13 @@ class StoreGate:
 
     def _serve_cached(self, admitted: list[Record], outcomes: list[Outcome]) -> list[Record]:
         assert self.store is not None
-        hits = self.store.get_cached_many([r.cache_key for r in admitted if r.cache_key])
+        ns = self._cache_ns
+        hits = self.store.get_cached_many([ns + r.cache_key for r in admitted if r.cache_key])
         if not hits:
             return admitted
         keep = []
         for r in admitted:
-            raw = hits.get(r.cache_key) if r.cache_key else None
+            raw = hits.get(ns + r.cache_key) if r.cache_key else None
             try:
                 out = _cache_dec.decode(raw) if raw is not None else None
             except Exception:  # a corrupt entry is a miss
@@ -134,7 +163,7 @@ class StoreGate:
         todo = [r for r in batch.records if not r.counted]
         if not todo:
             return
-        counts = self.store.incr_attempts_many([attempt_key(r) for r in todo])
+        counts = self.store.incr_attempts_many([attempt_key(self.group_id, r) for r in todo])
         for r, c in zip(todo, counts, strict=True):
             r.attempts = c
             r.counted = True
@@ -144,7 +173,7 @@ class StoreGate:
         before the next batch can be taken (bounded by redis.timeout_ms; on outage the count stays, harmless)."""
         if self.attempts:
             assert self.store is not None
-            self.store.clear_attempts([attempt_key(r) for r in batch.records])
+            self.store.clear_attempts([attempt_key(self.group_id, r) for r in batch.records])
 
     # ------------------------------------------------------------------ after delivery (loop thread)
     def cache_put(self, rec: Record, output: Any) -> None:
@@ -152,7 +181,7 @@ class StoreGate:
         if rec.cache_key is None or not self.cache:
             return
         try:
-            self._cache_puts.append((rec.cache_key, _cache_enc.encode(output)))
+            self._cache_puts.append((self._cache_ns + rec.cache_key, _cache_enc.encode(output)))
         except UNENCODABLE:
             pass  # not cacheable, e.g. an int beyond 64 bits for msgpack (the result itself is still produced)
 
@@ -161,11 +190,11 @@ class StoreGate:
         an ok result enters the ledger: a request that got an error or expired result may be sent again under
         the same id (a client's retry), and must then be processed, not acknowledged without a result."""
         if self.ledger and rec.id and not rec.failed:
-            self._delivered_ids.append(rec.id)
+            self._delivered_ids.append(ledger_key(self.output_topic, rec.id))
         if self.attempts and (rec.attempts > 0 or rec.counted):
             # Read with a count, or dispatched: counted, also where the INCR reply was lost (count unknown, 0)
             # after Redis applied it; DEL of a key that is not there costs nothing.
-            self._attempts_done.append(attempt_key(rec))
+            self._attempts_done.append(attempt_key(self.group_id, rec))
 
     def flush(self) -> None:
         st = self.store

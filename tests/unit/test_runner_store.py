@@ -12,6 +12,7 @@ import pytest
 from tests.unit.fakes_kafka import FakeModel, Harness, make_config, request
 from worker.adapters.memory_store import MemoryStore
 from worker.core.records import TopicPartition
+from worker.store_gate import model_fingerprint
 
 IN0 = TopicPartition("in", 0)
 REDIS_URL = "redis://store-is-injected:6379"  # never connected to: the test passes the store itself
@@ -19,7 +20,7 @@ REDIS_URL = "redis://store-is-injected:6379"  # never connected to: the test pas
 
 def test_ledger_skips_already_delivered_ids(monkeypatch: pytest.MonkeyPatch) -> None:
     store = MemoryStore(cache=False)
-    store.mark_delivered(["in-0-1"])
+    store.mark_delivered(["out:in-0-1"])
     h = Harness(monkeypatch, make_config(redis={"ledger": True}), store=store).start()
     h.c.assign(("in", 0))
     h.send(3)
@@ -31,12 +32,13 @@ def test_ledger_skips_already_delivered_ids(monkeypatch: pytest.MonkeyPatch) -> 
     assert h.result_ids() == ["in-0-0", "in-0-2"]
     assert h.model.forward_calls == [[0, 2]]
     assert h.committed() == 3 and h.runner.stats.ledger_skips == 1
-    assert store.delivered_many(["in-0-0", "in-0-2"]) == {"in-0-0", "in-0-2"}  # recorded after delivery
+    # Recorded after delivery, under the output topic (see test_deployments_sharing_a_store_...).
+    assert store.delivered_many(["out:in-0-0", "out:in-0-2"]) == {"out:in-0-0", "out:in-0-2"}
 
 
 def test_ledger_is_off_in_exactly_once_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     store = MemoryStore(cache=False)
-    store.mark_delivered(["in-0-0"])
+    store.mark_delivered(["out:in-0-0"])
     cfg = make_config(redis={"ledger": True}, delivery={"mode": "exactly_once", "transactional_id": "t"})
     h = Harness(monkeypatch, cfg, store=store).start()
     h.c.assign(("in", 0))
@@ -44,6 +46,45 @@ def test_ledger_is_off_in_exactly_once_mode(monkeypatch: pytest.MonkeyPatch) -> 
     h.process()
     h.commit()
     assert h.result_ids() == ["in-0-0"] and h.runner.stats.ledger_skips == 0
+
+
+def test_deployments_sharing_a_store_keep_their_own_ledger_and_attempts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two deployments (their own group and output topic) reading the same input share one Redis and
+    key_prefix. B must answer on its own topic the ids A answered on A's, and must not quarantine a record
+    that crashed A's model; a second group writing to A's output topic skips what A delivered there."""
+    store = MemoryStore(cache=False)
+    a_cfg = make_config(redis={"url": REDIS_URL, "ledger": True}, delivery={"max_attempts": 2})
+    b_cfg = make_config(kafka={"group_id": "g-b", "output_topic": "out-b"},
+                        redis={"url": REDIS_URL, "ledger": True}, delivery={"max_attempts": 2})
+
+    def deployment(cfg: Any) -> Harness:
+        h = Harness(monkeypatch, cfg, store=store).start()
+        h.c.assign(("in", 0))
+        h.send(3)
+        return h
+
+    a = deployment(a_cfg)
+    a.process()
+    a.commit()
+    assert a.result_ids() == ["in-0-0", "in-0-1", "in-0-2"]
+    for _ in range(2):  # then two of A's processes die with in[0]@3 on the device
+        a = deployment(a_cfg)
+        a.c.append("in", 0, request("in-0-3", 3.0))
+        a.iterate()
+        assert a.device.take() is not None
+
+    b = deployment(b_cfg)
+    b.c.append("in", 0, request("in-0-3", 3.0))
+    b.process()
+    b.commit()
+    assert b.p.dead_letters() == [] and b.runner.stats.ledger_skips == 0
+    assert [p.json()["id"] for p in b.p.visible("out-b")] == ["in-0-0", "in-0-1", "in-0-2", "in-0-3"]
+    assert b.model.calls >= 1 and b.committed() == 4 and b.result_ids() == []  # nothing on A's topic
+
+    same_topic = deployment(make_config(kafka={"group_id": "g-c"}, redis={"url": REDIS_URL, "ledger": True}))
+    same_topic.process()
+    assert same_topic.result_ids() == [] and same_topic.runner.stats.ledger_skips == 3
+    assert store.get_attempts_many(["g:in:0:3"]) == [2]  # A's count, for A's next process
 
 
 class _IncrReplyLost(MemoryStore):
@@ -63,7 +104,7 @@ def test_attempts_are_counted_at_dispatch_and_cleared_after_delivery(monkeypatch
     h.c.assign(("in", 0))
     h.send(2)
     h.iterate()
-    keys = ["in:0:0", "in:0:1"]
+    keys = ["g:in:0:0", "g:in:0:1"]
     assert store.get_attempts_many(keys) == [0, 0]  # fetched is not an attempt (thousands are fetched ahead)
     b = h.device.take()
     assert b is not None and len(b.records) == 2
@@ -78,7 +119,7 @@ def test_attempts_are_counted_at_dispatch_and_cleared_after_delivery(monkeypatch
 def test_attempts_at_max_attempts_are_quarantined_to_the_dlq(monkeypatch: pytest.MonkeyPatch) -> None:
     store = MemoryStore()
     for _ in range(3):  # three processes died with in[0]@1 on the device
-        store.incr_attempts("in:0:1")
+        store.incr_attempts("g:in:0:1")
     cfg = make_config(redis={"url": REDIS_URL}, delivery={"max_attempts": 3})
     h = Harness(monkeypatch, cfg, store=store).start()
     h.c.assign(("in", 0))
@@ -93,15 +134,15 @@ def test_attempts_at_max_attempts_are_quarantined_to_the_dlq(monkeypatch: pytest
     assert (dead.header("x-error-stage"), dead.header("x-source-offset"), dead.header("x-attempts")) == (
         "quarantine", "1", "3")
     assert h.committed() == 3
-    assert store.get_attempts_many(["in:0:1"]) == [0]
+    assert store.get_attempts_many(["g:in:0:1"]) == [0]
 
 
 def test_suspects_are_isolated_and_clear_their_count_when_they_come_back(monkeypatch: pytest.MonkeyPatch) -> None:
     """A record with a count (it was on the device when a process died) goes to the device alone, once no
     other batch is in flight, so only a record that kills the process on its own keeps counting."""
     store = MemoryStore()
-    store.incr_attempts("in:0:1")
-    store.incr_attempts("in:0:2")
+    store.incr_attempts("g:in:0:1")
+    store.incr_attempts("g:in:0:2")
     cfg = make_config(redis={"url": REDIS_URL}, delivery={"max_attempts": 3})
     h = Harness(monkeypatch, cfg, store=store).start()
     h.c.assign(("in", 0))
@@ -110,9 +151,9 @@ def test_suspects_are_isolated_and_clear_their_count_when_they_come_back(monkeyp
     for offset in (1, 2):
         alone = h.device.take()
         assert alone is not None and alone.reason == "isolate" and [r.offset for r in alone.records] == [offset]
-        assert store.get_attempts_many([f"in:0:{offset}"]) == [2]  # this dispatch counts too
+        assert store.get_attempts_many([f"g:in:0:{offset}"]) == [2]  # this dispatch counts too
         h.device.finish(alone)
-        assert store.get_attempts_many([f"in:0:{offset}"]) == [0]  # it came back: cleared at once
+        assert store.get_attempts_many([f"g:in:0:{offset}"]) == [0]  # it came back: cleared at once
     rest = h.device.take()
     assert rest is not None and [r.offset for r in rest.records] == [0, 3]
     h.device.finish(rest)
@@ -127,7 +168,7 @@ def test_nothing_runs_beside_a_suspect(monkeypatch: pytest.MonkeyPatch, devices:
     next batch is only taken after _done cleared its counter". With one device the collate stage asks for
     the next batch while the suspect is on the device (pipelining); with two, the other device asks."""
     store = MemoryStore()
-    store.incr_attempts("in:0:1")
+    store.incr_attempts("g:in:0:1")
     cfg = make_config(redis={"url": REDIS_URL}, delivery={"max_attempts": 3},
                       batching={"lanes": [{"name": "default", "max_batch_size": 2}]})  # 0, 2: a closed batch
     h = Harness(monkeypatch, cfg, store=store, devices=devices).start()
@@ -174,7 +215,7 @@ def test_attempts_need_a_redis_url(monkeypatch: pytest.MonkeyPatch) -> None:
     """Per-process counters cannot count crashes: without redis.url the runner does not use them."""
     store = MemoryStore()
     for _ in range(5):
-        store.incr_attempts("in:0:0")
+        store.incr_attempts("g:in:0:0")
     h = Harness(monkeypatch, make_config(), store=store).start()
     h.c.assign(("in", 0))
     h.send(1)
@@ -195,7 +236,7 @@ def test_a_delivered_record_redelivered_after_crashes_is_never_quarantined(monke
         h.process()
         assert h.p.dead_letters() == [], f"quarantined in process {_process + 1}"
     assert h.runner.stats.ledger_skips == 1
-    assert store.get_attempts_many(["in:0:0"]) == [0]
+    assert store.get_attempts_many(["g:in:0:0"]) == [0]
 
 
 def test_cache_hits_skip_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -217,6 +258,34 @@ def test_cache_hits_skip_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
     assert h.runner.stats.cache_hits == 1 and h.committed() == 3
 
 
+def test_models_with_the_same_name_and_version_do_not_share_cached_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two weight sets reporting the same name and version (minilm versioned by its folder's name, factory
+    models all version "0"): the configured options and dtype are part of the cache key."""
+    store = MemoryStore(ledger=False)
+
+    def run(**model: Any) -> Harness:
+        h = Harness(monkeypatch, make_config(redis={"cache": True}, model=model), store=store).start()
+        h.c.assign(("in", 0))
+        h.c.append("in", 0, request("a", {"text": "hi"}))
+        h.process()
+        return h
+
+    assert run(options={"path": "/models/team-a/current"}).model.calls == 1
+    assert run(options={"path": "/models/team-a/current"}).runner.stats.cache_hits == 1  # the same model: a hit
+    for model in ({"options": {"path": "/models/team-b/current"}}, {"options": {"path": "/models/team-a/current"},
+                                                                    "dtype": "fp16"}):
+        h = run(**model)
+        assert h.runner.stats.cache_hits == 0 and h.model.calls == 1, model
+
+
+def test_the_model_fingerprint_ignores_key_order_and_takes_any_yaml_keys() -> None:
+    from worker.config import ModelConfig
+
+    a = ModelConfig(options={"labels": {0: "neg", 1: "pos"}, "max_tokens": 128})  # int keys: valid YAML
+    b = ModelConfig(options={"max_tokens": 128, "labels": {1: "pos", 0: "neg"}})
+    assert model_fingerprint(a) == model_fingerprint(b) != model_fingerprint(ModelConfig(options={"max_tokens": 128}))
+
+
 def test_a_corrupt_cache_entry_is_a_miss(monkeypatch: pytest.MonkeyPatch) -> None:
     store = MemoryStore(ledger=False)
     h = Harness(monkeypatch, make_config(redis={"cache": True}), store=store).start()
@@ -227,7 +296,9 @@ def test_a_corrupt_cache_entry_is_a_miss(monkeypatch: pytest.MonkeyPatch) -> Non
     assert b is not None and b.records[0].cache_key
     h.device.finish(b)
     h.iterate()  # the result is cached now ...
-    store.put_cached(b.records[0].cache_key, b"\xc1 not msgpack")  # ... and then corrupted
+    key = f"{model_fingerprint(h.cfg.model)}:{b.records[0].cache_key}"
+    assert store.get_cached(key) is not None
+    store.put_cached(key, b"\xc1 not msgpack")  # ... and then corrupted
     h.c.append("in", 0, request("b", 5))
     h.process()
     assert h.model.calls == 2 and h.runner.stats.cache_hits == 0
@@ -259,7 +330,7 @@ def test_a_preempted_batch_goes_back_and_its_records_are_not_counted_twice(monke
     running = h.device.take()  # on the device
     prefetched = h.device.take()  # taken ahead while the device is busy
     assert running is not None and prefetched is not None and prefetched.lane == "lo"
-    lo_keys = [f"in-lo:0:{r.offset}" for r in prefetched.records]
+    lo_keys = [f"g:in-lo:0:{r.offset}" for r in prefetched.records]
     assert store.get_attempts_many(lo_keys) == [1, 1]
     h.send(1, topic="in-hi")
     h.iterate()
@@ -268,7 +339,7 @@ def test_a_preempted_batch_goes_back_and_its_records_are_not_counted_twice(monke
     # Just before the device starts the prefetched batch, the high lane's batch goes first.
     urgent = h.runner._swap(prefetched)
     assert urgent is not None and urgent.lane == "hi" and [r.offset for r in urgent.records] == [0]
-    assert store.get_attempts_many(["in-hi:0:0"]) == [1]
+    assert store.get_attempts_many(["g:in-hi:0:0"]) == [1]
     assert h.runner.scheduler.queued("lo") == 2  # the prefetched records are queued again
     h.device.finish(running)
     h.device.finish(urgent)
@@ -306,7 +377,7 @@ def test_ledger_holds_ok_results_only_so_a_failed_request_may_be_retried(monkeyp
     h.process()
     h.commit()
     assert {r["id"]: r["status"] for r in h.p.results()} == {"fine": "ok", "late": "expired", "broken": "error"}
-    assert store.delivered_many(["fine", "late", "broken"]) == {"fine"}
+    assert store.delivered_many(["out:fine", "out:late", "out:broken"]) == {"out:fine"}
     # The senders retry under the same ids: the failed ones are processed again, the ok one is not.
     for rid in ("fine", "late", "broken"):
         h.c.append("in", 0, request(rid, 2.0))
@@ -321,8 +392,8 @@ def test_ledger_skips_and_isolated_suspects_are_counted_on_metrics(monkeypatch: 
 
     m = PrometheusMetrics()
     store = MemoryStore()
-    store.mark_delivered(["in-0-0", "in-0-1"])
-    store.incr_attempts("in:0:3")
+    store.mark_delivered(["out:in-0-0", "out:in-0-1"])
+    store.incr_attempts("g:in:0:3")
     cfg = make_config(redis={"url": REDIS_URL, "ledger": True}, delivery={"max_attempts": 3})
     h = Harness(monkeypatch, cfg, store=store, metrics=m).start()
     h.c.assign(("in", 0))

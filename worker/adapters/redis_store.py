@@ -1,10 +1,12 @@
 """Redis implementation of the ``Store`` port: result cache, delivered-id ledger, attempt counters.
 
-Keys (``key_prefix`` defaults to ``kiw:``)::
+Keys (``key_prefix`` defaults to ``kiw:``; the part after ``<kind>:`` is what the caller passes, here as
+``worker.store_gate`` builds it, so that deployments sharing one Redis keep apart)::
 
-    <prefix>cache:<sha256>       result bytes          SET EX cache_ttl_s   (only when redis.cache is true)
-    <prefix>delivered:<id>       "1"                   SET EX ledger_ttl_s  (only when redis.ledger is true)
-    <prefix>attempts:<key>       integer               INCR + EXPIRE attempts_ttl_s, in one MULTI
+    <prefix>cache:<model fingerprint>:<sha256>       result bytes   SET EX cache_ttl_s   (redis.cache: true)
+    <prefix>delivered:<output topic>:<id>            "1"            SET EX ledger_ttl_s  (redis.ledger: true)
+    <prefix>attempts:<group>:<topic>:<partition>:<offset>
+                                                     integer        INCR + EXPIRE attempts_ttl_s, in one MULTI
 
 Batched forms for the hot path, one round trip each: ``get_cached_many`` (one MGET), ``put_cached_many``
 (one pipeline of SET EX), ``delivered_many`` (one MGET), ``mark_delivered`` (one pipeline of SETs),
