@@ -354,11 +354,73 @@ def _check_semantics(cfg: Config) -> None:
         if scheme not in ("redis", "rediss", "unix"):
             got = f"{scheme!r}://" if scheme else "no scheme"
             raise ConfigError(f"$.redis.url: expected redis://host:port/db, rediss://... (TLS) or unix:///path, got {got}")
+        problem = redis_url_problem(cfg.redis.url, tls=cfg.redis.tls)
+        if problem:
+            raise ConfigError(f"$.redis.url: {problem}")
+    if cfg.redis.url and cfg.delivery.max_attempts < 2:
+        raise ConfigError("$.delivery.max_attempts: must be >= 2 with redis.url set: with 1, every record that was on "
+                          "a device when a worker process stopped without finishing it (a crash, an OOM kill, a "
+                          "shutdown timeout) is dead-lettered at its next read, not only the record that killed it")
     for i, dev in enumerate(cfg.model.devices):
         if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", dev):
             raise ConfigError(f"$.model.devices[{i}]: expected cpu, mps, cuda or cuda:N, got {dev!r}")
     if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", cfg.model.device):
         raise ConfigError(f"$.model.device: expected auto, cpu, mps, cuda or cuda:N, got {cfg.model.device!r}")
+
+
+# Set by the store from redis.timeout_ms; redis-py lets a URL's query string override them, which would turn the
+# short bounded calls on the loop thread into seconds of blocking during an outage.
+_REDIS_URL_OWNED = ("socket_timeout", "socket_connect_timeout")
+
+
+def redis_url_problem(url: str, tls: bool = False) -> str | None:
+    """What redis-py would reject in ``url`` when the store first connects (a ValueError or TypeError that names
+    no config key, raised on the first record), found without connecting; None when it is fine. The text never
+    quotes the URL where it carries credentials (userinfo before ``@``): a mangled one can put part of the
+    password where the port or path is expected."""
+    import inspect
+    from urllib.parse import parse_qs, urlsplit
+
+    from redis import connection as rc
+
+    quote = "@" not in url  # only then may parts of the URL be shown
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number or out of range
+    except ValueError as e:
+        if "Port" not in str(e):
+            return "not a valid URL (e.g. an unclosed '[' around an IPv6 host)"
+        port = parts.netloc.rpartition("@")[2].rpartition(":")[2]
+        return "the port must be a number from 0 to 65535" + (f", got {port!r}" if quote else "")
+    try:
+        options = rc.parse_url(url)
+    except ValueError as e:
+        # Its messages name the query option ("Invalid value for 'socket_timeout' in connection URL.").
+        m = re.search(r"'([^']+)'", str(e))
+        if m is None:
+            return "redis-py cannot read it"
+        name = m.group(1)
+        value = parse_qs(parts.query).get(name, [""])[0]
+        shown = f", got {value!r}" if quote and not _is_secret(name) else ""
+        return f"invalid value for the query option {name!r}{shown}"
+    if parts.scheme != "unix" and parts.path.strip("/") and "db" not in options:
+        # redis-py ignores a path that is not a number and uses db 0: the data would land in another database.
+        return "the path after host:port must be a database number (/0, /1, ...)" + (
+            f", got {parts.path!r}" if quote else "")
+    scheme = "rediss" if tls and parts.scheme == "redis" else parts.scheme
+    conn = {"unix": rc.UnixDomainSocketConnection, "rediss": rc.SSLConnection}.get(scheme, rc.Connection)
+    accepted: set[str] = set()
+    for cls in (*conn.__mro__, rc.ConnectionPool):
+        init = vars(cls).get("__init__")
+        if init is not None:
+            accepted |= {p.name for p in inspect.signature(init).parameters.values()
+                         if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    for name in parse_qs(parts.query):
+        if name in _REDIS_URL_OWNED:
+            return f"the query option {name!r} is set from redis.timeout_ms; remove it from the URL"
+        if name not in accepted:
+            return f"unknown query option {name!r} (redis-py would fail on it when it first connects)"
+    return None
 
 
 def _merge(base: Any, over: Any) -> Any:

@@ -246,6 +246,50 @@ def test_redis_url_scheme_is_checked(url, ok):
     assert "pw" not in str(e.value)  # the URL's password is not echoed
 
 
+@pytest.mark.parametrize("url, message", [
+    ("redis://redis:6379x/0", "the port must be a number from 0 to 65535, got '6379x'"),
+    ("redis://redis:99999/0", "the port must be a number from 0 to 65535, got '99999'"),
+    ("redis://redis:6379/0?socket_connect_timeout=abc",
+     "invalid value for the query option 'socket_connect_timeout', got 'abc'"),
+    ("unix:///run/redis.sock?db=one", "invalid value for the query option 'db', got 'one'"),
+    ("redis://redis:6379/zero", "the path after host:port must be a database number (/0, /1, ...), got '/zero'"),
+    ("redis://redis:6379/0?sockettimeout=1", "unknown query option 'sockettimeout'"),
+    ("redis://redis:6379/0?socket_timeout=30", "the query option 'socket_timeout' is set from redis.timeout_ms"),
+    ("redis://[::1:6379/0", "not a valid URL"),
+])
+def test_a_redis_url_redis_py_would_reject_is_a_config_error(url, message):
+    """redis-py reads the URL only when the store first connects (the worker's first record), and its ValueError
+    named no key: check-config passed and the worker crashed."""
+    with pytest.raises(ConfigError) as e:
+        from_dict({**BASE, "redis": {"url": url}}, environ={})
+    assert str(e.value).startswith(f"$.redis.url: {message}")
+    with pytest.raises(ConfigError) as e:
+        from_dict(BASE, environ={"WORKER__REDIS__URL": url})
+    assert str(e.value).startswith(f"$.redis.url: {message}") and str(e.value).endswith(
+        "(set by WORKER__REDIS__URL)")
+
+
+@pytest.mark.parametrize("url", ["redis://:s3cr3t@redis:6379x/0", "redis://:s3cr3t/x@redis:6379/0",
+                                 "redis://user:s3cr3t@redis:6379/zero", "redis://redis/0?password=s3cr3t&db=x"])
+def test_a_bad_redis_url_error_does_not_echo_its_password(url):
+    with pytest.raises(ConfigError) as e:
+        from_dict({**BASE, "redis": {"url": url}}, environ={})
+    assert str(e.value).startswith("$.redis.url: ") and "s3cr3t" not in str(e.value)
+
+
+@pytest.mark.parametrize("url", ["redis://redis:6379/0", "redis://redis", "redis://u:p@redis:6379/3?db=2",
+                                 "rediss://redis:6380/0?ssl_cert_reqs=required", "unix:///run/redis.sock?db=1"])
+def test_good_redis_urls_pass(url):
+    assert from_dict({**BASE, "redis": {"url": url}}, environ={}).redis.url == url
+
+
+def test_max_attempts_1_is_refused_with_redis():
+    """With the attempt counters on, 1 dead-letters every record that was on a device when a process stopped."""
+    with pytest.raises(ConfigError, match=r"^\$.delivery.max_attempts: must be >= 2 with redis.url set"):
+        from_dict({**BASE, "redis": {"url": "redis://redis:6379/0"}, "delivery": {"max_attempts": 1}}, environ={})
+    assert from_dict({**BASE, "delivery": {"max_attempts": 1}}, environ={}).delivery.max_attempts == 1  # no counters
+
+
 def test_a_repeated_key_next_to_a_cyclic_alias_is_still_a_config_error(tmp_path):
     # Naming the key walked the node graph recursively: a self-referencing alias raised RecursionError.
     f = tmp_path / "cyc.yaml"

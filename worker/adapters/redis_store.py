@@ -40,7 +40,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from worker.adapters.memory_store import TimeSource, as_time_fn, cache_key, make_store
-from worker.config import RedisConfig
+from worker.config import RedisConfig, redis_url_problem
 from worker.core.ports import Metrics, NullMetrics
 
 __all__ = ["CircuitBreaker", "RedisStore", "cache_key", "make_store", "redact_url"]
@@ -167,6 +167,11 @@ class RedisStore:
         scheme = urlsplit(cfg.url).scheme
         if scheme not in ("redis", "rediss", "unix"):
             raise ValueError(f"redis.url must start with redis://, rediss:// or unix://, got {scheme!r}://")
+        problem = redis_url_problem(cfg.url, tls=cfg.tls)
+        if problem:
+            # Here, not from the first call on the loop thread: redis-py parses the URL only when it builds the
+            # client, and its ValueError would escape the breaker (it is not a RedisError) and end the worker.
+            raise ValueError(f"redis.url: {problem}")
         if cfg.tls_ca_file and not (cfg.tls or scheme == "rediss"):
             raise ValueError("redis.tls_ca_file is set but TLS is off: set redis.tls: true or use rediss://")
         self._cfg = cfg
