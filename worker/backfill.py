@@ -2,7 +2,10 @@
 
 Snapshots the end offsets of every input partition at start, processes until each partition reaches
 its snapshot, commits, exits 0. Progress: a bar on a terminal (done/total, records/s, ETA), plain lines
-every 10 s otherwise, then a summary. Killed, it resumes from the committed offsets of its group.
+every 10 s otherwise, then a summary. Killed, it resumes from the committed offsets of its group, with
+``--from-beginning`` / ``--from-timestamp`` too (they only place the partitions the group has not committed
+yet, or committed before that start point): a retried Job goes on where it stopped; a new ``--group`` starts
+over.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from confluent_kafka import TopicPartition as KTP
 
 from worker.adapters.kafka_clients import consumer_config, retry_transient
 from worker.config import Config
+from worker.core.offsets import OffsetTracker
 from worker.core.records import TopicPartition
+from worker.runner import Runner
 
 
 def snapshot(cfg: Config, group: str, from_timestamp: int | None = None) -> tuple[
@@ -77,24 +82,65 @@ class Progress:
             print(f"backfill: {done}/{self.total} records, {rate:.0f} rec/s, ETA {eta_s.strip()}", flush=True)
 
 
+class _CountingTracker(OffsetTracker):
+    """Also counts the records read per partition (each offset once, a rewind's re-reads not again): between
+    offsets there may be transaction markers, so offsets are no count of records."""
+
+    __slots__ = ("read", "_top")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read: dict[TopicPartition, int] = {}
+        self._top: dict[TopicPartition, int] = {}
+
+    def track(self, tp: TopicPartition, offset: int) -> bool:
+        if offset > self._top.get(tp, -1):
+            self._top[tp] = offset
+            self.read[tp] = self.read.get(tp, 0) + 1
+        return super().track(tp, offset)
+
+
+class BackfillRunner(Runner):
+    """A Runner that notes which partitions it finished: read up to the end snapshot, every record read done
+    and committed. Noted at the end of its shutdown, after the last commit and before closing the consumer
+    revokes the partitions and their state is forgotten.
+
+    Not "committed offset == snapshot end": after a transactional producer's last record the end offset (high
+    watermark) is one past its commit marker, which a consumer never returns, so the commit after the last
+    record stays one short of it, on every rerun too."""
+
+    finished: frozenset[TopicPartition] = frozenset()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tracker: _CountingTracker = _CountingTracker()
+
+    def _shutdown(self) -> int:
+        rc = super()._shutdown()
+        behind = self.tracker.committable()  # done, not committed (the last commit failed)
+        self.finished = frozenset(tp for tp in self.reached & self.assigned
+                                  if self.tracker.first_pending(tp) is None and tp not in behind)
+        return rc
+
+
 def backfill(cfg: Config, from_beginning: bool = False, from_timestamp: int | None = None,
              group: str | None = None) -> int:
-    from worker.runner import Runner
-
     group = group or f"{cfg.kafka.group_id}-backfill"
+    explicit = from_beginning or from_timestamp is not None
     low, end, committed = snapshot(cfg, group, from_timestamp)
-    start = {tp: low[tp] if (from_beginning or from_timestamp is not None) else max(committed.get(tp, low[tp]), low[tp])
-             for tp in end}
+    # Where the group committed at or after the start point it goes on from its commit: a retried Job (same
+    # arguments) resumes instead of starting over. Only partitions without such a commit start at the point.
+    resumed = {tp for tp in end if committed.get(tp, -1) >= low[tp]}
+    start = {tp: committed[tp] if tp in resumed else low[tp] for tp in end}
     reached = {tp for tp in end if start[tp] >= end[tp]}
     total = sum(max(end[tp] - start[tp], 0) for tp in end)
 
     def on_assign(consumer: Any, partitions: list[KTP]) -> None:
-        if from_beginning:
-            for p in partitions:
-                p.offset = OFFSET_BEGINNING
-        elif from_timestamp is not None:
-            for p in partitions:  # the offsets the snapshot found for the timestamp
-                p.offset = start[TopicPartition(p.topic, p.partition)]
+        for p in partitions:
+            tp = TopicPartition(p.topic, p.partition)
+            # --from-beginning seeks to the earliest offset even with auto.offset.reset=latest; librdkafka
+            # resolves OFFSET_BEGINNING itself, should retention have moved the low watermark meanwhile.
+            p.offset = start[tp] if (tp in resumed or not from_beginning) else OFFSET_BEGINNING
         # Explicit assign with the chosen offsets (eager protocol, forced below), instead of the automatic one.
         consumer.assign(partitions)
 
@@ -102,12 +148,14 @@ def backfill(cfg: Config, from_beginning: bool = False, from_timestamp: int | No
     # assign() above valid.
     cfg_eof = msgspec.structs.replace(cfg, kafka=msgspec.structs.replace(
         cfg.kafka, consumer={**cfg.kafka.consumer, "enable.partition.eof": True,
-                             **({"partition.assignment.strategy": "range"}
-                                if (from_beginning or from_timestamp is not None) else {})}))
-    runner = Runner(cfg_eof, stop_at=end, reached=reached, group_id=group, install_signals=True,
-                    on_assign_offsets=on_assign if (from_beginning or from_timestamp is not None) else None)
+                             **({"partition.assignment.strategy": "range"} if explicit else {})}))
+    runner = BackfillRunner(cfg_eof, stop_at=end, reached=reached, group_id=group, install_signals=True,
+                            on_assign_offsets=on_assign if explicit else None)
     progress = Progress(total, sys.stderr.isatty())
     print(f"backfill: {total} records in {len(end)} partitions of {cfg.input_topics()} (group {group})", flush=True)
+    if explicit and resumed:
+        print(f"backfill: {len(resumed)} of {len(end)} partitions go on from the commits of group {group} "
+              "(a new --group starts over)", flush=True)
     done_evt = threading.Event()
 
     def report() -> None:
@@ -118,14 +166,20 @@ def backfill(cfg: Config, from_beginning: bool = False, from_timestamp: int | No
     reporter.start()
     rc = runner.run()
     done_evt.set()
-    short = [tp for tp in end if runner.committed.get(tp, start[tp]) < end[tp]]
+    finished = reached | runner.finished
+    short = [tp for tp in end if tp not in finished]
     if rc == 0 and short:
         # Stopped (SIGTERM/SIGINT) before the end: not a success, or a Job would count it done and never resume.
         print(f"backfill: stopped before the end of {len(short)} of {len(end)} partitions; run it again to go on "
               "from the committed offsets", flush=True)
         rc = 1
     reporter.join(2)
-    done = _done(runner, start)
+    # Offsets so far; a transactional producer's commit markers take offsets too (one per transaction and
+    # partition), so a finished partition counts the records it read instead.
+    read = runner.tracker.read
+    progress.total = sum(read.get(tp, 0) if tp in finished else max(end[tp] - start[tp], 0) for tp in end)
+    done = sum(read.get(tp, 0) if tp in finished else max(runner.committed.get(tp, start[tp]) - start[tp], 0)
+               for tp in end)
     progress.show(done, final=True)
     st = runner.stats
     dt = time.monotonic() - progress.t0

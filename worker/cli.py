@@ -153,9 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "reaches them, commits and exits 0. Killed, it resumes from the committed offsets.")
     b.add_argument("--config", "-c", required=True, help="worker YAML config file")
     g = b.add_mutually_exclusive_group()
-    g.add_argument("--from-beginning", action="store_true", help="ignore committed offsets; start at the earliest")
-    g.add_argument("--from-timestamp", type=int, default=None, metavar="MS",
-                   help="start at the first record at or after this Unix time in milliseconds")
+    g.add_argument("--from-beginning", action="store_true", help=(
+        "start the partitions the group has no commit for at the earliest offset, whatever auto.offset.reset "
+        "says; committed ones go on from the commit (a new --group starts over)"))
+    g.add_argument("--from-timestamp", type=int, default=None, metavar="MS", help=(
+        "start at the first record at or after this Unix time in milliseconds, except where the group "
+        "committed past it: there it goes on from the commit"))
     b.add_argument("--group", default=None, help="consumer group (default: kafka.group_id + '-backfill')")
     b.add_argument("--verbose", action="store_true", help="log at the configured level instead of WARNING")
     b.set_defaults(func=cmd_backfill)
@@ -182,7 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp = dsub.add_parser("replay", help="re-submit dead letters to their source topic",
                          description="Reads the DLQ topic (its own consumer group, so each dead letter is replayed "
                          "once), strips the x-error*/x-source* headers and produces the original key, value and "
-                         "headers to the source topic. Stops at the end of the DLQ snapshot taken at start.")
+                         "headers to the source topic. Stops at the end of the DLQ snapshot taken at start. "
+                         "Dead letters without their original bytes (dropped as too big, empty, tombstones) are "
+                         "skipped and listed.")
     rp.add_argument("--config", "-c", required=True, help="worker YAML config file (its kafka section is used)")
     rp.add_argument("--limit", type=int, default=None, help="replay at most this many dead letters")
     rp.add_argument("--filter-stage", default=None, help=(

@@ -3,7 +3,9 @@
 Uses its own consumer group (``<group_id>-dlq-replay``, or ``<group_id>-dlq-replay-<stage>`` with a stage
 filter) so each dead letter is replayed once; commits only after the replayed record is delivered. Stops
 at the DLQ end offsets taken at start (so records that fail again and come back to the DLQ are not
-replayed in a loop).
+replayed in a loop). Dead letters with nothing to send back (the worker dropped the original bytes as too big
+for its producer, an empty value, a tombstone) are skipped, listed and committed past: replayed, each could
+only fail again and come back as a new dead letter.
 
 Why a group per stage filter: a filtered run commits past the dead letters of other stages it leaves
 alone. In a shared group a later run for one of those stages would never see them.
@@ -40,7 +42,7 @@ def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_
     end = {p: retry_transient(consumer.get_watermark_offsets, KTP(topic, p), timeout=30)[1] for p in parts}
     consumer.assign([KTP(topic, p) for p in parts])  # committed offsets of the replay group, else earliest
     done_parts = {p for p in parts if end[p] == 0}
-    replayed = skipped = 0
+    replayed = skipped = no_bytes = 0
     failures: list[str] = []
     last_activity = time.monotonic()
     gave_up = False  # replayed records left undelivered: exit without waiting for them
@@ -79,6 +81,14 @@ def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_
                 if stage is not None and dl.error_stage != stage:
                     skipped += 1
                     continue
+                why = _unreplayable(m.value(), dl)
+                if why is not None:
+                    # Sent back, it could only fail decoding again and come back here as a new dead letter.
+                    print(f"  skip {topic}[{m.partition()}]@{m.offset()} (from {dl.source_topic}[{dl.source_partition}]"
+                          f"@{dl.source_offset}): {why}")
+                    skipped += 1
+                    no_bytes += 1
+                    continue
                 headers = [(k, v) for k, v in (m.headers() or []) if not k.startswith(("x-error", "x-source"))
                            and k != "x-attempts"]
                 if dry_run:
@@ -114,5 +124,18 @@ def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_
         producer.flush(1 if gave_up else 60)
         consumer.close()
     verb = "would replay" if dry_run else "replayed"
-    print(f"dlq replay: {verb} {replayed} dead letters, skipped {skipped}")
+    print(f"dlq replay: {verb} {replayed} dead letters, skipped {skipped}"
+          + (f" ({no_bytes} without the original request bytes, listed above)" if no_bytes else ""))
     return 0
+
+
+def _unreplayable(value: bytes | None, dl: DeadLetter) -> str | None:
+    """Why a dead letter has nothing to send back, or None. The worker writes an empty value where it dropped
+    the original bytes (too big for its producer); a tombstone or an empty request is not a request either."""
+    if value is None:
+        return "nothing to replay: no value (the request was a tombstone)"
+    if value:
+        return None
+    if dl.error.startswith("original value of "):
+        return f"nothing to replay: {dl.error.split(': ', 1)[0]}"  # "original value of N bytes dropped (...)"
+    return "nothing to replay: empty value"

@@ -122,3 +122,37 @@ def test_no_progress_with_dead_letters_left_exits_1(monkeypatch: pytest.MonkeyPa
     assert worker.dlq.replay(make_config(), timeout_s=0.05) == 1
     out = capsys.readouterr().out
     assert "nothing read for" in out and "dead letters left on partitions [0]" in out and "consume error" in out
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_dead_letters_without_their_original_bytes_are_skipped_and_listed(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], dry_run: bool) -> None:
+    """The worker writes an empty value where it dropped a request too big for its producer; a tombstone has
+    none. Replayed, each could only fail decoding again and come back as a new dead letter."""
+    def dead(offset: int, value: bytes | None, error: str = "boom", stage: str = "decode") -> FakeMessage:
+        dl = DeadLetter(error=error, error_stage=stage, source_topic="in",  # type: ignore[arg-type]
+                        source_partition=0, source_offset=offset, attempts=1)
+        return FakeMessage("dlq", 0, offset, value, b"k", dl.headers())
+
+    consumer = ReplayConsumer()
+    consumer.batches = [[dead(0, b"v0", stage="inference"),
+                         dead(1, b"", "original value of 3000 bytes dropped (over message.max.bytes=1500): "
+                                      "3000 bytes is over delivery.max_input_bytes=1000", "size"),
+                         dead(2, None, "not a request: no value"),
+                         dead(3, b"", "not a request: empty value")],
+                        [FakeMessage.failure(KafkaError(KafkaError._PARTITION_EOF), "dlq", 0, 4)]]
+    consumer.get_watermark_offsets = lambda tp, timeout=-1: (0, 4)  # type: ignore[method-assign]
+    producers: list[OkProducer] = []
+    monkeypatch.setattr(worker.dlq, "make_consumer", lambda cfg, **kw: consumer)
+    monkeypatch.setattr(worker.dlq, "Producer", lambda conf: producers.append(OkProducer(conf)) or producers[-1])
+    assert worker.dlq.replay(make_config(), dry_run=dry_run) == 0
+    out = capsys.readouterr().out
+    assert [v for _, v in producers[0].produced] == ([] if dry_run else [b"v0"])
+    assert ("skip dlq[0]@1 (from in[0]@1): nothing to replay: original value of 3000 bytes dropped (over "
+            "message.max.bytes=1500)\n") in out
+    assert "skip dlq[0]@2 (from in[0]@2): nothing to replay: no value (the request was a tombstone)" in out
+    assert "skip dlq[0]@3 (from in[0]@3): nothing to replay: empty value" in out
+    verb = "would replay" if dry_run else "replayed"
+    assert f"dlq replay: {verb} 1 dead letters, skipped 3 (3 without the original request bytes" in out
+    if not dry_run:
+        assert [(o.partition, o.offset) for o in consumer.commits[-1]] == [(0, 4)]  # not to be seen again
