@@ -269,7 +269,10 @@ class Runner:
             self._device_busy -= 1
             if batch.reason == "isolate":
                 self._isolated -= 1
-            self.scheduler.observe(batch.lane, len(batch.records), timings.get("infer", 0.0))
+            if not timings.get("recovered"):
+                # A batch bisected or split after an error took many forwards: as one observation it would
+                # inflate the latency model the adaptive policy plans (and expires records) with.
+                self.scheduler.observe(batch.lane, len(batch.records), timings.get("infer", 0.0))
             self.cv.notify_all()  # a device became free: a waiting collate stage may take an open window
         self._completions.put((batch, outputs, timings))
 

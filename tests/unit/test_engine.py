@@ -905,3 +905,36 @@ def test_tensors_finds_what_map_tensors_moves() -> None:
 
     _map_tensors(batch, fn)
     assert sorted(id(t) for t in _tensors(batch)) == sorted(id(t) for t in moved) and len(moved) == 3
+
+
+def test_a_recovered_batch_is_marked_so_its_time_does_not_feed_the_latency_model() -> None:
+    """A batch bisected after an error took several forwards; the runner fed its wall time to the adaptive
+    policy's latency model as one batch's, which then over-predicted (and expired records early)."""
+
+    class Poisoned(Fake):
+        def forward(self, batch: list[Any]) -> list[Any]:
+            if -1 in batch:
+                raise ValueError("poison")
+            return super().forward(batch)
+
+    feeder = Feeder([make_batch([1, 2, 3, 4], offset=0), make_batch([5, -1, 6, 7], offset=4)])
+    w = DeviceWorker(Engine(Poisoned(), "cpu", warmup=False), feeder.take, feeder.done, poll_s=0.01)
+    w.start()
+    assert feeder.all_done.wait(30)
+    assert w.stop(5)
+    assert "recovered" not in feeder.results[0][2]
+    _, results, timings = feeder.results[4]
+    assert timings.get("recovered") == 1.0 and isinstance(results[1], ValueError)
+
+
+def test_the_runner_does_not_observe_a_recovered_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.unit.fakes_kafka import Harness
+
+    h = Harness(monkeypatch).start()
+    seen: list[tuple[str, int, float]] = []
+    monkeypatch.setattr(h.runner.scheduler, "observe", lambda lane, n, s: seen.append((lane, n, s)))
+    with h.runner.cv:
+        h.runner._device_busy += 2
+    h.runner._done(make_batch([1, 2]), [10, 20], {"infer": 0.5, "recovered": 1.0})
+    h.runner._done(make_batch([1, 2]), [10, 20], {"infer": 0.01})
+    assert seen == [("default", 2, 0.01)]

@@ -980,7 +980,10 @@ class DeviceWorker:
                 else:
                     results = self._safe(eng.recover, items, lane, err)
                 took = time.perf_counter() - job.t_take
-                self._finishing.put(_Done(batch, results, None, {"infer": took, "pipeline": took}))
+                timings = {"infer": took, "pipeline": took}
+                if err is not None:
+                    timings["recovered"] = 1.0
+                self._finishing.put(_Done(batch, results, None, timings))
                 continue
             try:
                 launched = eng.launch(job.prepared)
@@ -988,7 +991,7 @@ class DeviceWorker:
                 job.prepared = None
                 results = self._safe(eng.recover, items, lane, e)
                 took = time.perf_counter() - job.t_take
-                self._finishing.put(_Done(batch, results, None, {"infer": took, "pipeline": took}))
+                self._finishing.put(_Done(batch, results, None, {"infer": took, "pipeline": took, "recovered": 1.0}))
                 continue
             launched.timings["wait"] = t - (job.prepared.t0 + job.prepared.collate_s)
             launched.t0 = job.t_take
@@ -1016,6 +1019,7 @@ class DeviceWorker:
                 except Exception as e:
                     d.results = self._safe(eng.recover, lx.items, lane, e)
                     d.timings["infer"] = d.timings["pipeline"] = time.perf_counter() - lx.t0
+                    d.timings["recovered"] = 1.0
                 d.launched = None
                 if not released:
                     self._launched.release()
