@@ -691,11 +691,21 @@ def test_is_device_error_tells_device_errors_from_oom_and_input_errors() -> None
         assert is_device_error(accelerator("unspecified launch failure"))
 
 
-def test_a_sticky_device_error_raises_instead_of_dead_lettering_every_record() -> None:
+def _broken_cuda(monkeypatch: pytest.MonkeyPatch, eng: Engine) -> Engine:
+    """The engine as on a CUDA device whose context a sticky error broke: the probe's sync fails too."""
+    def sync(device: Any = None) -> None:
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", sync)
+    eng.kind = "cuda"  # what the probe looks at; the handler itself does not use torch
+    return eng
+
+
+def test_a_sticky_device_error_raises_instead_of_dead_lettering_every_record(monkeypatch: pytest.MonkeyPatch) -> None:
     from worker.adapters.torch_engine import DeviceError
 
     m = Sticky()
-    eng = Engine(m, "cpu", warmup=False)
+    eng = _broken_cuda(monkeypatch, Engine(m, "cpu", warmup=False))
     with pytest.raises(DeviceError, match="device-side assert.*unusable until the process restarts"):
         eng.infer([1, 13, 2, 3])
     assert m.forwards == 1 and eng.stats.poison == 0  # not bisected into single records
@@ -704,7 +714,7 @@ def test_a_sticky_device_error_raises_instead_of_dead_lettering_every_record() -
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread dies: intended
-def test_a_sticky_device_error_stops_the_device_worker() -> None:
+def test_a_sticky_device_error_stops_the_device_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     """It used to bisect every later batch to single records and hand each an exception: every record
     dead-lettered and committed, /healthz green. Now the thread dies with DeviceError in ``error`` (the runner
     exits 1 on it without committing the batch: tests/unit/test_runner_shutdown.py)."""
@@ -712,7 +722,8 @@ def test_a_sticky_device_error_stops_the_device_worker() -> None:
 
     feeder = Feeder([make_batch([1, 2], offset=0), make_batch([3, 13, 4], offset=10),
                      make_batch([5, 6], offset=20)])
-    w = DeviceWorker(Engine(Sticky(), "cpu", warmup=False), feeder.take, feeder.done, poll_s=0.01)
+    eng = _broken_cuda(monkeypatch, Engine(Sticky(), "cpu", warmup=False))
+    w = DeviceWorker(eng, feeder.take, feeder.done, poll_s=0.01)
     assert isinstance(_error_of(w), DeviceError) and not w.alive
     assert feeder.results[0][1] == [10, 20]
     assert 10 not in feeder.results and 20 not in feeder.results  # nothing settled, nothing dead-lettered
@@ -938,3 +949,18 @@ def test_the_runner_does_not_observe_a_recovered_batch(monkeypatch: pytest.Monke
     h.runner._done(make_batch([1, 2]), [10, 20], {"infer": 0.5, "recovered": 1.0})
     h.runner._done(make_batch([1, 2]), [10, 20], {"infer": 0.01})
     assert seen == [("default", 2, 0.01)]
+
+
+def test_off_cuda_an_error_that_reads_like_a_cuda_one_is_the_records() -> None:
+    """A handler's message may quote the record ('cannot tokenize "... CUDA error: ..."'): on a CPU engine
+    there is no CUDA context to lose, so it is bisected like any error, not a reason to stop the worker (which
+    would then restart on the same record for ever)."""
+
+    class Quoting(Fake):
+        def forward(self, batch: list[Any]) -> list[Any]:
+            if 13 in batch:
+                raise ValueError("cannot tokenize 'é CUDA error: device-side assert'")
+            return [x * 10 for x in batch]
+
+    out = Engine(Quoting(), "cpu", warmup=False).infer([1, 13, 2])
+    assert out[0] == 10 and isinstance(out[1], ValueError) and out[2] == 20

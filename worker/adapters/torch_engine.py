@@ -19,11 +19,11 @@
   raises ``OutputCountError``.
 - **Device errors**: a CUDA error other than out of memory (device-side assert, illegal memory access,
   ECC error, ``torch.AcceleratorError``) leaves the CUDA context unusable: every later call fails, so
-  bisecting would dead-letter every record from then on. When a sync on the device fails too (or there is
-  nothing to probe with), ``DeviceError`` is raised instead: the DeviceWorker thread dies, ``error`` is set
-  and the runner exits 1 without committing the batch's records, which are processed again after the
-  restart. A CUDA error the device survives (a launch configuration one shape cannot use) is bisected
-  like any other.
+  bisecting would dead-letter every record from then on. When a sync on the CUDA device fails too,
+  ``DeviceError`` is raised instead: the DeviceWorker thread dies, ``error`` is set and the runner exits 1
+  without committing the batch's records, which are processed again after the restart. A CUDA error the
+  device survives (a launch configuration one shape cannot use) is bisected like any other, and so is any
+  error on another device (no context to lose; its text may be a record's own).
 
 Handlers need not be thread-safe: ``forward`` never runs on two threads at once, and neither does
 ``collate`` nor ``split`` (recovery re-runs them on the device or finish thread while the pipeline runs
@@ -683,10 +683,11 @@ class Engine:
     def _device_lost(self) -> bool:
         """After a device error: is the CUDA context gone? A sticky error (device-side assert, illegal memory
         access, ECC) fails every later call, a sync included; one it survives (an invalid launch configuration)
-        does not. Without a CUDA device to probe, assume the worst: restarting costs a batch's latency,
-        dead-lettering costs every record."""
+        does not. Off CUDA there is no context to lose: an error whose text reads like a CUDA one there comes
+        from the handler (it may quote a record's own input), and is the record's, bisected like any other; a
+        restart would only meet the same record again."""
         if self.kind != "cuda":
-            return True
+            return False
         try:
             torch.cuda.synchronize(self.device)
         except Exception as e:
