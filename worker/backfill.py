@@ -138,8 +138,9 @@ def backfill(cfg: Config, from_beginning: bool = False, from_timestamp: int | No
     def on_assign(consumer: Any, partitions: list[KTP]) -> None:
         for p in partitions:
             tp = TopicPartition(p.topic, p.partition)
-            # --from-beginning seeks to the earliest offset even with auto.offset.reset=latest; librdkafka
-            # resolves OFFSET_BEGINNING itself, should retention have moved the low watermark meanwhile.
+            # Always the start chosen above, never auto.offset.reset: with "latest" and no commit the consumer
+            # began at the end, read nothing, met EOF, and the backfill exited 0 with its range unprocessed.
+            # librdkafka resolves OFFSET_BEGINNING itself, should retention have moved the low watermark.
             p.offset = start[tp] if (tp in resumed or not from_beginning) else OFFSET_BEGINNING
         # Explicit assign with the chosen offsets (eager protocol, forced below), instead of the automatic one.
         consumer.assign(partitions)
@@ -148,9 +149,9 @@ def backfill(cfg: Config, from_beginning: bool = False, from_timestamp: int | No
     # assign() above valid.
     cfg_eof = msgspec.structs.replace(cfg, kafka=msgspec.structs.replace(
         cfg.kafka, consumer={**cfg.kafka.consumer, "enable.partition.eof": True,
-                             **({"partition.assignment.strategy": "range"} if explicit else {})}))
+                             "partition.assignment.strategy": "range"}))
     runner = BackfillRunner(cfg_eof, stop_at=end, reached=reached, group_id=group, install_signals=True,
-                            on_assign_offsets=on_assign if explicit else None)
+                            on_assign_offsets=on_assign)
     progress = Progress(total, sys.stderr.isatty())
     print(f"backfill: {total} records in {len(end)} partitions of {cfg.input_topics()} (group {group})", flush=True)
     if explicit and resumed:

@@ -133,3 +133,17 @@ def test_backfill_of_a_topic_written_in_transactions_exits_0(kafka, topic_names,
     rerun = WorkerProcess(cfg, tmp_path, command="backfill", name="rerun").start()
     assert rerun.wait(120) == 0, rerun.log()[-3000:]
     assert "0 records read" in rerun.log()
+
+
+def test_backfill_starts_at_the_earliest_offset_whatever_auto_offset_reset_says(kafka, topic_names, tmp_path):
+    """A live config with auto.offset.reset=latest and a backfill group without commits: the consumer began at
+    the end, met EOF, and the backfill exited 0 having processed nothing."""
+    bs, n = kafka.bootstrap, 200
+    create_topics(bs, {topic_names["in"]: 2, topic_names["out"]: 2, topic_names["dlq"]: 1})
+    produce(bs, topic_names["in"], requests(n, "identity", id_prefix="lt"))
+    cfg = worker_config(bs, topic_names, model={"name": "identity"},
+                        kafka={"consumer": {"auto.offset.reset": "latest"}})
+    w = WorkerProcess(cfg, tmp_path, command="backfill").start()
+    assert w.wait(180) == 0, w.log()[-3000:]
+    assert f"{n} records read" in w.log(), w.log()[-3000:]
+    assert len(read_all(bs, topic_names["out"], want=n, timeout=60)) == n
