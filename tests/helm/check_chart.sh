@@ -264,6 +264,16 @@ bad_render probes-env-metrics-off "config.metrics.enabled=false" \
 # A private CA (or a client certificate) in the worker config that KEDA is not given: KEDA cannot read the lag.
 bad_render keda-tls-without-ca "config.kafka.consumer.ssl.ca.location is set" \
   -f "$here/values-all-on.yaml" --set autoscaling.keda.extraSecretTargetRefs=null
+# A public CA named by its system bundle path needs nothing from KEDA (it trusts the same bundle); nor does any
+# path with systemCA: true.
+if render keda-system-bundle -f "$here/values-all-on.yaml" --set autoscaling.keda.extraSecretTargetRefs=null \
+     --set 'config.kafka.consumer.ssl\.ca\.location=/etc/ssl/certs/ca-certificates.crt' \
+   && render keda-system-ca-flag -f "$here/values-all-on.yaml" --set autoscaling.keda.extraSecretTargetRefs=null \
+     --set autoscaling.keda.systemCA=true; then
+  pass "KEDA without a CA: a system bundle path, or systemCA: true, renders"
+else
+  fail "KEDA without a CA: a system bundle path, or systemCA: true, renders" "$(cat "$work"/keda-system-*.err)"
+fi
 bad_render keda-client-cert-missing "config.kafka.consumer.ssl.certificate.location is set" \
   -f "$here/values-all-on.yaml" --set 'config.kafka.consumer.ssl\.certificate\.location=/etc/kafka-ca/client.crt'
 bad_render keda-cert-without-key "cert and key together" --set autoscaling.enabled=true \

@@ -254,8 +254,11 @@ secrets the chart injects as env vars.
 {{- if eq (include "kiw.kedaTls" .) "enable" }}
 {{- range $prop := list "ssl.ca.location" "ssl.ca.pem" }}
 {{- $v := include "kiw.consumerProp" (dict "ctx" $ "prop" $prop) }}
-{{- /* "probe" is librdkafka's system trust store, which KEDA uses too when given no CA. */}}
-{{- if and $v (ne $v "probe") (not (hasKey $refs "ca")) }}
+{{- /* "probe" is librdkafka's system trust store, which KEDA uses too when given no CA; so is a system bundle
+(/etc/ssl/..., /etc/pki/...), e.g. a public CA's brokers (Confluent Cloud) named explicitly. systemCA: true
+says the CA is one KEDA's own trust store has. */}}
+{{- $system := or (eq $v "probe") (hasPrefix "/etc/ssl/" $v) (hasPrefix "/etc/pki/" $v) $a.keda.systemCA }}
+{{- if and $v (not $system) (not (hasKey $refs "ca")) }}
 {{- fail (printf "config.kafka.consumer.%s is set (the brokers' certificates are signed by a private CA) but KEDA is not given that CA: it could not read the group's lag (with minReplicas 0 no pod would ever start). Add {parameter: ca, name: <Secret>, key: <PEM key>} to autoscaling.keda.extraSecretTargetRefs" $prop) }}
 {{- end }}
 {{- end }}
