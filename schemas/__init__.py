@@ -14,6 +14,9 @@ import msgspec
 T = TypeVar("T")
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=512, description="Caller's id, echoed in the result")]
+# Bounded so that the worker's float arithmetic on it cannot overflow: a 309-digit deadline decoded as a Python
+# int and raised OverflowError in the loop, on every restart, for whichever worker took the partition.
+DeadlineMs = Annotated[int, msgspec.Meta(ge=-(2**53), le=2**53, description="Absolute deadline, Unix epoch ms")]
 
 
 class Request(msgspec.Struct, Generic[T], kw_only=True, frozen=True):
@@ -24,7 +27,7 @@ class Request(msgspec.Struct, Generic[T], kw_only=True, frozen=True):
     priority: str | None = None  # lane name; overrides the lane chosen by topic
     # Absolute deadline, Unix epoch milliseconds. Past it the record is not sent to the model: it gets an
     # ``expired`` result and a dead letter.
-    deadline_ms: int | None = None
+    deadline_ms: DeadlineMs | None = None
     meta: dict[str, Any] | None = None  # opaque, echoed in the result
 
 

@@ -259,7 +259,14 @@ class Emitter:
                     # the worker's: raised here it would kill the loop and crash-loop on the record.
                     o = Outcome(rec, "error", error=f"result not encodable: {type(e).__name__}: {e}",
                                 dlq_stage="output", batch_size=o.batch_size, timings=o.timings)
-                    value = self.result_bytes(o, now, now_wall_ms)
+                    try:
+                        value = self.result_bytes(o, now, now_wall_ms)
+                    except UNENCODABLE:
+                        # What cannot be written is the request's own meta (echoed in every result, nested
+                        # just under the decoder's limit): the error result goes without it. Raised here, it
+                        # ended the loop, at every restart.
+                        rec.meta = None
+                        value = self.result_bytes(o, now, now_wall_ms)
             if self._size(rec.key, value) > self.max_message_bytes:
                 # produce() would raise MSG_SIZE_TOO_LARGE: an error result instead (if even that is too
                 # big, e.g. a huge meta, the dead letter alone tells why).

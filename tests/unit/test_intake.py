@@ -283,3 +283,34 @@ def test_unknown_lanes_since_the_last_report_are_reported_at_shutdown(monkeypatc
     assert m.registry.get_sample_value("kiw_unknown_lane_total", {"topic": "in"}) is None
     h.runner._shutdown()
     assert m.registry.get_sample_value("kiw_unknown_lane_total", {"topic": "in"}) == 1
+
+
+@pytest.mark.parametrize("deadline", ["1" + "0" * 309, "-1" + "0" * 309, str(2**53 + 1)])
+def test_a_deadline_beyond_any_clock_is_a_validation_error(clock: FakeTime, deadline: str) -> None:
+    """A 309-digit deadline_ms decoded as a Python int and raised OverflowError in admit (float arithmetic):
+    the loop ended, at every restart, for whichever worker took the partition."""
+    out = intake().admit(record(b'{"id": "d", "inputs": {"x": 1}, "deadline_ms": ' + deadline.encode() + b"}"), 1000.0)
+    assert out is not None and out.dlq_stage == "validate" and "deadline_ms" in (out.error or "")
+    assert out.record.id == "d"  # its sender still gets an error result
+
+
+def test_meta_nested_as_deep_as_the_decoder_allows_gets_an_error_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Admitted (within the decoder's limit), but the result echoes meta one level deeper and cannot be encoded;
+    the error result that replaces it echoed the same meta and raised out of the loop. The deepest meta the
+    worker's decoder takes depends on the call stack: found by trying, from too deep downwards."""
+    for depth in range(1100, 700, -2):
+        h = Harness(monkeypatch).start()
+        h.c.assign(("in", 0))
+        h.c.append("in", 0, _deep(depth))
+        h.process()
+        h.commit()
+        stages = [d.header("x-error-stage") for d in h.p.dead_letters()]
+        if stages != ["decode"]:
+            break
+    [res] = h.p.results()
+    assert res["status"] == "error" and "not encodable" in res["error"] and res.get("meta") is None
+    assert stages == ["output"] and h.committed() == 1
+
+
+def _deep(depth: int) -> bytes:
+    return ('{"id":"deep","inputs":1,"meta":{"k":' + "[" * depth + "1" + "]" * depth + "}}").encode()
