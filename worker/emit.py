@@ -238,7 +238,10 @@ class Emitter:
         self._send(p)
         return True
 
-    def emit(self, o: Outcome, now: float, now_wall_ms: float, result_bytes: bytes | None = None) -> None:
+    def emit(self, o: Outcome, now: float, now_wall_ms: float, result_bytes: bytes | None = None) -> Outcome:
+        """Send what the outcome owes. Returns the outcome as sent: an ok one whose output cannot be encoded, or
+        whose result is over message.max.bytes, goes out as an ``error`` with an ``output`` dead letter (what the
+        caller counts in its metrics)."""
         rec = o.record
         if o.dlq_stage is None and rec.id is not None and result_bytes is None:
             # Hot path: one result message, no dead letter.
@@ -247,7 +250,7 @@ class Emitter:
             except UNENCODABLE:
                 value = None  # handled below as an output error
             if value is not None and self._send_result(rec, value):
-                return
+                return o
         p = _Pending(rec, self)
         if rec.id is not None:
             value = result_bytes
@@ -292,8 +295,9 @@ class Emitter:
             rec.failed = True  # o is the final outcome here (an unencodable or oversize ok became an error)
         if not p.messages:  # nothing owed (cannot happen with a DLQ stage set); done at once
             self.on_done(rec)
-            return
+            return o
         self._send(p)
+        return o
 
     @staticmethod
     def _dead_letter(rec: Record, stage: str, error: str) -> DeadLetter:

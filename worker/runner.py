@@ -563,12 +563,11 @@ class Runner:
         out_counts: Counter[tuple[str, str]] = Counter()
         e2e_s: dict[str, list[float]] = {}
         epochs = self.epochs
-        for o in outcomes:
-            if epochs[o.record.tp] != o.record.epoch:
-                # Its partition was released since it was read (revoke, loss, rewind): the new owner or the
-                # rewound reader processes it again. An outcome from here would be a second, conflicting
-                # result, and in exactly-once mode it would take the re-read record's place in the order.
-                continue
+        emit = self.emitter.emit
+
+        def count(o: Outcome) -> None:
+            # The outcome as sent: an ok one whose output could not be written went out as an error with an
+            # output dead letter (counted as ok before: kiw_dlq_total never rose however broken the results).
             if o.status == "ok":
                 st.results_ok += 1
             elif o.status == "error":
@@ -582,11 +581,18 @@ class Runner:
             out_counts[rec.lane, o.status] += 1
             if rec.produced_at_ms:
                 e2e_s.setdefault(rec.lane, []).append((wall_ms - rec.produced_at_ms) / 1000.0)
+
+        for o in outcomes:
+            if epochs[o.record.tp] != o.record.epoch:
+                # Its partition was released since it was read (revoke, loss, rewind): the new owner or the
+                # rewound reader processes it again. An outcome from here would be a second, conflicting
+                # result, and in exactly-once mode it would take the re-read record's place in the order.
+                continue
             if self.txn is None:
-                self.emitter.emit(o, now, wall_ms)
+                count(emit(o, now, wall_ms))
             else:
                 for ordered in self.txn.release(o):
-                    self.emitter.emit(ordered, now, wall_ms)
+                    count(emit(ordered, now, wall_ms))
         for (lane, status), k in out_counts.items():
             self.metrics.records_out(lane, status, k)
         for lane, xs in e2e_s.items():

@@ -384,3 +384,27 @@ def test_stale_delivery_failures_are_not_retried(monkeypatch: pytest.MonkeyPatch
     assert len(h.p.produced) == 1 and len(h.p.failed) == 1
     assert h.runner._fatal is None
     assert h.c.commit_calls == []
+
+
+@pytest.mark.parametrize("mode", ["at_least_once", "exactly_once"])
+def test_results_that_cannot_be_written_are_counted_as_errors_and_dead_letters(monkeypatch: pytest.MonkeyPatch,
+                                                                             mode: str) -> None:
+    """An ok output the encoder cannot write goes out as an error result with an output dead letter; it was
+    counted as ok, and never in kiw_dlq_total, so the alert on dead letters never fired however broken the
+    model's outputs were."""
+    from tests.unit.fakes_kafka import FakeModel
+    from tests.unit.test_metrics import value
+    from worker.adapters.metrics import PrometheusMetrics
+
+    m = PrometheusMetrics()
+    cfg = make_config(delivery={"mode": mode, "transactional_id": "tid-1"})
+    h = Harness(monkeypatch, cfg, metrics=m, model=FakeModel(output=lambda x: complex(x, 1))).start()
+    h.c.assign(("in", 0))
+    h.send(3)
+    h.process()
+    h.commit()
+    assert [r["status"] for r in h.p.results()] == ["error"] * 3
+    assert value(m, "kiw_records_out_total", lane="default", status="error") == 3
+    assert value(m, "kiw_dlq_total", stage="output") == 3
+    st = h.runner.stats
+    assert (st.results_ok, st.results_error, st.dlq) == (0, 3, 3)
