@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException
+from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KTP
 
 from worker.adapters.kafka_clients import make_consumer, make_producer, retry_transient
@@ -39,7 +39,7 @@ from worker.core.scheduler import PriorityScheduler
 from worker.emit import Emitter, FatalDeliveryError
 from worker.intake import Intake
 from worker.store_gate import StoreGate
-from worker.transactions import Fenced, TransactionalCommitter
+from worker.transactions import TransactionalCommitter, TransactionFailed
 
 log = logging.getLogger("worker.runner")
 # Records are acyclic and freed by reference counting; young-generation passes every 700 allocations (the
@@ -118,6 +118,11 @@ class Runner:
         self._commit_in_flight: dict[TopicPartition, int] | None = None  # an asynchronous commit not yet reported
         self._commit_sent_at = 0.0
         self.position: dict[TopicPartition, int] = {}  # next offset to read, per partition (backfill progress)
+        # Exactly-once: the first offset read per partition since its assign or last rewind, where a rewind
+        # seeks a partition without a commit (auto.offset.reset or a backfill's start put the consumer there).
+        self._first_read: dict[TopicPartition, int] = {}
+        # Exactly-once: partitions a rewind served inside consume() sought back, with the offset (None: no seek).
+        self._rewound: dict[TopicPartition, int | None] = {}
         self.committed: dict[TopicPartition, int] = {}
         self._device_busy = 0
         self._last_commit = time.monotonic()
@@ -339,7 +344,10 @@ class Runner:
         try:
             self._turn(consume)
         except FatalDeliveryError as e:
-            self._fatal = str(e)
+            if self._abortable(e):
+                self._abort_pending = str(e)
+            else:
+                self._fatal = str(e)
         if self._abort_pending is not None and self._fatal is None:
             self._abort_for_failed_delivery()
         batch_timeout = self.cfg.model.batch_timeout_s
@@ -359,6 +367,16 @@ class Runner:
                 # come back, and waiting for them would stall the worker with a healthy heartbeat.
                 self._fatal = (f"{w.name}: a device pipeline thread failed ({type(err).__name__}: {err}); its "
                                "records are not committed and are processed again after a restart")
+
+    def _abortable(self, e: FatalDeliveryError) -> bool:
+        """Exactly-once: once a message of the open transaction timed out, librdkafka refuses every produce() with
+        _STATE ("Erroneous state") until the transaction is aborted, before the failure report is served: a
+        failed delivery (abort, rewind), not a refused message. Emitter raises FatalDeliveryError ``from None``,
+        so the producer's error is the exception's context."""
+        ctx = e.__context__
+        return (self.txn is not None and self._delivery_aborts < DELIVERY_ABORTS_MAX
+                and isinstance(ctx, KafkaException) and bool(ctx.args)
+                and isinstance(ctx.args[0], KafkaError) and ctx.args[0].code() == KafkaError._STATE)
 
     def _beat(self) -> None:
         """The loop is alive while it waits for room in the producer's full queue (up to message.timeout.ms, 120 s
@@ -387,7 +405,10 @@ class Runner:
             room = max(1, self.cfg.batching.max_in_flight - self.tracker.in_flight())
             want = min(self.cfg.kafka.poll_max_records, room)
             if first is not None and want > 1:
+                self._rewound = {}
                 msgs.extend(self.consumer.consume(want - 1, 0))
+                if self._rewound:
+                    msgs = self._drop_rewound(msgs)
             if msgs:
                 self._broker_ok = True
                 self._ingest(msgs)
@@ -402,13 +423,40 @@ class Runner:
         if time.monotonic() - self._last_commit >= self.cfg.kafka.commit_interval_ms / 1000.0:
             self._commit(sync=False)
 
+    def _drop_rewound(self, msgs: list[Any]) -> list[Any]:
+        """A rewind served inside consume() (a revoke whose checkpoint failed) sought partitions back, but
+        poll() had already returned a record of them, and consume() may return some read before the callback:
+        tracked under the new epoch they would be processed twice (or out of order). Drop every message of
+        those partitions from this turn and seek to the first one dropped where that is before the rewind's
+        target (or where the rewind had nothing to seek to): whatever they were, they are read again."""
+        rewound, self._rewound = self._rewound, {}
+        keep: list[Any] = []
+        first: dict[TopicPartition, int] = {}
+        for m in msgs:
+            tp = TopicPartition(m.topic(), m.partition())
+            if m.error() is None and tp in rewound:
+                if tp in self.assigned and tp not in first:
+                    first[tp] = m.offset()
+                continue
+            keep.append(m)
+        for tp, off in first.items():
+            target = rewound[tp]
+            to = off if target is None else min(off, target)
+            try:
+                self.consumer.seek(KTP(tp.topic, tp.partition, to))
+            except Exception as e:
+                self._no_commit = True
+                self._fatal = f"exactly-once: could not rewind {tp.topic}[{tp.partition}] after an abort: {e}"
+                log.error(self._fatal)
+        return keep
+
     def _ingest(self, msgs: list[Any]) -> None:
         now = time.monotonic()
         outcomes: list[Outcome] = []
         admitted: list[Record] = []
         # Locals for the per-record loop (attribute lookups are a good part of its cost).
         tps, assigned, stop_at, position, epochs = self._tps, self.assigned, self.stop_at, self.position, self.epochs
-        track, txn, admit = self.tracker.track, self.txn, self.intake.admit
+        track, txn, admit, first_read = self.tracker.track, self.txn, self.intake.admit, self._first_read
         n_in = 0
         for m in msgs:
             err = m.error()
@@ -439,10 +487,13 @@ class Runner:
                     continue
                 if offset + 1 >= stop_at.get(tp, 0):
                     self.reached.add(tp)
+            if not track(tp, offset):
+                continue  # read again, already tracked (and processed, or on its way): not a second result
             position[tp] = offset + 1
-            track(tp, offset)
             if txn is not None:
                 txn.track(tp, offset)
+                if tp not in first_read:
+                    first_read[tp] = offset
             ts_type, ts = m.timestamp()
             rec = Record(tp, offset, m.value(), m.key(), m.headers() or [], now, ts if ts_type else None, epochs[tp])
             n_in += 1
@@ -739,14 +790,15 @@ class Runner:
         self._last_commit = time.monotonic()
         if self._no_commit:
             return
+        # The loop's periodic commit only: every message the consumer returned has been tracked by now. Inside a
+        # rebalance callback, consume() may hold fetched messages it has not returned yet while the position
+        # already counts them.
+        periodic = not sync and only is None and self.stop_at is None
         if self.txn is not None:
-            self._checkpoint_transaction(flush_s)
+            self._checkpoint_transaction(flush_s, step=periodic)
             return
         offsets = self.tracker.committable()
-        if not sync and only is None and self.stop_at is None:
-            # The loop's periodic commit only: every message the consumer returned has been tracked by now.
-            # Inside a rebalance callback, consume() may hold fetched messages it has not returned yet while
-            # the position already counts them.
+        if periodic:
             self._step_over_markers(offsets)
         if only is not None:
             offsets = {tp: o for tp, o in offsets.items() if tp in only}
@@ -774,7 +826,11 @@ class Runner:
         offset. librdkafka moves the position over transaction markers (and aborted records), which never reach
         the worker: on input written by a transactional producer the commit otherwise stays one short of the
         end for good, a lag of 1 per partition that keeps KEDA from scaling to zero and an HPA from seeing an
-        idle replica. Not in backfill (``stop_at``): records past its end are skipped untracked on purpose."""
+        idle replica. Not in backfill (``stop_at``): records past its end are skipped untracked on purpose.
+
+        A partition of which this assignment tracked nothing (a handover, a restart, a group whose commit sits on a
+        marker) takes any valid position: librdkafka invalidates it on assign and seek (a rewind) and moves it
+        only when it serves a message, which the loop has tracked by now, or a marker."""
         tracker = self.tracker
         idle = [tp for tp in self.assigned if tracker.span(tp) == 0]
         if not idle:
@@ -788,9 +844,12 @@ class Runner:
             base = offsets.get(tp)
             if base is None:
                 base = tracker.committed(tp)
-            # Only past an offset this worker tracked or committed: a partition it has read nothing of commits
-            # nothing (its position is where the group's commit, or auto.offset.reset, put it).
-            if base is not None and k.offset > base and tracker.span(tp) == 0:
+            if base is None:
+                # Nothing tracked: the position is valid only once a marker was served. Not again what this
+                # worker committed last (the tracker keeps no commit for a partition it tracked nothing of).
+                if k.offset >= 0 and k.offset != self.committed.get(tp) and tracker.span(tp) == 0:
+                    offsets[tp] = k.offset
+            elif k.offset > base and tracker.span(tp) == 0:
                 offsets[tp] = k.offset
 
     def _on_commit(self, err: Any, partitions: list[Any]) -> None:
@@ -825,9 +884,10 @@ class Runner:
         self._delivery_aborts += 1
         self._abort_transaction()
 
-    def _checkpoint_transaction(self, flush_s: float = 30.0) -> None:
+    def _checkpoint_transaction(self, flush_s: float = 30.0, step: bool = False) -> None:
         """``flush_s``: how long produced results may take to be delivered (a revoke or a shutdown passes what
-        is left of its budget); later, the transaction is aborted and the records are read again."""
+        is left of its budget); later, the transaction is aborted and the records are read again. ``step``: the
+        loop's periodic checkpoint, which may commit past transaction markers (``_step_over_markers``)."""
         assert self.txn is not None
         if self._abort_pending is not None:
             # librdkafka refuses to commit a transaction with a failed delivery (it must be aborted): abort now
@@ -844,10 +904,16 @@ class Runner:
                         flush_s)
             self._abort_transaction()
             return
+        if self._abort_pending is not None:
+            # A failure report served by that flush: the commit would fail (the transaction must be aborted).
+            self._abort_for_failed_delivery()
+            return
         offsets = self.tracker.committable()
+        if step:
+            self._step_over_markers(offsets)
         try:
             ok = self.txn.checkpoint(offsets)
-        except Fenced as e:
+        except TransactionFailed as e:
             self._fatal = str(e)
             return
         if ok:
@@ -857,6 +923,8 @@ class Runner:
             self.stats.commits += 1
             self.metrics.gauge("commit_seconds", time.monotonic() - t0)
         else:
+            # The failed commit aborted the transaction, and with it any failed delivery reported meanwhile.
+            self._abort_pending = None
             self.metrics.event("commit_failures")
             self._rewind()
 
@@ -865,9 +933,10 @@ class Runner:
         assert self.txn is not None
         try:
             self.txn.abort()
-        except Fenced as e:
+        except TransactionFailed as e:
             self._fatal = str(e)
             return
+        self._abort_pending = None  # the failed deliveries were in the aborted transaction
         self.metrics.event("commit_failures")
         self._rewind()
 
@@ -883,10 +952,19 @@ class Runner:
             self.txn.drop(tps)
         for tp in tps:
             self.epochs[tp] += 1
+        first_read = {tp: self._first_read.pop(tp) for tp in tps if tp in self._first_read}
         try:
             committed = retry_transient(self.consumer.committed, [KTP(t, p) for t, p in tps], timeout=30)
             for k in committed:
-                self.consumer.seek(KTP(k.topic, k.partition, k.offset if k.offset >= 0 else OFFSET_BEGINNING))
+                tp = TopicPartition(k.topic, k.partition)
+                # Without a commit: the first offset read since the assign (or the last rewind), where
+                # auto.offset.reset or a backfill's start put the consumer; nothing read, nothing to seek.
+                to = k.offset if k.offset >= 0 else first_read.get(tp)
+                self._rewound[tp] = to
+                if to is not None:
+                    self.consumer.seek(KTP(k.topic, k.partition, to))
+                    # Backfill: its end counts again once re-read (the seek brings the EOF event back).
+                    self.reached.discard(tp)
         except Exception as e:
             # The consumer would go on from its fetch position with nothing tracked before it, and the next
             # checkpoint would commit past records whose results the abort discarded (never visible). Commit
@@ -904,6 +982,7 @@ class Runner:
                 tp = TopicPartition(p.topic, p.partition)
                 self.epochs[tp] += 1
                 self.assigned.add(tp)
+                self._first_read.pop(tp, None)
             self.metrics.event("rebalances", kind="assign")
             if self.health is not None:
                 self.health.assigned = bool(self.assigned)
@@ -943,7 +1022,10 @@ class Runner:
         """A message the producer refuses (raised while serving results inside a rebalance callback) ends the
         worker as it does in a loop turn: the callback must not swallow it."""
         if isinstance(e, FatalDeliveryError) and self._fatal is None:
-            self._fatal = str(e)
+            if self._abortable(e):
+                self._abort_pending = str(e)  # the release that follows aborts the transaction (and clears it)
+            else:
+                self._fatal = str(e)
 
     def _release(self, tps: set[TopicPartition], graceful: bool) -> None:
         """Revoke: queued records of these partitions are dropped (not yet started: the new owner will
@@ -989,6 +1071,7 @@ class Runner:
         for tp in tps:
             self.epochs[tp] += 1
             self.position.pop(tp, None)
+            self._first_read.pop(tp, None)
             # The Prometheus adapter keeps a gauge's last value per label set: a released partition's lag
             # would stay on /metrics (and in the total lag the autoscaler reads) until the process exits.
             self.metrics.remove_lag(tp.topic, tp.partition)

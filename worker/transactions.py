@@ -8,6 +8,8 @@ partition in offset order, and at each checkpoint every produced record is insid
 Checkpoint (every ``kafka.commit_interval_ms``, on revoke and on shutdown):
   flush the producer -> the done prefix per partition -> send_offsets_to_transaction -> commit_transaction
   -> begin the next one. On failure: abort, and the runner rewinds the consumer to the committed offsets.
+A commit that times out goes on in the background: librdkafka then refuses abort and begin (_CONFLICT) until
+commit_transaction is called again, so it is called again first (COMMIT_ATTEMPTS in all).
 """
 
 from __future__ import annotations
@@ -24,9 +26,18 @@ from confluent_kafka import TopicPartition as KTP
 from worker.core.records import Outcome, TopicPartition
 
 log = logging.getLogger("worker.transactions")
+# commit_transaction / abort_transaction calls (each waits up to ``timeout_s``) before a retriable error counts as
+# a failure: bounded, as a revoke or a shutdown waits for them.
+COMMIT_ATTEMPTS = 3
+ABORT_ATTEMPTS = 3
 
 
-class Fenced(RuntimeError):
+class TransactionFailed(RuntimeError):
+    """The producer is in a state no transaction can be started from: the worker must stop (exit 1); the next
+    process starts from the committed offsets."""
+
+
+class Fenced(TransactionFailed):
     """Another instance with the same transactional.id took over: this one must stop (zombie fencing)."""
 
 
@@ -46,7 +57,10 @@ class TransactionalCommitter:
         self._begin()
 
     def _begin(self) -> None:
-        self.producer.begin_transaction()
+        try:
+            self.producer.begin_transaction()
+        except KafkaException as e:
+            raise TransactionFailed(f"exactly-once: begin_transaction failed: {e.args[0]}") from e
         self.in_txn = True
 
     # ---- ordering
@@ -81,7 +95,7 @@ class TransactionalCommitter:
                 self.producer.send_offsets_to_transaction(
                     [KTP(tp.topic, tp.partition, o) for tp, o in offsets.items()],
                     self.consumer.consumer_group_metadata(), self.timeout)
-            self.producer.commit_transaction(self.timeout)
+            self._commit()
             self.commits += 1
             self.in_txn = False
             self._begin()
@@ -94,13 +108,34 @@ class TransactionalCommitter:
             self.abort()
             return False
 
+    def _commit(self) -> None:
+        for attempt in range(1, COMMIT_ATTEMPTS + 1):
+            try:
+                self.producer.commit_transaction(self.timeout)
+                return
+            except KafkaException as e:
+                err = e.args[0]
+                # A retriable error that does not require an abort (a timeout: the commit goes on in the
+                # background) is only resolved by calling commit_transaction again; abort is refused meanwhile.
+                if err.fatal() or err.txn_requires_abort() or not err.retriable() or attempt == COMMIT_ATTEMPTS:
+                    raise
+                log.warning("commit_transaction did not complete (%s); calling it again", err)
+
     def abort(self) -> None:
-        try:
-            self.producer.abort_transaction(self.timeout)
-        except KafkaException as e:
-            if e.args[0].fatal():
-                raise Fenced(f"abort failed fatally: {e.args[0]}") from e
-            log.warning("abort_transaction failed: %s", e)
+        """Aborts the open transaction and begins the next one; raises TransactionFailed when it cannot be aborted
+        (beginning a transaction then fails anyway, and the loop would go on producing outside one)."""
+        for attempt in range(1, ABORT_ATTEMPTS + 1):
+            try:
+                self.producer.abort_transaction(self.timeout)
+                break
+            except KafkaException as e:
+                err = e.args[0]
+                if err.fatal():
+                    raise Fenced(f"abort failed fatally: {err}") from e
+                if not err.retriable() or attempt == ABORT_ATTEMPTS:
+                    raise TransactionFailed(f"exactly-once: the transaction could not be aborted ({err}); "
+                                            "exiting, the next process starts from the committed offsets") from e
+                log.warning("abort_transaction failed (%s); trying again", err)
         self.aborts += 1
         self.in_txn = False
         self._begin()

@@ -19,7 +19,13 @@ What the fakes mimic of the real clients (confluent-kafka 2.x):
   ``delivery.report.only.error`` (the worker's default) only for failures; ``len()`` is what is still
   unreported (librdkafka's out-queue length);
 - a transactional producer keeps what each transaction produced: ``visible`` is what a ``read_committed``
-  reader sees (committed transactions only, or every delivered message without transactions).
+  reader sees (committed transactions only, or every delivered message without transactions);
+- once a message of the open transaction failed (``abortable``, set by a failed delivery or by the test: what
+  librdkafka's message timer does before the report is served), ``produce`` raises ``_STATE`` and
+  ``commit_transaction`` an error that requires an abort, until ``abort_transaction``;
+- a ``commit_transaction`` that fails retriably without requiring an abort (a timeout: the commit goes on in
+  the background) leaves ``abort_transaction`` and ``begin_transaction`` refused with ``_CONFLICT`` until
+  ``commit_transaction`` is called again.
 """
 
 from __future__ import annotations
@@ -525,6 +531,8 @@ class FakeProducer:
         self.txn_index = 0
         self.in_txn = False
         self.fatal_error: KafkaError | None = None
+        self.abortable = False  # a message of the open transaction failed: only abort_transaction is accepted
+        self.commit_in_progress = False  # commit_transaction timed out: call it again before anything else
         self._txn_offsets: dict[TopicPartition, int] = {}
         # the consumer group's committed offsets (the Harness shares the consumer's dict)
         self.group_offsets: dict[TopicPartition, int] = {}
@@ -584,6 +592,8 @@ class FakeProducer:
             raise KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, "Unable to produce message: Broker: Message size too large"))
         if self.transactional and not self.in_txn:
             raise KafkaException(KafkaError(KafkaError._STATE, "Operation not valid in state Ready"))
+        if self.abortable:
+            raise KafkaException(KafkaError(KafkaError._STATE, "Unable to produce message: Local: Erroneous state"))
         p = Produced(topic, value, key, headers, partition=max(partition, 0),
                      txn=self.txn_index if self.transactional else None)
         self.produced.append(p)
@@ -619,6 +629,8 @@ class FakeProducer:
             self.delivered.append(p)
         else:
             self.failed.append(p)
+            if self.transactional and p.txn == self.txn_index and self.in_txn:
+                self.abortable = True
         if cb is not None and (p.error is not None or not self.config.get("delivery.report.only.error")):
             cb(p.error, _Report(p))
         return 1
@@ -658,8 +670,14 @@ class FakeProducer:
     def init_transactions(self, timeout: float | None = None) -> None:
         self._txn("init")
 
+    def _conflict(self) -> None:
+        if self.commit_in_progress:
+            raise KafkaException(KafkaError(KafkaError._CONFLICT, "Conflicting commit_transaction API call is "
+                                            "already in progress", retriable=True))
+
     def begin_transaction(self) -> None:
         self._txn("begin")
+        self._conflict()
         if self.in_txn:
             raise KafkaException(KafkaError(KafkaError._STATE, "transaction already in progress"))
         self.in_txn = True
@@ -672,9 +690,20 @@ class FakeProducer:
         self._txn_offsets.update(offsets)
 
     def commit_transaction(self, timeout: float | None = None) -> None:
-        self._txn("commit")
+        try:
+            self._txn("commit")
+        except KafkaException as e:
+            err = e.args[0]
+            if err.retriable() and not err.txn_requires_abort() and not err.fatal():
+                self.commit_in_progress = True
+            raise
+        self.commit_in_progress = False
         self._serve()  # commit flushes first; what cannot be delivered in time fails the commit
+        if self.abortable:
+            raise KafkaException(KafkaError(KafkaError._MSG_TIMED_OUT, "Local: Message timed out",
+                                            txn_requires_abort=True))
         if self.pending:
+            self.commit_in_progress = True
             raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "Local: Timed out", retriable=True))
         self.committed_txns.add(self.txn_index)
         self.group_offsets.update(self._txn_offsets)  # the group's offsets commit with the transaction
@@ -682,6 +711,10 @@ class FakeProducer:
         self.in_txn = False
 
     def abort_transaction(self, timeout: float | None = None) -> None:
+        if self.commit_in_progress:
+            self.txn_calls.append(("abort",))
+            self._conflict()
+        self.abortable = False
         self._txn_offsets = {}
         self.purged.extend(self.pending)  # their reports come with _PURGE_QUEUE on the next poll
         self.pending.clear()

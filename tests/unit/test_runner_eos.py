@@ -25,6 +25,11 @@ def eos(monkeypatch: pytest.MonkeyPatch, devices: int = 1, **sections: dict[str,
     return Harness(monkeypatch, make_config(**sections), devices=devices).start()
 
 
+def abortable(msg: str = "transaction failed") -> KafkaException:
+    """A commit error that requires an abort (a retriable one without that is retried: test_runner_txn_errors)."""
+    return KafkaException(KafkaError(KafkaError._INCONSISTENT, msg, txn_requires_abort=True))
+
+
 def src(p: Any) -> tuple[int, int]:
     s = p.json()["source"]
     return s["partition"], s["offset"]
@@ -137,8 +142,7 @@ def test_an_injected_commit_failure_aborts_and_the_records_are_redone(monkeypatc
     h.c.assign(("in", 0))
     h.send(3)
     h.process()
-    h.p.fail_txn("commit", KafkaException(KafkaError(KafkaError.COORDINATOR_NOT_AVAILABLE, "coordinator moved",
-                                                     retriable=True)))
+    h.p.fail_txn("commit", abortable("coordinator moved"))
     h.commit()
     assert h.runner.txn is not None and h.runner.txn.aborts == 1
     assert h.p.results() == []  # the aborted transaction's results are invisible
@@ -240,7 +244,7 @@ def test_a_batch_taken_before_its_partition_changed_hands_leaves_no_stale_outcom
     taken = h.device.take()
     assert taken is not None and len(taken.records) == 3
     if how == "rewind":
-        h.p.fail_txn("commit", KafkaException(KafkaError(KafkaError._TIMED_OUT, "timed out", retriable=True)))
+        h.p.fail_txn("commit", abortable())
         h.commit()
     else:
         h.c.revoke(("in", 0))
@@ -408,7 +412,7 @@ def test_a_rewind_that_cannot_seek_stops_the_worker_and_commits_nothing_more(mon
     h.send(3, partition=1)
     h.send(1, partition=0)
     h.process()  # results in the open transaction, not committed yet
-    h.p.fail_txn("commit", KafkaException(KafkaError(KafkaError.COORDINATOR_NOT_AVAILABLE, "moved", retriable=True)))
+    h.p.fail_txn("commit", abortable("moved"))
 
     def committed(parts: Any, timeout: float | None = None) -> Any:
         raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "Local: Timed out", retriable=True))

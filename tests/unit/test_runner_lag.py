@@ -8,6 +8,7 @@ import pytest
 
 from tests.unit.fakes_kafka import Harness, make_config
 from worker.adapters.metrics import PrometheusMetrics
+from worker.core.records import TopicPartition
 
 ONE_BY_ONE = {"lanes": [{"name": "default", "max_batch_size": 1}]}
 
@@ -84,3 +85,65 @@ def test_drain_seconds_is_not_the_cap_for_a_burst_after_idle(monkeypatch: pytest
     for _ in range(12):  # ... and still not after a whole minute: the replica is stuck, the cap is right
         report(h, 5)
     assert sample(m, "kiw_drain_seconds") == 86_400
+
+
+def test_the_step_over_a_marker_survives_a_handover(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The revoke's synchronous commit keeps to the tracker's offset (3, on the marker); the next owner has
+    tracked nothing of the partition and never stepped: a lag of 1 for good."""
+    h, _m = lag_harness(monkeypatch)
+    h.send(3)
+    h.c.append_marker("in", 0)  # offset 3: the high watermark is 4
+    h.process()
+    h.c.revoke(("in", 0))
+    assert h.committed() == 3
+    h.c.assign(("in", 0))
+    h.iterate()  # the fetch serves the marker: the position is 4
+    h.runner._commit(sync=False)
+    h.iterate()
+    assert h.committed() == 4
+
+
+def test_a_group_whose_commit_sits_on_a_marker_steps_over_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    h, _m = lag_harness(monkeypatch)
+    h.send(3)
+    h.c.append_marker("in", 0)
+    h.c.revoke(("in", 0))
+    h.c.committed_offsets[TopicPartition("in", 0)] = 3  # committed by an earlier version: on the marker
+    h.c.assign(("in", 0))
+    h.runner._commit(sync=False)  # nothing served since the assign: the position is unknown, nothing to step
+    assert h.c.commit_calls == []
+    h.iterate()
+    h.runner._commit(sync=False)
+    h.iterate()
+    assert h.committed() == 4
+    h.runner._commit(sync=False)  # idle: not the same offset again every interval
+    assert len(h.c.commit_calls) == 1
+
+
+def test_exactly_once_checkpoints_step_over_markers(monkeypatch: pytest.MonkeyPatch) -> None:
+    h, _m = lag_harness(monkeypatch, delivery={"mode": "exactly_once", "transactional_id": "t"})
+    h.send(3)
+    h.c.append_marker("in", 0)  # offset 3
+    h.process()
+    h.commit()  # a checkpoint of a revoke or a shutdown keeps to the tracker's offsets
+    assert h.committed() == 3
+    h.runner._commit(sync=False)  # the loop's periodic checkpoint
+    assert h.committed() == 4 and h.p.txn_offsets()[-1] == {TopicPartition("in", 0): 4}
+
+
+def test_no_step_after_a_rewind_until_the_records_are_read_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    from confluent_kafka import KafkaError, KafkaException
+
+    h, _m = lag_harness(monkeypatch, delivery={"mode": "exactly_once", "transactional_id": "t"})
+    h.send(3)
+    h.c.append_marker("in", 0)
+    h.process()
+    h.p.fail_txn("commit", KafkaException(KafkaError(KafkaError._INCONSISTENT, "x", txn_requires_abort=True)))
+    h.runner._commit(sync=False)  # aborts and rewinds to offset 0: the position is unknown again
+    sent = len(h.p.txn_offsets())
+    h.runner._commit(sync=False)
+    assert h.committed() is None and len(h.p.txn_offsets()) == sent  # not the position 4 before the re-read
+    for _ in range(3):
+        h.process()
+    h.runner._commit(sync=False)
+    assert h.committed() == 4 and [r["id"] for r in h.p.results()] == ["in-0-0", "in-0-1", "in-0-2"]
