@@ -1,5 +1,5 @@
 # Two commands a newcomer needs; each does all set-up on a fresh machine (virtual environment outside the
-# clone, pip install, the Kafka broker jars via Maven, redis-server via apt-get).
+# clone, pip install, the Kafka broker jars via Maven, redis-server via apt-get; not for the demo).
 # pipefail: a failed setup_env.sh must stop the recipe, not hand an empty $PY to the next command.
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
@@ -8,14 +8,17 @@ SETUP := bash worker/local/setup_env.sh
 GET_PY := PY=$$($(SETUP) | tail -n1) && [ -x "$$PY" ] \
   || { echo "make: worker/local/setup_env.sh failed (see its messages above); nothing was run" >&2; exit 1; }
 PYTEST_ARGS ?=
+# Arguments for `worker demo`, e.g. make demo DEMO_ARGS="--records 20000 --rate 5000".
+DEMO_ARGS ?=
 
 .PHONY: demo test lint unit bench schemas setup
 
 setup:
 	@$(SETUP) >/dev/null
 
+# The demo uses no Redis: KIW_SETUP_REDIS=0 spares it the redis-server install (and the sudo it may need).
 demo:
-	@$(GET_PY); PYTHONPATH=$(CURDIR) $$PY -m worker demo
+	@export KIW_SETUP_REDIS=0; $(GET_PY); PYTHONPATH=$(CURDIR) $$PY -m worker demo $(DEMO_ARGS)
 
 # Everything: lint + types, unit, integration, chaos, chart checks. Starts Kafka and Redis itself.
 test:

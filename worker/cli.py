@@ -1,4 +1,4 @@
-"""``worker`` command line. Exit codes: 0 ok, 1 runtime failure, 2 bad configuration or usage."""
+"""``worker`` command line. Exit codes: 0 ok, 1 runtime failure, 2 bad configuration or usage, 130 interrupted."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from worker.config import Config, ConfigError, load
 from worker.models.registry import BUILTINS
@@ -13,7 +14,32 @@ from worker.models.registry import BUILTINS
 log = logging.getLogger("worker")
 
 EPILOG = """Configuration: one YAML file (see README "Configuration"); any key can be overridden with
-WORKER__SECTION__KEY environment variables, e.g. WORKER__KAFKA__BOOTSTRAP_SERVERS=broker:9092."""
+WORKER__SECTION__KEY environment variables, e.g. WORKER__KAFKA__BOOTSTRAP_SERVERS=broker:9092.
+
+Exit codes: 0 ok, 1 runtime failure, 2 bad configuration or usage (the message names the bad key),
+130 interrupted (Ctrl-C)."""
+
+# librdkafka's codes for "no broker answered" (as opposed to e.g. an authorization failure or a missing topic).
+_UNREACHABLE = {"_TRANSPORT", "_TIMED_OUT", "_ALL_BROKERS_DOWN", "_RESOLVE", "_MSG_TIMED_OUT"}
+
+
+class CommandError(Exception):
+    """A runtime failure whose message says all there is to say (exit 1): printed as one line, no traceback,
+    unlike an unexpected exception."""
+
+
+def broker_unreachable(bootstrap: str, source: str, timeout_s: float, err: BaseException) -> CommandError:
+    """The one message for "no broker answered" (demo, dlq replay, backfill): where the address came from, so the
+    reader knows what to fix."""
+    kerr: Any = err.args[0] if err.args else None
+    detail = kerr.str() if hasattr(kerr, "str") else str(err)
+    return CommandError(f"cannot reach Kafka at {bootstrap} (from {source}) within {timeout_s:g} s: {detail}")
+
+
+def is_unreachable(err: BaseException) -> bool:
+    """A KafkaException saying that no broker answered."""
+    kerr: Any = err.args[0] if err.args else None
+    return hasattr(kerr, "name") and kerr.name() in _UNREACHABLE
 
 
 def _config(path: str | None) -> Config:
@@ -25,6 +51,12 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     from worker.models.registry import check_model
 
     model_kind = check_model(cfg.model)
+    try:
+        check_devices(cfg)
+    except ConfigError as e:
+        # Not an error here: the config may well be checked on a CI machine without the run's GPU. `worker run`
+        # on this machine would refuse it (exit 2).
+        print(f"note: {e} (`worker run` here would exit 2)", file=sys.stderr)
     if args.print:
         import yaml
 
@@ -36,6 +68,21 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         print(f"{args.config}: OK ({len(cfg.batching.lanes)} lane(s), topics {cfg.input_topics()}, "
               f"model {cfg.model.name!r} ({model_kind}), delivery {cfg.delivery.mode})")
     return 0
+
+
+def check_devices(cfg: Config) -> None:
+    """A device the config names but this machine lacks (cuda without CUDA, cuda:3 with two GPUs) is a
+    ConfigError naming $.model.device(s), raised before anything starts."""
+    from worker.adapters.torch_engine import resolve_device
+
+    specs = [(f"$.model.devices[{i}]", d) for i, d in enumerate(cfg.model.devices)] or [
+        ("$.model.device", cfg.model.device)]
+    for key, spec in specs:
+        try:
+            resolve_device(spec)
+        except ValueError as e:
+            msg = str(e)
+            raise ConfigError(msg if msg.startswith("$.") else f"{key}: {msg}") from None
 
 
 def _setup_logging(cfg: Config, level: str | None = None) -> None:
@@ -63,13 +110,21 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_backfill(args: argparse.Namespace) -> int:
     cfg = _config(args.config)
     _setup_logging(cfg, "WARNING" if not args.verbose else None)
+    from confluent_kafka import KafkaException
+
     from worker.backfill import backfill
 
     if args.from_timestamp is not None and args.from_timestamp < 0:
         print("usage error: --from-timestamp must be a Unix time in milliseconds (>= 0)", file=sys.stderr)
         return 2
-    return backfill(cfg, from_beginning=args.from_beginning, from_timestamp=args.from_timestamp,
-                    group=args.group)
+    try:
+        return backfill(cfg, from_beginning=args.from_beginning, from_timestamp=args.from_timestamp,
+                        group=args.group)
+    except KafkaException as e:
+        if not is_unreachable(e):
+            raise
+        # 30 s: the metadata timeout of backfill.snapshot, its first call to the broker.
+        raise broker_unreachable(cfg.kafka.bootstrap_servers, "$.kafka.bootstrap_servers", 30, e) from None
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -93,6 +148,9 @@ def cmd_load(args: argparse.Namespace) -> int:
 
 
 def cmd_dlq_replay(args: argparse.Namespace) -> int:
+    if args.limit is not None and args.limit < 0:
+        print("usage error: --limit must be >= 0", file=sys.stderr)
+        return 2
     cfg = _config(args.config)
     _setup_logging(cfg)
     from worker.dlq import replay
@@ -106,6 +164,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be 0-65535, got {port}")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="worker", description=(
         "Kafka inference worker: consume requests, micro-batch them by count or time in priority lanes, "
@@ -117,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Consume the input topics, batch, infer, produce results and commit. SIGTERM/SIGINT stop it "
         "gracefully: stop fetching, finish in-flight work within delivery.shutdown_timeout_s, commit, exit 0."))
     r.add_argument("--config", "-c", required=True, help="worker YAML config file")
-    r.add_argument("--metrics-port", type=int, default=None, help=(
+    r.add_argument("--metrics-port", type=_port, default=None, help=(
         "serve /metrics, /healthz and /readyz on this port instead of metrics.port (0 = any free port); "
         "turns the endpoint on even where metrics.enabled is false"))
     r.set_defaults(func=cmd_run)
@@ -217,8 +285,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except CommandError as e:  # a message that says it all: no traceback
+        log.error("fatal error: %s", e)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except Exception as e:  # logged with its traceback, then one plain line for the terminal
-        log.error("fatal error", exc_info=True)
+        # The cause in the message too: a JSON log line's msg is what log search and alerts show.
+        log.error("fatal error: %s: %s", type(e).__name__, e, exc_info=True)
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
 

@@ -15,6 +15,8 @@ from worker.config import from_dict
 
 log = logging.getLogger("worker.demo")
 
+CONNECT_TIMEOUT_S = 30.0  # for a broker given with --bootstrap or $KAFKA_BOOTSTRAP_SERVERS to answer
+
 
 def percentile(values: list[float], q: float) -> float:
     if not values:
@@ -25,14 +27,16 @@ def percentile(values: list[float], q: float) -> float:
 
 def demo(records: int = 5000, model: str = "tiny", bootstrap: str | None = None, partitions: int = 4,
          rate: float = 2000.0, warm_up_s: float | None = None) -> int:
-    from confluent_kafka import Consumer
+    from confluent_kafka import Consumer, KafkaException
 
     from worker.adapters.kafka_clients import ensure_topics
+    from worker.cli import broker_unreachable, is_unreachable
     from worker.load import load_producer, produce, requests
     from worker.runner import Runner
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     broker = None
+    bootstrap_arg = bootstrap
     bootstrap = bootstrap or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
     t_start = time.monotonic()
     if not bootstrap:
@@ -52,9 +56,17 @@ def demo(records: int = 5000, model: str = "tiny", bootstrap: str | None = None,
     run_id = uuid.uuid4().hex[:6]
     topics = {"in": f"demo-requests-{run_id}", "out": f"demo-results-{run_id}", "dlq": f"demo-dlq-{run_id}",
               "warm": f"demo-warmup-{run_id}"}
+    source = "--bootstrap" if bootstrap_arg else "$KAFKA_BOOTSTRAP_SERVERS"
+    worker: _WorkerThread | None = None
     try:
-        ensure_topics(bootstrap, {topics["in"]: partitions, topics["out"]: partitions, topics["dlq"]: 1,
-                                  **({topics["warm"]: partitions} if warm_up_s > 0 else {})})
+        try:
+            ensure_topics(bootstrap, {topics["in"]: partitions, topics["out"]: partitions, topics["dlq"]: 1,
+                                      **({topics["warm"]: partitions} if warm_up_s > 0 else {})},
+                          timeout=CONNECT_TIMEOUT_S)
+        except KafkaException as e:
+            if broker is not None or not is_unreachable(e):
+                raise
+            raise broker_unreachable(bootstrap, source, CONNECT_TIMEOUT_S, e) from None
         cfg = from_dict({
             "kafka": {"bootstrap_servers": bootstrap, "group_id": f"demo-{run_id}", "input_topics": [topics["in"]],
                       "output_topic": topics["out"], "dlq_topic": topics["dlq"]},
@@ -64,8 +76,8 @@ def demo(records: int = 5000, model: str = "tiny", bootstrap: str | None = None,
         }, environ={})
         print(f"loading model {model!r} ...", flush=True)
         runner = Runner(cfg)
-        t = threading.Thread(target=runner.run, name="worker-loop", daemon=True)
-        t.start()
+        worker = _WorkerThread(runner)
+        t = worker.thread
         # One producer for everything: its first flush waits for its idempotent producer id (~0.5 s on a fresh
         # broker), which would otherwise show as the first records' latency.
         p = load_producer(bootstrap)
@@ -75,7 +87,7 @@ def demo(records: int = 5000, model: str = "tiny", bootstrap: str | None = None,
             # summary showed that rather than the worker. A broker given with --bootstrap is warm already.
             print(f"warming up the broker ({warm_up_s:g} s of throwaway traffic) ...", flush=True)
             _warm_broker(bootstrap, topics["warm"], partitions, p, seconds=warm_up_s, rate=rate)
-        if not runner.ready.wait(300):
+        if not worker.wait_ready(300):
             print("worker did not start in time")
             return 1
         # Produce only once the group has handed the worker its partitions: records produced during the join
@@ -85,8 +97,7 @@ def demo(records: int = 5000, model: str = "tiny", bootstrap: str | None = None,
             time.sleep(0.05)
         if len(runner.assigned) < partitions:
             print(f"worker was assigned {len(runner.assigned)} of {partitions} partitions in 60 s")
-            runner.stop()
-            t.join(60)
+            worker.stop()
             return 1
         print(f"producing {records} requests (+2 malformed) at {rate:.0f}/s to {topics['in']} ...", flush=True)
         produce(bootstrap, topics["in"], iter([(b"bad-1", b"{not json"), (b"bad-2", b'{"id": "bad-2"}')]), producer=p)
@@ -99,8 +110,7 @@ def demo(records: int = 5000, model: str = "tiny", bootstrap: str | None = None,
         # From the first request produced to the last result written (its Kafka timestamp), so the reader's
         # own start-up is not counted.
         elapsed = max(last_ms - t0_ms, 1.0) / 1000
-        runner.stop()
-        t.join(60)
+        worker.stop()
         st = runner.stats
         ok = [r for r in results if r.get("status") == "ok"]
         e2e = [r["timings"]["e2e_ms"] for r in ok if r.get("timings", {}).get("e2e_ms") is not None]
@@ -119,9 +129,50 @@ def demo(records: int = 5000, model: str = "tiny", bootstrap: str | None = None,
         print(f"  total time        {time.monotonic() - t_start:.1f}s")
         return 0 if len(ids) == records and st.dlq == 2 else 1
     finally:
-        if broker is not None:
-            broker.close()
-            print("local broker stopped")
+        try:
+            if worker is not None:
+                # Ctrl-C, an error: the worker first, or its clients log "connection refused" at the broker
+                # stopping under them.
+                worker.stop()
+        finally:
+            if broker is not None:
+                broker.close()
+                print("local broker stopped")
+
+
+class _WorkerThread:
+    """``Runner.run`` on a thread of its own, keeping what it raised for the main thread."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="worker-loop", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.runner.run()
+        except BaseException as e:  # re-raised on the main thread by wait_ready
+            self.error = e
+
+    def wait_ready(self, timeout: float) -> bool:
+        """True once the worker runs. Raises what the thread died of (a ConfigError: exit 2 with its message),
+        at once rather than after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while not self.runner.ready.wait(0.1):
+            if not self.thread.is_alive():
+                if self.error is not None:
+                    raise self.error
+                print("worker stopped before it started")
+                return False
+            if time.monotonic() >= deadline:
+                return False
+        return True
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.thread.is_alive():
+            self.runner.stop()
+            self.thread.join(timeout)
 
 
 def _warm_broker(bootstrap: str, topic: str, partitions: int, producer: Any, seconds: float = 5.0,

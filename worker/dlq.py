@@ -16,12 +16,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from confluent_kafka import KafkaError, Producer
+from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka import TopicPartition as KTP
 
 from schemas import DeadLetter
 from worker.adapters.kafka_clients import make_consumer, producer_config, retry_transient
 from worker.config import Config
+
+CONNECT_TIMEOUT_S = 30.0  # for the broker to answer the first metadata request
 
 
 def replay_group(cfg: Config, stage: str | None) -> str:
@@ -34,7 +36,16 @@ def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_
     consumer = make_consumer(cfg, **{"group.id": replay_group(cfg, stage), "enable.partition.eof": True,
                                      "partition.assignment.strategy": "range"})
     producer = Producer(producer_config(cfg))
-    md = consumer.list_topics(topic, timeout=30)
+    try:
+        md = consumer.list_topics(topic, timeout=CONNECT_TIMEOUT_S)
+    except KafkaException as e:
+        from worker.cli import broker_unreachable, is_unreachable
+
+        if not is_unreachable(e):
+            raise
+        consumer.close()
+        raise broker_unreachable(cfg.kafka.bootstrap_servers, "$.kafka.bootstrap_servers", CONNECT_TIMEOUT_S,
+                                 e) from None
     if topic not in md.topics or md.topics[topic].error is not None:
         print(f"dlq replay: topic {topic!r} does not exist")
         return 1

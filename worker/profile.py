@@ -239,6 +239,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     plot_path = getattr(args, "plot", None)
+    for flag, path in (("--json", getattr(args, "json", None)), ("--plot", plot_path)):
+        why = _unwritable(path) if path else None
+        if why:  # now, not after minutes of profiling
+            print(f"error: {flag} {path}: {why}", file=sys.stderr)
+            return 2
     if plot_path:
         try:
             import matplotlib  # noqa: F401
@@ -292,6 +297,21 @@ def run(args: argparse.Namespace) -> int:
                                 for r in rows],
                        "recommended": best.batch_size if best else None}, f, indent=2)
     return 0
+
+
+def _unwritable(path: str) -> str | None:
+    """Why ``path`` cannot be written, or None."""
+    import os
+
+    p = os.path.abspath(path)
+    if os.path.isdir(p):
+        return "is a directory"
+    if os.path.exists(p):
+        return None if os.access(p, os.W_OK) else "not writable"
+    parent = os.path.dirname(p)
+    if not os.path.isdir(parent):
+        return f"folder {parent} does not exist"
+    return None if os.access(parent, os.W_OK) else f"folder {parent} is not writable"
 
 
 def main(argv: list[str] | None = None) -> int:

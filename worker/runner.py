@@ -290,6 +290,10 @@ class Runner:
 
     def run(self) -> int:
         self._build_models()
+        if self._stop.is_set():
+            # A stop asked for while the model loaded (which can take minutes): no clients, no group join.
+            log.info("stopped during the model load")
+            return 0
         self.intake = Intake(self.cfg, self.model, route=self.scheduler.lane_for)
         self.consumer = make_consumer(self.cfg, **{"group.id": self.group_id, "on_commit": self._on_commit,
                                                    "error_cb": self._on_client_error})

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import signal
 import threading
 import time
+from typing import Any
 
 from worker.config import Config, redact
 
@@ -13,14 +15,37 @@ log = logging.getLogger("worker.service")
 
 
 def run_service(cfg: Config, metrics_port: int | None = None) -> int:
-    # A SIGTERM can come while the process is still starting (a rolling update, a scale-in): remember it
-    # until the Runner installs its own handlers, then hand it on, so the exit is graceful (0), not -15.
-    early: list[int] = []
+    from worker.cli import CommandError, check_devices
+
+    # The service's own handlers, installed first: a SIGTERM can come while the process is still starting (a
+    # rolling update, a scale-in) or loading the model (seconds to minutes, not interruptible). Either way it
+    # asks the runner to stop as soon as it can, so the exit is graceful (0), not -15. A second Ctrl-C while
+    # the model loads gives up on that (KeyboardInterrupt: exit 130); once running, stopping is the runner's
+    # bounded graceful shutdown and further signals change nothing.
+    runners: list[Any] = []
+    requests = 0
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        nonlocal requests
+        requests += 1
+        runner = runners[0] if runners else None
+        if runner is not None and runner.ready.is_set():
+            runner.stop()
+            return
+        if requests == 1:
+            log.warning("stop requested; finishing the model load first (Ctrl-C again to exit at once)")
+        elif signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        if runner is not None:
+            runner.stop()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _frame: early.append(signum))
+        signal.signal(sig, on_signal)
     from worker.adapters.memory_store import make_store
     from worker.runner import Runner
 
+    # Before the health port opens: a device this machine lacks is the config's fault (exit 2), not a crash.
+    check_devices(cfg)
     metrics = None
     health_server = None
     state = None
@@ -32,14 +57,21 @@ def run_service(cfg: Config, metrics_port: int | None = None) -> int:
         state = HealthState()
         port = cfg.metrics.port if metrics_port is None else metrics_port
         health_server = HealthServer(metrics, cfg.metrics.host, port, state)
-        health_server.start()
+        try:
+            health_server.start()
+        except OSError as e:
+            source = "--metrics-port" if metrics_port is not None else "$.metrics.port"
+            why = "address already in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e)).lower()
+            raise CommandError(f"cannot serve metrics on {cfg.metrics.host}:{port} ($.metrics.host, {source}): "
+                               f"{why}") from None
         log.info("metrics and health on port %d", health_server.port)
     log.info("starting", extra={"consumer": redact(dict(cfg.kafka.consumer)),
                                 "producer": redact(dict(cfg.kafka.producer)),
                                 "model": cfg.model.name, "delivery": cfg.delivery.mode})
     store = make_store(cfg.redis, metrics)
-    runner = Runner(cfg, metrics=metrics, store=store, install_signals=True, health=state)
-    if early:
+    runner = Runner(cfg, metrics=metrics, store=store, health=state)
+    runners.append(runner)
+    if requests:
         runner.stop()
     if state is not None:
         # Loading and warming a large model can take minutes; the process is alive meanwhile (readiness,

@@ -28,3 +28,37 @@ def test_demo_summary_accounts_for_every_request(kafka):
     assert "results out       401 (400 ok, 1 error)" in out  # the invalid request with a readable id
     assert "dead letters      2" in out
     assert "warming up the broker (0.5 s" in out
+
+
+def test_demo_reports_a_worker_that_fails_to_start_at_once(kafka, monkeypatch, capsys):
+    import time
+
+    import worker.models.registry
+    from worker.cli import main
+    from worker.config import ConfigError
+
+    def broken(cfg):
+        raise ConfigError("$.model.name: 'minilm' needs the models extra (in this test: on purpose)")
+
+    monkeypatch.setattr(worker.models.registry, "load_model", broken)  # the model, not the broker
+    t0 = time.monotonic()
+    rc = main(["demo", "--records", "10", "--bootstrap", kafka.bootstrap, "--warm-up-s", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "config error: $.model.name: 'minilm' needs the models extra" in err
+    assert time.monotonic() - t0 < 60  # not the 300 s start-up timeout
+
+
+def test_an_interrupted_demo_stops_its_worker_before_returning(kafka, monkeypatch):
+    import threading
+
+    import worker.demo
+    from worker.cli import main
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(worker.demo, "_collect", interrupted)  # Ctrl-C while the demo waits for results
+    assert main(["demo", "--records", "10", "--bootstrap", kafka.bootstrap, "--warm-up-s", "0"]) == 130
+    # Stopped and joined: with a broker of the demo's own, it is closed only after this.
+    assert [t for t in threading.enumerate() if t.name == "worker-loop"] == []

@@ -446,3 +446,18 @@ def test_an_onnx_file_with_a_dynamic_sequence_axis_batches_records_of_different_
     assert eng.infer(items[:2:]) == [[0.0], [2.0]] and sorted(runs) == [1, 1]
     runs.clear()
     assert eng.infer([items[1], items[4]]) == [[2.0], [8.0]] and runs == [2]  # one shape: one stack
+
+
+@pytest.mark.parametrize("source, wanted", [
+    ("def f(:\n", r"importing 'broken_mod' failed: SyntaxError: "),
+    ("raise RuntimeError('no GPU driver')\n", r"importing 'broken_mod' failed: RuntimeError: no GPU driver"),
+])
+def test_a_factory_module_that_fails_to_import_is_a_config_error(source: str, wanted: str, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # Not only a missing module: one that is there but broken is the config's (and its author's) to fix,
+    # exit 2 with the key, not a traceback through importlib.
+    (tmp_path / "broken_mod.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "broken_mod", raising=False)
+    with pytest.raises(ConfigError, match=r"^\$\.model\.name: " + wanted):
+        load_model(ModelConfig(name="broken_mod:f"))

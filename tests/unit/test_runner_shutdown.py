@@ -191,6 +191,9 @@ def test_a_sigterm_before_run_is_a_graceful_stop(monkeypatch: pytest.MonkeyPatch
         h.send(2)
         h.c.schedule(lambda: h.c.assign(("in", 0)))
         assert h.run() == 0
+        # Stopped before the clients exist: it does not join the group (nor, in exactly-once mode, fence the
+        # previous producer) only to leave it at once.
+        assert h.runner.consumer is None and h.result_ids() == []
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -1,6 +1,6 @@
 """A throwaway Redis server run from Debian's ``redis-server`` binary.
 
-Used by the tests and by ``worker demo`` when no ``REDIS_URL`` is given. The server listens on 127.0.0.1
+Used by the tests (``worker demo`` uses no Redis). The server listens on 127.0.0.1
 on a free port, keeps nothing on disk (``--save "" --appendonly no``) and writes its log into a temporary
 directory. ``stop()`` then ``start()`` brings it back on the SAME port, which is what the outage tests
 need: clients configured with the old URL reconnect on their own. ``pause()``/``resume()`` freeze the

@@ -3,7 +3,8 @@
 #   - a Python virtual environment with the project's dependencies, kept OUTSIDE the clone and keyed by the
 #     dependency list, so the multi-GB PyTorch install happens once per machine, not once per clone/run;
 #   - the Apache Kafka broker jars, fetched by Maven from Maven Central into the same cache;
-#   - Debian's redis-server (and openssl), installed with apt-get when missing.
+#   - Debian's redis-server (and openssl), installed with apt-get when missing; KIW_SETUP_REDIS=0 skips them
+#     (the demo uses no Redis, and needs no root or sudo then).
 # Prints the venv's python path as its last line so callers can `PY=$(... | tail -n1)`.
 # Safe to run concurrently: the venv build and the jar fetch each hold a lock in the cache folder.
 set -euo pipefail
@@ -84,13 +85,14 @@ make_venv() {
 "$venv/bin/python" -c "import sys; sys.path.insert(0, sys.argv[1]); from worker.local.kafka_broker import ensure_jars; ensure_jars()" "$root" >&2
 
 # --- openssl (the Redis TLS test makes its certificate with it) --------------------------------
-if ! command -v openssl >/dev/null 2>&1; then
+setup_redis="${KIW_SETUP_REDIS:-1}"
+if [ "$setup_redis" != 0 ] && ! command -v openssl >/dev/null 2>&1; then
   log "installing openssl with apt-get"
   apt_install openssl
 fi
 
 # --- Redis -------------------------------------------------------------------------------------
-if ! command -v redis-server >/dev/null 2>&1; then
+if [ "$setup_redis" != 0 ] && ! command -v redis-server >/dev/null 2>&1; then
   log "installing redis-server with apt-get"
   apt_install redis-server
   # Debian starts a system instance on 6379; the tests start their own on a free port.

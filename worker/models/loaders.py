@@ -340,6 +340,12 @@ def import_callable(spec: str) -> Callable[..., Any]:
             mod = importlib.import_module(mod_name)
         except ModuleNotFoundError as e2:
             raise ConfigError(f"$.model.name: cannot import {mod_name!r}: {e2}") from None
+        except Exception as e2:
+            raise ConfigError(f"$.model.name: importing {mod_name!r} failed: {type(e2).__name__}: {e2}") from None
+    except Exception as e:
+        # The module is there but broken (a syntax error, an exception at import): the user's code, named with
+        # the key that points at it, not a traceback through importlib.
+        raise ConfigError(f"$.model.name: importing {mod_name!r} failed: {type(e).__name__}: {e}") from None
     obj: Any = mod
     for part in attr.split("."):
         if not hasattr(obj, part):

@@ -1,0 +1,165 @@
+"""What the ``worker`` command says when something is wrong: one line naming the cause and the key or flag to
+fix, the exit code README promises, no traceback."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from worker.cli import build_parser, main
+
+CLOSED = "127.0.0.1:1"  # a closed port: no broker at all (not a fake of one)
+
+
+@pytest.fixture(autouse=True)
+def _keep_signal_handlers() -> Iterator[None]:
+    """``worker run`` installs SIGINT/SIGTERM handlers of its own; pytest's must come back."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
+@pytest.fixture
+def no_log_setup(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("worker.cli._setup_logging", lambda cfg, level=None: None)
+
+
+def _config(tmp_path: Path, model: str = "{name: tiny, device: cpu}", extra: str = "") -> str:
+    f = tmp_path / "c.yaml"
+    f.write_text(f"kafka: {{bootstrap_servers: '{CLOSED}', input_topics: [in], output_topic: out, "
+                 f"dlq_topic: dlq}}\nmodel: {model}\n{extra}")
+    return str(f)
+
+
+def test_top_level_help_lists_the_exit_codes() -> None:
+    text = " ".join(build_parser().format_help().split())
+    assert ("Exit codes: 0 ok, 1 runtime failure, 2 bad configuration or usage (the message names the bad key), "
+            "130 interrupted") in text
+
+
+def test_the_fatal_error_log_line_names_the_cause(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                   caplog: pytest.LogCaptureFixture, no_log_setup: None) -> None:
+    import worker.service
+
+    def boom(cfg: object, metrics_port: int | None = None) -> int:
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(worker.service, "run_service", boom)
+    with caplog.at_level(logging.ERROR, logger="worker"):
+        assert main(["run", "--config", _config(tmp_path)]) == 1
+    # A JSON log's msg is what log search shows: "fatal error" alone says nothing.
+    assert [r.getMessage() for r in caplog.records] == ["fatal error: RuntimeError: disk on fire"]
+
+
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_metrics_port_out_of_range_is_a_usage_error(port: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    import worker.service
+
+    monkeypatch.setattr(worker.service, "run_service", lambda cfg, metrics_port=None: 0)
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--config", _config(tmp_path), "--metrics-port", port])
+    assert e.value.code == 2
+    assert "port must be 0-65535" in capsys.readouterr().err
+
+
+def test_metrics_port_in_use_names_the_port_and_its_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                         no_log_setup: None) -> None:
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["run", "--config", _config(tmp_path), "--metrics-port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert f"error: cannot serve metrics on 0.0.0.0:{port} ($.metrics.host, --metrics-port): address already in use" \
+        in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_cuda_device_without_cuda_is_a_config_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      no_log_setup: None) -> None:
+    cfg = _config(tmp_path, model="{name: tiny, device: cuda}", extra="metrics: {enabled: true, port: 0}\n")
+    t0 = time.monotonic()
+    assert main(["run", "--config", cfg]) == 2
+    assert time.monotonic() - t0 < 30  # before anything connects
+    err = capsys.readouterr().err
+    assert "config error: $.model.device: 'cuda' requested but CUDA is not available" in err
+    # check-config: valid (it may run on a CI machine without the GPU), with a note on what run would do here.
+    assert main(["check-config", "--config", cfg]) == 0
+    assert "note: $.model.device: 'cuda' requested but CUDA is not available" in capsys.readouterr().err
+
+
+def test_dlq_replay_refuses_a_negative_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    t0 = time.monotonic()
+    assert main(["dlq", "replay", "--config", _config(tmp_path), "--limit", "-1"]) == 2
+    assert time.monotonic() - t0 < 5  # refused before connecting
+    assert "usage error: --limit must be >= 0" in capsys.readouterr().err
+
+
+def test_dlq_replay_reports_an_unreachable_broker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str], no_log_setup: None) -> None:
+    import worker.dlq
+
+    monkeypatch.setattr(worker.dlq, "CONNECT_TIMEOUT_S", 1.0)
+    assert main(["dlq", "replay", "--config", _config(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"error: cannot reach Kafka at {CLOSED} (from $.kafka.bootstrap_servers) within 1 s" in err
+    assert "Traceback" not in err
+
+
+def test_demo_reports_an_unreachable_broker(monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    import worker.demo
+
+    monkeypatch.setattr(worker.demo, "CONNECT_TIMEOUT_S", 1.0)
+    assert main(["demo", "--bootstrap", CLOSED]) == 1
+    err = capsys.readouterr().err
+    assert f"error: cannot reach Kafka at {CLOSED} (from --bootstrap) within 1 s" in err
+    assert "Traceback" not in err
+
+
+def test_backfill_reports_an_unreachable_broker(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                no_log_setup: None) -> None:
+    assert main(["backfill", "--config", _config(tmp_path)]) == 1  # backfill's own metadata timeout: 30 s
+    err = capsys.readouterr().err
+    assert f"error: cannot reach Kafka at {CLOSED} (from $.kafka.bootstrap_servers) within 30 s" in err
+    assert "Traceback" not in err
+
+
+def test_a_second_ctrl_c_during_the_model_load_exits_130(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture,
+                                                         no_log_setup: None) -> None:
+    # A factory that takes a while to load, during which the user presses Ctrl-C twice.
+    (tmp_path / "slow_load.py").write_text(textwrap.dedent('''
+        import os, signal, time
+        def build():
+            for _ in range(2):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.3)
+            raise AssertionError("the second Ctrl-C did not interrupt the load")
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = _config(tmp_path, model="{name: 'slow_load:build', device: cpu}")
+    with caplog.at_level(logging.WARNING, logger="worker"):
+        assert main(["run", "--config", cfg]) == 130
+    msgs = [r.getMessage() for r in caplog.records]
+    assert sum("stop requested; finishing the model load first" in m for m in msgs) == 1, msgs
+
+
+def test_profile_refuses_an_unwritable_json_path_before_profiling(capsys: pytest.CaptureFixture[str]) -> None:
+    missing = os.path.join(os.sep, "nonexistent-kiw", "x.json")
+    t0 = time.monotonic()
+    assert main(["profile", "--model", "tiny", "--batch-sizes", "1", "--json", missing]) == 2
+    assert time.monotonic() - t0 < 10
+    err = capsys.readouterr().err
+    assert f"error: --json {missing}: folder" in err and "does not exist" in err
