@@ -492,7 +492,13 @@ class Runner:
                 if offset + 1 >= stop_at.get(tp, 0):
                     self.reached.add(tp)
             if not track(tp, offset):
-                continue  # read again, already tracked (and processed, or on its way): not a second result
+                if txn is not None:
+                    # Exactly-once: read again, already tracked (and processed, or on its way) after a rewind
+                    # inside consume(): not a second result.
+                    continue
+                # At-least-once: librdkafka moved the position back by itself (log truncation after an unclean
+                # leader election, a topic deleted and recreated): the records at those offsets are new data.
+                self._position_moved_back(tp, offset)
             position[tp] = offset + 1
             if txn is not None:
                 txn.track(tp, offset)
@@ -521,6 +527,17 @@ class Runner:
                 self.metrics.records_in(lane, n)
         if outcomes:
             self._emit_all(outcomes, now)
+
+    def _position_moved_back(self, tp: TopicPartition, offset: int) -> None:
+        """At-least-once: a record at or below the last offset tracked on its partition, with no rebalance in
+        between. Processed (it was skipped for a moment, losing new data); tracked afresh when nothing of the
+        partition is unfinished, else untracked as before (its commit cannot wait for it)."""
+        log.warning("consumer position moved back on %s[%d] to offset %d (log truncated or topic recreated?): "
+                    "processing from there", tp.topic, tp.partition, offset,
+                    extra={"topic": tp.topic, "partition": tp.partition, "offset": offset})
+        if self.tracker.pending(tp) == 0:
+            self.tracker.assign([tp])
+            self.tracker.track(tp, offset)
 
     def _ack_delivered_before(self, rec: Record) -> None:
         """The ledger says the record's result was delivered before (redelivery after a crash or rebalance)."""
