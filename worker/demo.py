@@ -95,6 +95,7 @@ def demo(records: int = 5000, model: str = "tiny", bootstrap: str | None = None,
         deadline = time.monotonic() + 60
         while len(runner.assigned) < partitions and time.monotonic() < deadline and t.is_alive():
             time.sleep(0.05)
+        worker.check()
         if len(runner.assigned) < partitions:
             print(f"worker was assigned {len(runner.assigned)} of {partitions} partitions in 60 s")
             worker.stop()
@@ -107,6 +108,7 @@ def demo(records: int = 5000, model: str = "tiny", bootstrap: str | None = None,
         del p  # flushed: destroy it now, not after the local broker stops (it would log the disconnect)
 
         results, last_ms = _collect(Consumer, bootstrap, topics["out"], records + 1, timeout=180)
+        worker.check()
         # From the first request produced to the last result written (its Kafka timestamp), so the reader's
         # own start-up is not counted.
         elapsed = max(last_ms - t0_ms, 1.0) / 1000
@@ -152,8 +154,16 @@ class _WorkerThread:
     def _run(self) -> None:
         try:
             self.runner.run()
-        except BaseException as e:  # re-raised on the main thread by wait_ready
+        except BaseException as e:  # re-raised on the main thread (wait_ready, check)
             self.error = e
+            if self.runner.ready.is_set():
+                # Past start-up the main thread may be waiting on results for minutes: say it now.
+                log.error("worker stopped: %s: %s", type(e).__name__, e, exc_info=e)
+
+    def check(self) -> None:
+        """Raises what the worker thread died of, if it died of something."""
+        if self.error is not None and not self.thread.is_alive():
+            raise self.error
 
     def wait_ready(self, timeout: float) -> bool:
         """True once the worker runs. Raises what the thread died of (a ConfigError: exit 2 with its message),

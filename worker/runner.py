@@ -109,6 +109,7 @@ class Runner:
         self.assigned: set[TopicPartition] = set()
         self.epochs: Counter[TopicPartition] = Counter()
         self.paused: set[TopicPartition] = set()
+        self.models_loaded = False  # set once every device's model is set up (signals: nothing left to wait for)
         # The backpressure decision's hysteresis, per reason (worker/core/backpressure.py): the in-flight bound
         # holds every partition, partitions held for their uncommitted span, lanes held full.
         self._holding = False
@@ -178,6 +179,7 @@ class Runner:
             self.workers.append(DeviceWorker(engine, take=self._take, done=self._done, swap=self._swap,
                                              name=f"device-{dev}"))
         self.model = self._models[0]
+        self.models_loaded = True
         self.metrics.gauge("model_loaded", 1)
         # Hundreds of thousands of long-lived objects (torch, the model) would otherwise be walked by every
         # full garbage collection, which the per-record allocations trigger every few thousand records.

@@ -29,7 +29,9 @@ def run_service(cfg: Config, metrics_port: int | None = None) -> int:
         nonlocal requests
         requests += 1
         runner = runners[0] if runners else None
-        if runner is not None and runner.ready.is_set():
+        if runner is not None and (runner.ready.is_set() or runner.models_loaded):
+            # Loaded: the stop is the runner's bounded graceful shutdown (a KeyboardInterrupt raised in its
+            # setup would leave clients it created unclosed).
             runner.stop()
             return
         if requests == 1:

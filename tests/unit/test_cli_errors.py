@@ -156,6 +156,26 @@ def test_a_second_ctrl_c_during_the_model_load_exits_130(tmp_path: Path, monkeyp
     assert sum("stop requested; finishing the model load first" in m for m in msgs) == 1, msgs
 
 
+def test_ctrl_c_after_the_model_load_is_a_graceful_stop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture,
+                                                       no_log_setup: None) -> None:
+    """Between the model load and the loop (clients being created) the service still treated signals as 'during
+    the load': it logged 'finishing the model load first', and a second Ctrl-C raised KeyboardInterrupt inside
+    the runner's setup, leaving the clients it had created unclosed (exit 130)."""
+    import worker.runner as wr
+
+    def two_ctrl_c(self: object) -> None:
+        for _ in range(2):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)
+
+    monkeypatch.setattr(wr.Runner, "_check_broker", two_ctrl_c)
+    cfg = _config(tmp_path, extra="metrics: {enabled: false}\ndelivery: {shutdown_timeout_s: 1}")
+    with caplog.at_level(logging.WARNING, logger="worker"):
+        assert main(["run", "--config", cfg]) == 0
+    assert not any("finishing the model load first" in r.getMessage() for r in caplog.records)
+
+
 def test_profile_refuses_an_unwritable_json_path_before_profiling(capsys: pytest.CaptureFixture[str]) -> None:
     missing = os.path.join(os.sep, "nonexistent-kiw", "x.json")
     t0 = time.monotonic()
@@ -163,3 +183,30 @@ def test_profile_refuses_an_unwritable_json_path_before_profiling(capsys: pytest
     assert time.monotonic() - t0 < 10
     err = capsys.readouterr().err
     assert f"error: --json {missing}: folder" in err and "does not exist" in err
+
+
+def test_a_demo_worker_that_dies_after_start_is_reported(caplog: pytest.LogCaptureFixture) -> None:
+    """Past start-up the demo's main thread waits on results for minutes: a worker thread that died there was
+    silent, and the demo ended with a misleading message and no cause."""
+    import threading
+
+    from worker.demo import _WorkerThread
+
+    class Dies:
+        ready = threading.Event()
+
+        def run(self) -> None:
+            self.ready.set()
+            time.sleep(0.05)
+            raise RuntimeError("device pipeline exploded")
+
+        def stop(self) -> None:
+            pass
+
+    with caplog.at_level(logging.ERROR, logger="worker.demo"):
+        w = _WorkerThread(Dies())
+        assert w.wait_ready(5)
+        w.thread.join(5)
+    assert "device pipeline exploded" in caplog.text
+    with pytest.raises(RuntimeError, match="device pipeline exploded"):
+        w.check()
