@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from confluent_kafka import KafkaException
@@ -30,6 +30,19 @@ log = logging.getLogger("worker.transactions")
 # a failure: bounded, as a revoke or a shutdown waits for them.
 COMMIT_ATTEMPTS = 3
 ABORT_ATTEMPTS = 3
+
+
+def _call_again(call: Callable[[], None], what: str, attempts: int, again: Callable[[Any], bool]) -> None:
+    """``call()``, called again (up to ``attempts`` calls in all) while it raises a KafkaError that ``again``
+    accepts; otherwise, or after the last call, its KafkaException propagates."""
+    for attempt in range(1, attempts + 1):
+        try:
+            call()
+            return
+        except KafkaException as e:
+            if attempt == attempts or not again(e.args[0]):
+                raise
+            log.warning("%s did not complete (%s); calling it again", what, e.args[0])
 
 
 class TransactionFailed(RuntimeError):
@@ -109,33 +122,23 @@ class TransactionalCommitter:
             return False
 
     def _commit(self) -> None:
-        for attempt in range(1, COMMIT_ATTEMPTS + 1):
-            try:
-                self.producer.commit_transaction(self.timeout)
-                return
-            except KafkaException as e:
-                err = e.args[0]
-                # A retriable error that does not require an abort (a timeout: the commit goes on in the
-                # background) is only resolved by calling commit_transaction again; abort is refused meanwhile.
-                if err.fatal() or err.txn_requires_abort() or not err.retriable() or attempt == COMMIT_ATTEMPTS:
-                    raise
-                log.warning("commit_transaction did not complete (%s); calling it again", err)
+        # A retriable error that does not require an abort (a timeout: the commit goes on in the background) is
+        # only resolved by calling commit_transaction again; abort is refused meanwhile.
+        _call_again(lambda: self.producer.commit_transaction(self.timeout), "commit_transaction", COMMIT_ATTEMPTS,
+                    lambda err: err.retriable() and not err.fatal() and not err.txn_requires_abort())
 
     def abort(self) -> None:
         """Aborts the open transaction and begins the next one; raises TransactionFailed when it cannot be aborted
         (beginning a transaction then fails anyway, and the loop would go on producing outside one)."""
-        for attempt in range(1, ABORT_ATTEMPTS + 1):
-            try:
-                self.producer.abort_transaction(self.timeout)
-                break
-            except KafkaException as e:
-                err = e.args[0]
-                if err.fatal():
-                    raise Fenced(f"abort failed fatally: {err}") from e
-                if not err.retriable() or attempt == ABORT_ATTEMPTS:
-                    raise TransactionFailed(f"exactly-once: the transaction could not be aborted ({err}); "
-                                            "exiting, the next process starts from the committed offsets") from e
-                log.warning("abort_transaction failed (%s); trying again", err)
+        try:
+            _call_again(lambda: self.producer.abort_transaction(self.timeout), "abort_transaction", ABORT_ATTEMPTS,
+                        lambda err: err.retriable() and not err.fatal())
+        except KafkaException as e:
+            err = e.args[0]
+            if err.fatal():
+                raise Fenced(f"abort failed fatally: {err}") from e
+            raise TransactionFailed(f"exactly-once: the transaction could not be aborted ({err}); "
+                                    "exiting, the next process starts from the committed offsets") from e
         self.aborts += 1
         self.in_txn = False
         self._begin()
