@@ -870,9 +870,9 @@ class Runner:
             if base is None:
                 # Nothing tracked: the position is valid only once a marker was served. Not again what this
                 # worker committed last (the tracker keeps no commit for a partition it tracked nothing of).
-                if k.offset >= 0 and k.offset != self.committed.get(tp) and tracker.span(tp) == 0:
+                if k.offset >= 0 and k.offset != self.committed.get(tp):
                     offsets[tp] = k.offset
-            elif k.offset > base and tracker.span(tp) == 0:
+            elif k.offset > base:
                 offsets[tp] = k.offset
 
     def _on_commit(self, err: Any, partitions: list[Any]) -> None:
