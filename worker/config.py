@@ -349,11 +349,6 @@ def _check_semantics(cfg: Config) -> None:
             raise ConfigError(f"$.kafka.consumer.{key}: must stay false; offsets are committed only after delivery")
     if cfg.redis.url:
         # The store would refuse it only when the worker starts; check-config should say so first.
-        # Exactly as written: redis-py takes the scheme in lower case only (REDIS://h fails when it connects).
-        scheme = cfg.redis.url.partition("://")[0] if "://" in cfg.redis.url else ""
-        if scheme not in ("redis", "rediss", "unix"):
-            got = f"{scheme!r}://" if scheme else "no scheme"
-            raise ConfigError(f"$.redis.url: expected redis://host:port/db, rediss://... (TLS) or unix:///path, got {got}")
         problem = redis_url_problem(cfg.redis.url, tls=cfg.redis.tls)
         if problem:
             raise ConfigError(f"$.redis.url: {problem}")
@@ -383,6 +378,11 @@ def redis_url_problem(url: str, tls: bool = False) -> str | None:
 
     from redis import connection as rc
 
+    # Exactly as written: redis-py takes the scheme in lower case only (REDIS://h fails when it connects).
+    scheme = url.partition("://")[0] if "://" in url else ""
+    if scheme not in ("redis", "rediss", "unix"):
+        got = f"{scheme!r}://" if scheme else "no scheme"
+        return f"expected redis://, rediss:// or unix:// (redis://host:port/db, rediss://... for TLS, unix:///path), got {got}"
     quote = "@" not in url  # only then may parts of the URL be shown
     try:
         parts = urlsplit(url)

@@ -165,9 +165,7 @@ class RedisStore:
         if not cfg.url:
             raise ValueError("redis.url is required for RedisStore (leave it unset to use the in-memory store)")
         scheme = urlsplit(cfg.url).scheme
-        if scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"redis.url must start with redis://, rediss:// or unix://, got {scheme!r}://")
-        problem = redis_url_problem(cfg.url, tls=cfg.tls)
+        problem = redis_url_problem(cfg.url, tls=cfg.tls)  # the scheme too
         if problem:
             # Here, not from the first call on the loop thread: redis-py parses the URL only when it builds the
             # client, and its ValueError would escape the breaker (it is not a RedisError) and end the worker.
