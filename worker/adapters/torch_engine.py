@@ -737,11 +737,8 @@ class Engine:
             new = limit if limit is not None else self._ceiling.get(lane)
         log.warning("model %s lane %s: a record runs out of memory even alone, so the batch size was not the cause: "
                     "max batch size %s -> %s%s", self.name, lane, old, new, " (limit lifted)" if limit is None else "")
-        if self.on_limit is not None and new is not None:
-            try:
-                self.on_limit(lane, new)
-            except Exception:
-                log.exception("on_limit callback failed")
+        if new is not None:
+            self._notify_limit(lane, new)
 
     def _release_memory(self, collect: bool = False) -> None:
         if collect:
@@ -796,6 +793,11 @@ class Engine:
             self.stats.limit_changes += 1
         log.warning("model %s lane %s: max batch size %s -> %d%s", self.name, lane, old or ceiling, new,
                     " (limit lifted)" if grow and lane not in self._limits else "")
+        self._notify_limit(lane, new)
+
+    def _notify_limit(self, lane: str, new: int) -> None:
+        """Tells the runner (``on_limit``) the lane's new max batch size; a failing callback is logged, not raised
+        into the device thread."""
         if self.on_limit is not None:
             try:
                 self.on_limit(lane, new)
