@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from worker.config import Config, ConfigError, load
@@ -28,18 +29,21 @@ class CommandError(Exception):
     unlike an unexpected exception."""
 
 
-def broker_unreachable(bootstrap: str, source: str, timeout_s: float, err: BaseException) -> CommandError:
-    """The one message for "no broker answered" (demo, dlq replay, backfill): where the address came from, so the
-    reader knows what to fix."""
-    kerr: Any = err.args[0] if err.args else None
-    detail = kerr.str() if hasattr(kerr, "str") else str(err)
-    return CommandError(f"cannot reach Kafka at {bootstrap} (from {source}) within {timeout_s:g} s: {detail}")
+@contextlib.contextmanager
+def unreachable_broker_is_an_error(bootstrap: str, source: str, timeout_s: float) -> Iterator[None]:
+    """Turns a KafkaException saying that no broker answered into the one message for it (demo, dlq replay,
+    backfill): where the address came from, so the reader knows what to fix. Other Kafka errors propagate."""
+    from confluent_kafka import KafkaException
 
-
-def is_unreachable(err: BaseException) -> bool:
-    """A KafkaException saying that no broker answered."""
-    kerr: Any = err.args[0] if err.args else None
-    return hasattr(kerr, "name") and kerr.name() in _UNREACHABLE
+    try:
+        yield
+    except KafkaException as e:
+        kerr: Any = e.args[0] if e.args else None
+        if not (hasattr(kerr, "name") and kerr.name() in _UNREACHABLE):
+            raise
+        detail = kerr.str() if hasattr(kerr, "str") else str(e)
+        raise CommandError(f"cannot reach Kafka at {bootstrap} (from {source}) within {timeout_s:g} s: "
+                           f"{detail}") from None
 
 
 def _config(path: str | None) -> Config:
@@ -110,21 +114,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_backfill(args: argparse.Namespace) -> int:
     cfg = _config(args.config)
     _setup_logging(cfg, "WARNING" if not args.verbose else None)
-    from confluent_kafka import KafkaException
-
     from worker.backfill import backfill
 
     if args.from_timestamp is not None and args.from_timestamp < 0:
         print("usage error: --from-timestamp must be a Unix time in milliseconds (>= 0)", file=sys.stderr)
         return 2
-    try:
+    # 30 s: the metadata timeout of backfill.snapshot, its first call to the broker.
+    with unreachable_broker_is_an_error(cfg.kafka.bootstrap_servers, "$.kafka.bootstrap_servers", 30):
         return backfill(cfg, from_beginning=args.from_beginning, from_timestamp=args.from_timestamp,
                         group=args.group)
-    except KafkaException as e:
-        if not is_unreachable(e):
-            raise
-        # 30 s: the metadata timeout of backfill.snapshot, its first call to the broker.
-        raise broker_unreachable(cfg.kafka.bootstrap_servers, "$.kafka.bootstrap_servers", 30, e) from None
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

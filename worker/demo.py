@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -27,10 +28,10 @@ def percentile(values: list[float], q: float) -> float:
 
 def demo(records: int = 5000, model: str = "tiny", bootstrap: str | None = None, partitions: int = 4,
          rate: float = 2000.0, warm_up_s: float | None = None) -> int:
-    from confluent_kafka import Consumer, KafkaException
+    from confluent_kafka import Consumer
 
     from worker.adapters.kafka_clients import ensure_topics
-    from worker.cli import broker_unreachable, is_unreachable
+    from worker.cli import unreachable_broker_is_an_error
     from worker.load import load_producer, produce, requests
     from worker.runner import Runner
 
@@ -59,14 +60,12 @@ def demo(records: int = 5000, model: str = "tiny", bootstrap: str | None = None,
     source = "--bootstrap" if bootstrap_arg else "$KAFKA_BOOTSTRAP_SERVERS"
     worker: _WorkerThread | None = None
     try:
-        try:
+        # (A local broker the demo started itself is not the reader's to fix: its errors go as they are.)
+        with (unreachable_broker_is_an_error(bootstrap, source, CONNECT_TIMEOUT_S) if broker is None
+              else contextlib.nullcontext()):
             ensure_topics(bootstrap, {topics["in"]: partitions, topics["out"]: partitions, topics["dlq"]: 1,
                                       **({topics["warm"]: partitions} if warm_up_s > 0 else {})},
                           timeout=CONNECT_TIMEOUT_S)
-        except KafkaException as e:
-            if broker is not None or not is_unreachable(e):
-                raise
-            raise broker_unreachable(bootstrap, source, CONNECT_TIMEOUT_S, e) from None
         cfg = from_dict({
             "kafka": {"bootstrap_servers": bootstrap, "group_id": f"demo-{run_id}", "input_topics": [topics["in"]],
                       "output_topic": topics["out"], "dlq_topic": topics["dlq"]},

@@ -36,16 +36,14 @@ def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_
     consumer = make_consumer(cfg, **{"group.id": replay_group(cfg, stage), "enable.partition.eof": True,
                                      "partition.assignment.strategy": "range"})
     producer = Producer(producer_config(cfg))
-    try:
-        md = consumer.list_topics(topic, timeout=CONNECT_TIMEOUT_S)
-    except KafkaException as e:
-        from worker.cli import broker_unreachable, is_unreachable
+    from worker.cli import unreachable_broker_is_an_error
 
-        if not is_unreachable(e):
+    with unreachable_broker_is_an_error(cfg.kafka.bootstrap_servers, "$.kafka.bootstrap_servers", CONNECT_TIMEOUT_S):
+        try:
+            md = consumer.list_topics(topic, timeout=CONNECT_TIMEOUT_S)
+        except KafkaException:
+            consumer.close()
             raise
-        consumer.close()
-        raise broker_unreachable(cfg.kafka.bootstrap_servers, "$.kafka.bootstrap_servers", CONNECT_TIMEOUT_S,
-                                 e) from None
     if topic not in md.topics or md.topics[topic].error is not None:
         print(f"dlq replay: topic {topic!r} does not exist")
         return 1
