@@ -324,28 +324,28 @@ class OnnxModel:
         return [ex[self.inputs[0][0]]] if len(self.inputs) == 1 else [ex]
 
 
+def _import_module(mod_name: str) -> Any:
+    """The module, or a ConfigError naming $.model.name. A module that is not found is looked for once more with
+    the working folder on sys.path: a model module next to the config is a common layout, and the console script
+    does not put the working folder there. A module that is there but broken (a syntax error, an exception at
+    import) is the user's code: named with the key that points at it, not a traceback through importlib."""
+    while True:
+        try:
+            return importlib.import_module(mod_name)
+        except ModuleNotFoundError as e:
+            cwd = os.getcwd()
+            if e.name != mod_name.split(".")[0] or cwd in sys.path:
+                raise ConfigError(f"$.model.name: cannot import {mod_name!r}: {e}") from None
+            sys.path.append(cwd)
+        except Exception as e:
+            raise ConfigError(f"$.model.name: importing {mod_name!r} failed: {type(e).__name__}: {e}") from None
+
+
 def import_callable(spec: str) -> Callable[..., Any]:
     mod_name, _, attr = spec.partition(":")
     if not mod_name or not attr:
         raise ConfigError(f"$.model.name: expected 'package.module:callable', got {spec!r}")
-    try:
-        mod = importlib.import_module(mod_name)
-    except ModuleNotFoundError as e:
-        # A model module next to the config is a common layout; the console script does not put cwd on sys.path.
-        cwd = os.getcwd()
-        if e.name != mod_name.split(".")[0] or cwd in sys.path:
-            raise ConfigError(f"$.model.name: cannot import {mod_name!r}: {e}") from None
-        sys.path.append(cwd)
-        try:
-            mod = importlib.import_module(mod_name)
-        except ModuleNotFoundError as e2:
-            raise ConfigError(f"$.model.name: cannot import {mod_name!r}: {e2}") from None
-        except Exception as e2:
-            raise ConfigError(f"$.model.name: importing {mod_name!r} failed: {type(e2).__name__}: {e2}") from None
-    except Exception as e:
-        # The module is there but broken (a syntax error, an exception at import): the user's code, named with
-        # the key that points at it, not a traceback through importlib.
-        raise ConfigError(f"$.model.name: importing {mod_name!r} failed: {type(e).__name__}: {e}") from None
+    mod = _import_module(mod_name)
     obj: Any = mod
     for part in attr.split("."):
         if not hasattr(obj, part):
