@@ -131,10 +131,11 @@ def test_thread_cpu_names_python_threads_and_counts_their_cpu() -> None:
     done = threading.Event()
 
     def spin() -> None:
-        end = time.thread_time() + 0.3  # busy, so the thread's own clock ticks (sleeping would not)
-        while time.thread_time() < end:
+        # Busy until the test has read its CPU (so the thread's own clock ticks; sleeping would not), whenever
+        # the loaded machine gets round to that: a fixed amount of spinning could end before the first reading.
+        end = time.monotonic() + 10
+        while not done.is_set() and time.monotonic() < end:
             pass
-        done.wait(10)
 
     t = threading.Thread(target=spin, name="spinner", daemon=True)
     t.start()
