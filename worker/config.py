@@ -55,6 +55,27 @@ class KafkaConfig(_Strict):
     poll_max_records: PosInt = 1000
     poll_timeout_ms: PosInt = 20
     commit_interval_ms: PosInt = 1000
+    # A consumer out of its group (after a lost assignment, or since it subscribed) this long is replaced by a
+    # new one (worker/core/membership.py: librdkafka can stay stuck after a broker restart). None: the
+    # rebalance timeout plus a session timeout (consumer max.poll.interval.ms + session.timeout.ms, 345 s
+    # with librdkafka's defaults). 0: never.
+    rejoin_timeout_ms: Annotated[int, msgspec.Meta(ge=0)] | None = None
+
+    def rejoin_timeout_s(self) -> float:
+        if self.rejoin_timeout_ms is not None:
+            return self.rejoin_timeout_ms / 1000.0
+        return (_ms_property(self.consumer, "max.poll.interval.ms", 300_000)
+                + _ms_property(self.consumer, "session.timeout.ms", 45_000)) / 1000.0
+
+
+def _ms_property(props: KafkaProps, key: str, default: int) -> float:
+    """A librdkafka duration property as given (a number or a numeric string); the default otherwise (the
+    client refuses a bad one when it is made)."""
+    v = props.get(key, default)
+    try:
+        return max(float(v), 0.0)
+    except (TypeError, ValueError):
+        return float(default)
 
 
 class LaneConfig(_Strict):

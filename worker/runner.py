@@ -32,6 +32,7 @@ from confluent_kafka import TopicPartition as KTP
 from worker.adapters.kafka_clients import make_consumer, make_producer, retry_transient
 from worker.config import Config
 from worker.core.backpressure import partitions_to_pause
+from worker.core.membership import RejoinWatch
 from worker.core.offsets import OffsetTracker
 from worker.core.ports import Metrics, Model, NullMetrics, Store
 from worker.core.records import Batch, Outcome, Record, TopicPartition
@@ -128,6 +129,10 @@ class Runner:
         self._device_busy = 0
         self._last_commit = time.monotonic()
         self.consumer: Any = None
+        # A consumer out of its group too long is replaced (worker/core/membership.py); the replaced ones close
+        # on threads of their own, kept here (a close can wait for the broker).
+        self._rejoin = RejoinWatch(cfg.kafka.rejoin_timeout_s())
+        self.closing_consumers: list[threading.Thread] = []
         self.producer: Any = None
         self.spare_producer: Any = None
         self._want_spare = spare_producer  # at-least-once only: see Emitter
@@ -297,8 +302,7 @@ class Runner:
             log.info("stopped during the model load")
             return 0
         self.intake = Intake(self.cfg, self.model, route=self.scheduler.lane_for)
-        self.consumer = make_consumer(self.cfg, **{"group.id": self.group_id, "on_commit": self._on_commit,
-                                                   "error_cb": self._on_client_error})
+        self.consumer = self._make_consumer()
         self.txn: TransactionalCommitter | None = None
         if self.cfg.delivery.mode == "exactly_once":
             tid = self.cfg.delivery.transactional_id or f"{self.group_id}-{socket.gethostname()}"
@@ -328,8 +332,7 @@ class Runner:
             w.start()
         topics = self.cfg.input_topics()
         self._check_broker()
-        self.consumer.subscribe(topics, on_assign=self._on_assign, on_revoke=self._on_revoke,
-                                on_lost=self._on_lost)
+        self._subscribe()
         if self.health is not None:
             self.health.waiting_for_assignment = True
         log.info("worker started", extra={"topics": topics, "group": self.group_id,
@@ -396,6 +399,8 @@ class Runner:
         if self.health is not None:
             self.health.heartbeat = now
         if consume:
+            if self._rejoin.due(now):
+                self._replace_consumer(now)
             # While anything is in flight (queued, on a device, or waiting for its delivery to settle) the loop
             # polls in short steps: a device that finishes cannot wake a consumer.poll(), and at light load
             # its results waited up to poll_timeout_ms for the next record to arrive (e2e p50 at 100 records/s:
@@ -998,8 +1003,64 @@ class Runner:
             return
         log.warning("rewound to the committed offsets after an aborted transaction", extra={"partitions": len(tps)})
 
+    # ------------------------------------------------------------------ group membership
+    def _make_consumer(self) -> Any:
+        """Its callbacks reach the runner only while it is the runner's consumer: a replaced one closes on a
+        thread of its own, and what that close serves (commit reports, errors, revokes) must not touch the
+        loop's state."""
+        made: list[Any] = []
+
+        def on_commit(err: Any, partitions: list[Any]) -> None:
+            if made[0] is self.consumer:
+                self._on_commit(err, partitions)
+
+        def on_error(err: KafkaError) -> None:
+            if made[0] is self.consumer:
+                self._on_client_error(err)
+
+        made.append(make_consumer(self.cfg, **{"group.id": self.group_id, "on_commit": on_commit,
+                                               "error_cb": on_error}))
+        return made[0]
+
+    def _subscribe(self) -> None:
+        self.consumer.subscribe(self.cfg.input_topics(), on_assign=self._on_assign, on_revoke=self._on_revoke,
+                                on_lost=self._on_lost)
+        self._rejoin.out(time.monotonic())  # a member once its first assignment (an empty one too) comes
+
+    def _replace_consumer(self, now: float) -> None:
+        """The consumer has been out of its group longer than a rejoin can take (``kafka.rejoin_timeout_ms``):
+        a new one subscribes in its place and the old one closes on another thread. Nothing is lost: the
+        partitions were released when the assignment was lost, and the new member reads from the commits."""
+        old = self.consumer
+        log.error("the consumer has been out of its group for %.0f s (allowed: %.0f s, kafka.rejoin_timeout_ms): "
+                  "replacing it with a new one", self._rejoin.out_for(now), self._rejoin.allowance_s,
+                  extra={"group": self.group_id, "replacements": self._rejoin.replacements + 1})
+        if self.assigned:
+            self._release(set(self.assigned), graceful=False)
+        self.consumer = self._make_consumer()
+        if self.txn is not None:
+            self.txn.consumer = self.consumer
+        self._commit_in_flight = None  # its report would come from the old consumer, which reports nothing now
+        self._subscribe()
+        self._rejoin.replaced(now)
+        self.metrics.event("rebalances", kind="replace")
+        t = threading.Thread(target=self._close_replaced, args=(old,), name="kiw-consumer-close", daemon=True)
+        self.closing_consumers = [c for c in self.closing_consumers if c.is_alive()] + [t]
+        t.start()
+
+    @staticmethod
+    def _close_replaced(consumer: Any) -> None:
+        try:
+            consumer.close()
+            log.info("replaced consumer closed")
+        except Exception:
+            log.exception("closing the replaced consumer")
+
     # ------------------------------------------------------------------ rebalance (loop thread, inside poll)
     def _on_assign(self, consumer: Any, partitions: list[KTP]) -> None:
+        if consumer is not self.consumer:
+            return  # a replaced consumer, closing
+        self._rejoin.joined()
         try:
             for p in partitions:
                 tp = TopicPartition(p.topic, p.partition)
@@ -1016,6 +1077,8 @@ class Runner:
             log.exception("error in on_assign")
 
     def _on_revoke(self, consumer: Any, partitions: list[KTP]) -> None:
+        if consumer is not self.consumer:
+            return
         tps = {TopicPartition(p.topic, p.partition) for p in partitions}
         try:
             # After a fatal error nothing more will complete: do not wait out revoke_timeout for it.
@@ -1033,6 +1096,9 @@ class Runner:
                 self._fatal_if_refused(e2)
 
     def _on_lost(self, consumer: Any, partitions: list[KTP]) -> None:
+        if consumer is not self.consumer:
+            return
+        self._rejoin.out(time.monotonic())
         try:
             tps = {TopicPartition(p.topic, p.partition) for p in partitions}
             self._release(tps, graceful=False)

@@ -249,6 +249,13 @@ class FakeConsumer:
         log = self.logs.get(tp)
         return log[-1].offset() + 1 if log else 0
 
+    def sibling(self) -> FakeConsumer:
+        """Another consumer of the same broker and group: the logs, markers and the group's commits are shared,
+        nothing else (no assignment, no callbacks)."""
+        c = FakeConsumer(self.clock)
+        c.logs, c.markers, c.committed_offsets = self.logs, self.markers, self.committed_offsets
+        return c
+
     # ---- test side: the group coordinator
     def schedule(self, fn: Hook) -> None:
         self._scheduled.append(fn)
@@ -879,10 +886,15 @@ class Harness:
         # so a test asks for the spare explicitly.
         self.spare: FakeProducer | None = FakeProducer(self.clock) if spare else None
         made: list[FakeProducer] = []
+        self.consumers: list[FakeConsumer] = []  # every consumer the runner made; ``consumer`` is the last
 
         def make_consumer(cfg: Any, **extra: Any) -> FakeConsumer:
-            self.consumer.config = dict(extra)
-            return self.consumer
+            # The first is the one built above; a runner that replaces its consumer gets a sibling.
+            c = self.consumer.sibling() if self.consumers else self.consumer
+            c.config = dict(extra)
+            self.consumers.append(c)
+            self.consumer = c
+            return c
 
         def make_producer(cfg: Any, **extra: Any) -> FakeProducer:
             # The first call makes the producer, a second one the spare (Harness(spare=True)).

@@ -366,3 +366,14 @@ def test_an_infinite_number_is_refused_with_its_path(lane_key: str) -> None:
         from_dict(data, environ={})
     with pytest.raises(ConfigError, match=r"WORKER__MODEL__BATCH_TIMEOUT_S"):
         from_dict({"kafka": {"input_topics": ["t"]}}, environ={"WORKER__MODEL__BATCH_TIMEOUT_S": ".inf"})
+
+
+def test_rejoin_timeout_defaults_to_the_rebalance_timeout_plus_a_session_timeout():
+    assert from_dict(BASE, environ={}).kafka.rejoin_timeout_s() == 345.0  # librdkafka: 300 s + 45 s
+    cfg = from_dict({"kafka": {**BASE["kafka"], "consumer": {"max.poll.interval.ms": "60000",
+                                                             "session.timeout.ms": 10000}}}, environ={})
+    assert cfg.kafka.rejoin_timeout_s() == 70.0
+    cfg = from_dict(BASE, environ={"WORKER__KAFKA__REJOIN_TIMEOUT_MS": "0"})
+    assert cfg.kafka.rejoin_timeout_ms == 0 and cfg.kafka.rejoin_timeout_s() == 0.0
+    with pytest.raises(ConfigError, match=r"\$\.kafka\.rejoin_timeout_ms"):
+        from_dict({"kafka": {**BASE["kafka"], "rejoin_timeout_ms": -1}}, environ={})

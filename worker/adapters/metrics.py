@@ -88,7 +88,7 @@ class PrometheusMetrics:
         self.redis_circuit_open = Gauge("kiw_redis_circuit_open", "1 while the Redis circuit breaker is open",
                                         registry=r)
         self.model_loaded = Gauge("kiw_model_loaded", "1 once the model is loaded and warmed up", registry=r)
-        self.rebalances_total = Counter("kiw_rebalances", "Consumer group rebalances, by kind (assign|revoke|lost)",
+        self.rebalances_total = Counter("kiw_rebalances", "Consumer group rebalances, by kind (assign|revoke|lost|replace)",
                                         ["kind"], registry=r)
         self.preemptions_total = Counter("kiw_preemptions", "Prefetched batches put back for a higher-priority "
                                          "lane's batch, by the lane put back", ["lane"], registry=r)
