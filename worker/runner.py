@@ -1004,27 +1004,30 @@ class Runner:
         log.warning("rewound to the committed offsets after an aborted transaction", extra={"partitions": len(tps)})
 
     # ------------------------------------------------------------------ group membership
+    def _while_current(self, made: list[Any], callback: Callable[..., None]) -> Callable[..., None]:
+        """``callback`` for the consumer ``made[0]``, called only while it is the runner's consumer: a replaced
+        one closes on a thread of its own, and what that close serves (revokes, commit reports, errors) must not
+        touch the loop's state. By the object the runner holds, not the one librdkafka passes a rebalance
+        callback: the runner may hold a wrapper (tests/bench/profile_worker.py times every call)."""
+
+        def call(*args: Any) -> None:
+            if made[0] is self.consumer:
+                callback(*args)
+
+        return call
+
     def _make_consumer(self) -> Any:
-        """Its callbacks reach the runner only while it is the runner's consumer: a replaced one closes on a
-        thread of its own, and what that close serves (commit reports, errors, revokes) must not touch the
-        loop's state."""
         made: list[Any] = []
-
-        def on_commit(err: Any, partitions: list[Any]) -> None:
-            if made[0] is self.consumer:
-                self._on_commit(err, partitions)
-
-        def on_error(err: KafkaError) -> None:
-            if made[0] is self.consumer:
-                self._on_client_error(err)
-
-        made.append(make_consumer(self.cfg, **{"group.id": self.group_id, "on_commit": on_commit,
-                                               "error_cb": on_error}))
+        made.append(make_consumer(self.cfg, **{"group.id": self.group_id,
+                                               "on_commit": self._while_current(made, self._on_commit),
+                                               "error_cb": self._while_current(made, self._on_client_error)}))
         return made[0]
 
     def _subscribe(self) -> None:
-        self.consumer.subscribe(self.cfg.input_topics(), on_assign=self._on_assign, on_revoke=self._on_revoke,
-                                on_lost=self._on_lost)
+        made = [self.consumer]
+        self.consumer.subscribe(self.cfg.input_topics(), on_assign=self._while_current(made, self._on_assign),
+                                on_revoke=self._while_current(made, self._on_revoke),
+                                on_lost=self._while_current(made, self._on_lost))
         self._rejoin.out(time.monotonic())  # a member once its first assignment (an empty one too) comes
 
     def _replace_consumer(self, now: float) -> None:
@@ -1058,8 +1061,6 @@ class Runner:
 
     # ------------------------------------------------------------------ rebalance (loop thread, inside poll)
     def _on_assign(self, consumer: Any, partitions: list[KTP]) -> None:
-        if consumer is not self.consumer:
-            return  # a replaced consumer, closing
         self._rejoin.joined()
         try:
             for p in partitions:
@@ -1077,8 +1078,6 @@ class Runner:
             log.exception("error in on_assign")
 
     def _on_revoke(self, consumer: Any, partitions: list[KTP]) -> None:
-        if consumer is not self.consumer:
-            return
         tps = {TopicPartition(p.topic, p.partition) for p in partitions}
         try:
             # After a fatal error nothing more will complete: do not wait out revoke_timeout for it.
@@ -1096,8 +1095,6 @@ class Runner:
                 self._fatal_if_refused(e2)
 
     def _on_lost(self, consumer: Any, partitions: list[KTP]) -> None:
-        if consumer is not self.consumer:
-            return
         self._rejoin.out(time.monotonic())
         try:
             tps = {TopicPartition(p.topic, p.partition) for p in partitions}

@@ -869,7 +869,7 @@ class Harness:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, cfg: Any = None, *, model: FakeModel | None = None,
                  store: Any = None, devices: int = 1, metrics: Any = None, spare: bool = False,
-                 **runner_kw: Any) -> None:
+                 wrap_consumer: Callable[[FakeConsumer], Any] | None = None, **runner_kw: Any) -> None:
         import worker.emit
         import worker.intake
         import worker.runner as wr
@@ -894,7 +894,8 @@ class Harness:
             c.config = dict(extra)
             self.consumers.append(c)
             self.consumer = c
-            return c
+            # A wrapper the runner holds instead (a proxy that times every call, say); ``inner`` is the consumer.
+            return c if wrap_consumer is None else wrap_consumer(c)
 
         def make_producer(cfg: Any, **extra: Any) -> FakeProducer:
             # The first call makes the producer, a second one the spare (Harness(spare=True)).
@@ -942,7 +943,8 @@ class Harness:
             pass
         finally:
             del r._iterate, r._close  # the class's methods again
-        assert r.ready.is_set() and r.consumer is self.consumer and r.producer is self.producer
+        assert r.ready.is_set() and getattr(r.consumer, "inner", r.consumer) is self.consumer
+        assert r.producer is self.producer
         return self
 
     def run(self, max_polls: int = 20_000) -> int:
