@@ -103,8 +103,13 @@ def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
         c.close()
 
 
-def committed_offsets(bootstrap: str, group: str, topic: str) -> dict[int, int]:
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+def committed_offsets(bootstrap: str, group: str, topic: str, *, stable: bool = True) -> dict[int, int]:
+    """The group's committed offsets per partition. ``stable`` (read_committed, librdkafka's default): while a
+    transaction holds offsets for the group the broker answers "unstable" and the call waits for its end.
+    ``stable=False`` gets the last offsets committed before it at once: what counts when the transaction's
+    producer was just killed (it is aborted only when it times out or its transactional.id starts again)."""
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": group,
+                  "isolation.level": "read_committed" if stable else "read_uncommitted"})
     try:
         md = c.list_topics(topic, timeout=10)
         parts = [KTP(topic, p) for p in md.topics[topic].partitions]
