@@ -1074,6 +1074,11 @@ class Runner:
             log.info("partitions assigned", extra={"partitions": [f"{p.topic}[{p.partition}]" for p in partitions]})
             if self._on_assign_offsets is not None:
                 self._on_assign_offsets(consumer, partitions)
+            if partitions:
+                # librdkafka keeps a partition's pause through a revoke and a new assign: one paused (backpressure,
+                # a backfill's end) when it was revoked came back paused, while the runner, which forgets what it
+                # paused of a released partition, counted it as fetching. It was never read again by this worker.
+                consumer.resume(partitions)
         except Exception:  # never let an exception escape a rebalance callback raw
             log.exception("error in on_assign")
 
@@ -1158,6 +1163,10 @@ class Runner:
             self.epochs[tp] += 1
             self.position.pop(tp, None)
             self._first_read.pop(tp, None)
+            # Backfill: assigned again, the partition is read again from its commit, which may be short of its end
+            # (records dropped above); reaching the end again says so. Kept, the partition was paused at once
+            # and its dropped records never processed.
+            self.reached.discard(tp)
             # The Prometheus adapter keeps a gauge's last value per label set: a released partition's lag
             # would stay on /metrics (and in the total lag the autoscaler reads) until the process exits.
             self.metrics.remove_lag(tp.topic, tp.partition)

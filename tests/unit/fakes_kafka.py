@@ -292,10 +292,10 @@ class FakeConsumer:
             self._unassign(parts)
 
     def _unassign(self, parts: list[TopicPartition]) -> None:
+        # Like librdkafka, a partition's pause is kept: assigned again, it is still paused until resumed.
         for tp in parts:
             if tp in self.assignment_set:
                 self.assignment_set.remove(tp)
-            self.paused.discard(tp)
             self.positions.pop(tp, None)
 
     # ---- client API

@@ -237,7 +237,7 @@ def test_an_error_during_revoke_still_releases_the_partitions(monkeypatch: pytes
         h.iterate()
         h.device.run_all()
     # the worker goes on with in/1: not paused for good by the 3 dropped records of in/0
-    assert h.c.paused == set() and offsets_out(h, 1) == [0, 1, 2]
+    assert h.c.paused & set(h.c.assignment_set) == set() and offsets_out(h, 1) == [0, 1, 2]
     assert offsets_out(h, 0) == []  # the late output was not produced
     assert IN0 not in h.runner.assigned and h.runner.tracker.in_flight() == 0
 
@@ -287,3 +287,44 @@ def test_a_refused_message_inside_a_revoke_stops_the_worker(monkeypatch: pytest.
     h.c.revoke(("in", 0))
     assert calls == [True, False]  # still released: the partition is gone whatever failed
     assert "Message size too large" in (h.runner._fatal or "")
+
+
+def test_a_partition_paused_when_revoked_is_read_again_when_assigned_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """librdkafka keeps a partition's pause through a revoke and a new assign. Paused under backpressure when a
+    rebalance took it, the partition came back paused, while the runner had forgotten that pause: this worker
+    never read it again (scale-out under load, then scale-in)."""
+    h = Harness(monkeypatch, make_config(batching={"max_in_flight": 4, "resume_ratio": 0.5})).start()
+    h.c.assign(("in", 0))
+    h.send(6)
+    h.iterate()
+    assert h.c.paused == {IN0}  # 4 in flight: the bound
+    h.c.revoke(("in", 0))
+    h.c.assign(("in", 0))
+    for _ in range(6):
+        h.iterate()
+        h.device.run_all()
+    h.iterate()
+    h.commit()
+    assert offsets_out(h) == [0, 1, 2, 3, 4, 5] and h.committed() == 6
+
+
+def test_backfill_partition_read_to_its_end_then_revoked_is_read_again_from_its_commit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backfill pauses a partition read up to its end snapshot. Revoked before its records were processed
+    (they are dropped) and assigned again, it has to be read again: kept "reached", it was paused at once and
+    the backfill waited for it for good."""
+    h = Harness(monkeypatch, make_config(kafka={"poll_max_records": 2}), stop_at={IN0: 6}).start()
+    h.c.assign(("in", 0))
+    h.send(6)
+    h.iterate(3)  # 2 records a turn
+    assert IN0 in h.runner.reached and h.runner.tracker.in_flight() == 6
+    h.c.revoke(("in", 0))  # nothing was on a device: all 6 dropped, nothing committed
+    assert h.committed() is None
+    h.c.assign(("in", 0))
+    for _ in range(6):
+        h.iterate()
+        h.device.run_all()
+    h.iterate()
+    h.commit()
+    assert offsets_out(h) == [0, 1, 2, 3, 4, 5] and h.committed() == 6
+    assert h.runner._backfill_complete()
