@@ -138,6 +138,13 @@ def backfill(cfg: Config, from_beginning: bool = False, from_timestamp: int | No
     def on_assign(consumer: Any, partitions: list[KTP]) -> None:
         for p in partitions:
             tp = TopicPartition(p.topic, p.partition)
+            done = runner.committed.get(tp, -1)
+            if done > start[tp]:
+                # Assigned again in this run (a lost assignment, a replaced consumer, a member that joined the
+                # group and left): on from this run's commit, as a rerun would. From the start again, everything
+                # done so far was processed twice.
+                p.offset = done
+                continue
             # Always the start chosen above, never auto.offset.reset: with "latest" and no commit the consumer
             # began at the end, read nothing, met EOF, and the backfill exited 0 with its range unprocessed.
             # librdkafka resolves OFFSET_BEGINNING itself, should retention have moved the low watermark.
