@@ -44,6 +44,12 @@ def local_broker(kafka):  # type: ignore[no-untyped-def]
     return broker
 
 
+def one_worker_through(cfg, tmp_path, name, watch, expected, tick):  # type: ignore[no-untyped-def]
+    """One worker process until every expected id has a result (170 s at most); an exit fails the test."""
+    return supervise(lambda i: WorkerProcess(cfg, tmp_path, name=f"{name}-{i}"), lambda: watch.seen(expected),
+                     len(expected), deadline_s=170, restart_exits=False, tick=tick)
+
+
 def test_broker_stop_start_mid_run(kafka, topic_names, tmp_path):
     broker = local_broker(kafka)
     bs = kafka.bootstrap
@@ -79,9 +85,7 @@ def test_broker_stop_start_mid_run(kafka, topic_names, tmp_path):
 
     try:
         with OutputWatcher(bs, topic_names["out"]) as watch:
-            sup = supervise(lambda i: WorkerProcess(cfg, tmp_path, name=f"broker-restart-{i}"),
-                            lambda: watch.seen(expected), len(expected), deadline_s=170, restart_exits=False,
-                            tick=chaos)
+            sup = one_worker_through(cfg, tmp_path, "broker-restart", watch, expected, chaos)
         last = sup.current
         try:
             assert produced_after.is_set(), "the outage never happened"
@@ -144,9 +148,7 @@ def test_broker_frozen_past_the_session_timeout(kafka, topic_names, tmp_path):
 
     try:
         with OutputWatcher(bs, topic_names["out"]) as watch:
-            sup = supervise(lambda i: WorkerProcess(cfg, tmp_path, name=f"broker-frozen-{i}"),
-                            lambda: watch.seen(expected), len(expected), deadline_s=170, restart_exits=False,
-                            tick=freeze)
+            sup = one_worker_through(cfg, tmp_path, "broker-frozen", watch, expected, freeze)
         last = sup.current
         try:
             assert "at" in frozen, "the broker was never frozen"

@@ -289,6 +289,15 @@ def test_a_refused_message_inside_a_revoke_stops_the_worker(monkeypatch: pytest.
     assert "Message size too large" in (h.runner._fatal or "")
 
 
+def process_all(h: Harness, turns: int = 6) -> None:
+    """Loop turns with the device emptied after each, then a commit."""
+    for _ in range(turns):
+        h.iterate()
+        h.device.run_all()
+    h.iterate()
+    h.commit()
+
+
 def test_a_partition_paused_when_revoked_is_read_again_when_assigned_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """librdkafka keeps a partition's pause through a revoke and a new assign. Paused under backpressure when a
     rebalance took it, the partition came back paused, while the runner had forgotten that pause: this worker
@@ -300,11 +309,7 @@ def test_a_partition_paused_when_revoked_is_read_again_when_assigned_again(monke
     assert h.c.paused == {IN0}  # 4 in flight: the bound
     h.c.revoke(("in", 0))
     h.c.assign(("in", 0))
-    for _ in range(6):
-        h.iterate()
-        h.device.run_all()
-    h.iterate()
-    h.commit()
+    process_all(h)
     assert offsets_out(h) == [0, 1, 2, 3, 4, 5] and h.committed() == 6
 
 
@@ -321,10 +326,6 @@ def test_backfill_partition_read_to_its_end_then_revoked_is_read_again_from_its_
     h.c.revoke(("in", 0))  # nothing was on a device: all 6 dropped, nothing committed
     assert h.committed() is None
     h.c.assign(("in", 0))
-    for _ in range(6):
-        h.iterate()
-        h.device.run_all()
-    h.iterate()
-    h.commit()
+    process_all(h)
     assert offsets_out(h) == [0, 1, 2, 3, 4, 5] and h.committed() == 6
     assert h.runner._backfill_complete()
