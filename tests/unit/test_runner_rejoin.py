@@ -18,7 +18,7 @@ TIMEOUT_S = 5.0
 
 def harness(monkeypatch: pytest.MonkeyPatch, **sections: dict[str, Any]) -> Harness:
     kafka = {"rejoin_timeout_ms": int(TIMEOUT_S * 1000), **sections.pop("kafka", {})}
-    return Harness(monkeypatch, make_config(kafka=kafka, **sections), **sections.pop("runner", {})).start()
+    return Harness(monkeypatch, make_config(kafka=kafka, **sections)).start()
 
 
 def offsets_out(h: Harness) -> list[int]:
