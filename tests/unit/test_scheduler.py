@@ -768,6 +768,22 @@ def test_fill_is_off_with_size_bucketing() -> None:
     assert b is not None and b.lane == "hi" and len(b.records) == 1 and not b.mixed
 
 
+def test_with_size_buckets_a_partial_batch_is_topped_up_past_other_buckets() -> None:
+    # Each bucket's window closes by time on its own, so the ready FIFO interleaves buckets: a partial batch
+    # of short records, a full one of long records, then more short ones. The partial batch takes the later
+    # short records along instead of running half empty (and leaving them another partial batch).
+    s = PriorityScheduler(lanes({"name": "default", "max_batch_size": 4, "max_wait_ms": 10}), "default", "fixed",
+                          bucket_width=8)
+    short_early, long, short_late = recs(2, size=3), recs(4, size=20), recs(3, size=5)
+    feed(s, short_early, now=0.0)
+    assert s.next_batch(0.011, idle=False, full_only=True) is None  # closed by time while the device is busy
+    feed(s, long, now=0.012)  # a full batch of another bucket
+    feed(s, short_late, now=0.013)  # closes by time at 0.023
+    got = drain(s, now=0.030)
+    assert [ids(b.records) for b in got] == [ids(short_early + short_late[:2]), ids(long), ids(short_late[2:])]
+    assert len(s) == 0 and s.stats()["default"]["ready_batches"] == 0
+
+
 def trained_filling(a: float = 0.010, b: float = 0.001, batch: int = 8) -> PriorityScheduler:
     s = filling_lanes(batch=batch, wait_ms=100.0, policy="adaptive")
     for n in (1, 2, 4, 8, 1, 3):
