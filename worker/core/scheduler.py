@@ -574,7 +574,7 @@ class PriorityScheduler:
         Why: each bucket's window closes by time on its own, so under a backlog the ready FIFO holds a partial
         batch of a bucket, then batches of other buckets, then more of the first bucket. Stopping at the first
         other bucket ran the partial batch as it was, and its bucket's later records in another partial batch:
-        1,000 all-MiniLM texts at ``bucket_width`` 8 and max batch 64 took 26 batches, 20 with this (2-4% more
+        1,000 all-MiniLM texts at ``bucket_width`` 8 and max batch 64 took 26 batches, 20 with this (1-2% more
         texts/s on a CPU, where a batch's fixed cost is small). Taking later records of the same
         bucket earlier keeps their order within the bucket (buckets are reordered against each other anyway)
         and delays the batches skipped over by no more than a full batch at the front would."""
