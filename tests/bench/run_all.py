@@ -150,7 +150,7 @@ def write_fragment(results: dict[str, Any]) -> None:
         "### Running the benchmarks",
         "",
         "```bash",
-        "make bench                                            # everything, ~16 min on 2 cores",
+        "make bench                                            # everything, 13-16 min on 2 cores",
         "PYTHONPATH=. python -m tests.bench.run_all --quick    # smaller counts, ~5 min (output in /tmp)",
         "PYTHONPATH=. python -m tests.bench.run_all --only latency,memory",
         "PYTHONPATH=. python -m tests.bench.run_all --rerender # table, plots, this section from results.json",
