@@ -549,15 +549,7 @@ class PriorityScheduler:
             recs = b.records
             if bw and b is not first and batcher.bucket_of(recs[0]) != bucket:
                 break
-            j = 0
-            for r in recs:
-                if len(out) >= m:
-                    break
-                j += 1
-                if dead and id(r) in dead:
-                    dead.discard(id(r))
-                else:
-                    out.append(r)
+            j = _take_live(recs, out, m, dead)
             taken += j
             if j == len(recs):
                 ready.popleft()
@@ -585,15 +577,7 @@ class PriorityScheduler:
             recs = b.records
             if batcher.bucket_of(recs[0]) != bucket:
                 continue
-            j = 0
-            for r in recs:
-                if len(out) >= m:
-                    break
-                j += 1
-                if dead and id(r) in dead:
-                    dead.discard(id(r))
-                else:
-                    out.append(r)
+            j = _take_live(recs, out, m, dead)
             taken += j
             del recs[:j]
             emptied = emptied or not recs
@@ -905,3 +889,18 @@ class PriorityScheduler:
                 "latency_b_s": model.b if model is not None else None,
             }
         return out
+
+
+def _take_live(recs: list[Record], out: list[Record], m: int, dead: set[int]) -> int:
+    """Moves records from the front of ``recs`` into ``out`` until it holds ``m``, dropping (and forgetting)
+    tombstones on the way. Returns how many records it went through; the caller removes them from ``recs``."""
+    j = 0
+    for r in recs:
+        if len(out) >= m:
+            break
+        j += 1
+        if dead and id(r) in dead:
+            dead.discard(id(r))
+        else:
+            out.append(r)
+    return j
