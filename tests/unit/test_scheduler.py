@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.unit.fakes import FakeClock, ids, lanes, rec, recs
+from worker.core import scheduler as scheduler_module
 from worker.core.records import Batch, Record, TopicPartition
 from worker.core.scheduler import PriorityScheduler
 
@@ -782,6 +783,26 @@ def test_with_size_buckets_a_partial_batch_is_topped_up_past_other_buckets() -> 
     got = drain(s, now=0.030)
     assert [ids(b.records) for b in got] == [ids(short_early + short_late[:2]), ids(long), ids(short_late[2:])]
     assert len(s) == 0 and s.stats()["default"]["ready_batches"] == 0
+
+
+@pytest.mark.parametrize(("scan", "topped_up"), [(2, False), (3, True)])
+def test_the_bucket_top_up_looks_only_so_far_down_the_ready_batches(monkeypatch: pytest.MonkeyPatch, scan: int,
+                                                                      topped_up: bool) -> None:
+    # The later record of the short batch's bucket is the third ready batch behind it: found when the scan
+    # reaches that far, left for its own batch when not (the scan is bounded: a lane can hold thousands).
+    monkeypatch.setattr(scheduler_module, "TOP_UP_SCAN", scan)
+    s = PriorityScheduler(lanes({"name": "default", "max_batch_size": 4, "max_wait_ms": 10}), "default", "fixed",
+                          bucket_width=8)
+    early, mid, far, late = recs(1, size=3), recs(4, size=20), recs(4, size=40), recs(1, size=3)
+    feed(s, early, now=0.0)
+    assert s.next_batch(0.011, idle=False, full_only=True) is None
+    feed(s, mid + far, now=0.012)
+    feed(s, late, now=0.013)
+    got = [ids(b.records) for b in drain(s, now=0.030)]
+    if topped_up:
+        assert got == [ids(early + late), ids(mid), ids(far)]
+    else:
+        assert got == [ids(early), ids(mid), ids(far), ids(late)]
 
 
 def trained_filling(a: float = 0.010, b: float = 0.001, batch: int = 8) -> PriorityScheduler:
