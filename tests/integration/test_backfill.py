@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Producer
 
 from tests.support.kafka_io import (
     WorkerProcess,
@@ -19,6 +19,7 @@ from tests.support.kafka_io import (
     create_topics,
     decode,
     end_offsets,
+    member_with_partitions,
     read_all,
     worker_config,
 )
@@ -87,14 +88,8 @@ def test_backfill_assigned_again_mid_run_goes_on_from_its_commits(kafka, topic_n
     bs, n = kafka.bootstrap, 20_000
     cfg, w = _slow_backfill_under_way(kafka, topic_names, tmp_path, n, "a", "reassigned")
     group = f"{cfg['kafka']['group_id']}-backfill"
-    other = Consumer({"bootstrap.servers": bs, "group.id": group, "partition.assignment.strategy": "range",
-                      "enable.auto.commit": False, "session.timeout.ms": 10000, "log_level": 0})
+    other = member_with_partitions(bs, group, topic_names["in"], "range")
     try:
-        other.subscribe([topic_names["in"]])
-        deadline = time.monotonic() + 60
-        while not other.assignment() and time.monotonic() < deadline:
-            other.poll(0.2)
-        assert other.assignment(), "the other member never got a partition"
         done_before = sum(committed_offsets(bs, group, topic_names["in"]).values())
     finally:
         other.close()  # leaves: the backfill gets every partition again

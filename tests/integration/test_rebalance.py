@@ -9,7 +9,15 @@ import time
 
 import pytest
 
-from tests.support.kafka_io import WorkerProcess, create_topics, decode, end_offsets, read_all, worker_config
+from tests.support.kafka_io import (
+    WorkerProcess,
+    create_topics,
+    decode,
+    end_offsets,
+    member_with_partitions,
+    read_all,
+    worker_config,
+)
 from worker.load import produce, requests
 
 pytestmark = pytest.mark.integration
@@ -71,25 +79,17 @@ def test_partitions_paused_when_revoked_are_read_again_when_they_come_back(kafka
     partitions paused (backpressure) nearly all the time; another member takes some of them, stays until the
     worker has finished its other partitions (so nothing pauses and resumes them all again), and leaves.
     Before the fix they came back paused while the worker counted them as fetching: never read again."""
-    from confluent_kafka import Consumer
-
     bs, n = kafka.bootstrap, 6000
     create_topics(bs, {topic_names["in"]: 4, topic_names["out"]: 4, topic_names["dlq"]: 1})
     produce(bs, topic_names["in"], requests(n, "synthetic", id_prefix="pz"))
     cfg = worker_config(bs, topic_names, model={"name": "synthetic", "options": {"a_ms": 20, "b_ms": 0.3}},
                         batching={"max_in_flight": 50})
     w = WorkerProcess(cfg, tmp_path, name="paused").start()
-    other = Consumer({"bootstrap.servers": bs, "group.id": cfg["kafka"]["group_id"],
-                      "partition.assignment.strategy": "cooperative-sticky", "enable.auto.commit": False,
-                      "session.timeout.ms": 10000, "log_level": 0})
     try:
         w.wait_assigned()
         time.sleep(2)  # under way, partitions paused most of the time (50 in flight at ~1,000 records/s)
-        other.subscribe([topic_names["in"]])
         deadline = time.monotonic() + 60
-        while not other.assignment() and time.monotonic() < deadline:
-            other.poll(0.2)
-        assert other.assignment(), "the other member never got a partition"
+        other = member_with_partitions(bs, cfg["kafka"]["group_id"], topic_names["in"], "cooperative-sticky")
         # The worker finishes the partitions it kept: no more results for 2 s.
         last, still_since = -1, time.monotonic()
         while time.monotonic() - still_since < 2 and time.monotonic() < deadline:

@@ -118,6 +118,22 @@ def committed_offsets(bootstrap: str, group: str, topic: str, *, stable: bool = 
         c.close()
 
 
+def member_with_partitions(bootstrap: str, group: str, topic: str, strategy: str,
+                           timeout: float = 60.0) -> Consumer:
+    """Another member of ``group`` on ``topic`` (assignor ``strategy``), returned once it holds a partition;
+    the caller polls it to stay and closes it to leave."""
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "partition.assignment.strategy": strategy,
+                  "enable.auto.commit": False, "session.timeout.ms": 10000, "log_level": 0})
+    c.subscribe([topic])
+    deadline = time.monotonic() + timeout
+    while not c.assignment() and time.monotonic() < deadline:
+        c.poll(0.2)
+    if not c.assignment():
+        c.close()
+        raise AssertionError("the other member never got a partition")
+    return c
+
+
 def wait_for(pred: Any, timeout: float, interval: float = 0.25, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
