@@ -93,6 +93,8 @@ def simulate(high_wait_ms: float, load: float = 2.0, seconds: float = 60.0, seed
         # The batch taken ahead while the device was busy (full only), unless a higher lane's closed batch
         # preempts it; with none taken ahead, the free device takes the best, open windows included.
         ahead = sched.next_batch(now, idle=False, full_only=True) if now > 0 else None
+        if ahead is not None:
+            sched.start(ahead)  # as Runner._swap: the batch taken ahead no longer counts as its lane's waiting work
         batch = (sched.preempt(ahead, now) or ahead) if ahead is not None else sched.next_batch(now, idle=True)
         if batch is None or not batch.records:
             nxt = arrivals[i][0] if i < len(arrivals) else seconds

@@ -40,10 +40,13 @@ def test_below_capacity_everything_offered_is_served() -> None:
     assert o.capacity_fraction == pytest.approx(0.5, abs=0.05)
 
 
-def test_fill_with_lower_runs_full_batches_under_overload_without_a_longer_window() -> None:
-    plain = simulate(10.0, load=2.0, seconds=20.0, seed=3)
-    longer = simulate(30.0, load=2.0, seconds=20.0, seed=3)
-    filled = simulate(10.0, load=2.0, seconds=20.0, seed=3, fill=True)
+# Several arrival sequences: a replay that drifts from the runner's dispatch rules can still match it on one
+# (seed 3 alone passed while the replay skipped PriorityScheduler.start, and the CLI's seed 1 served 0.59).
+@pytest.mark.parametrize("seed", [1, 2, 3, 5])
+def test_fill_with_lower_runs_full_batches_under_overload_without_a_longer_window(seed: int) -> None:
+    plain = simulate(10.0, load=2.0, seconds=20.0, seed=seed)
+    longer = simulate(30.0, load=2.0, seconds=20.0, seed=seed)
+    filled = simulate(10.0, load=2.0, seconds=20.0, seed=seed, fill=True)
     assert filled.capacity_fraction > 0.97
     assert filled.high_mean_batch > 31.5  # (the first batches, before the backlog builds, are not full)
     # Its p99 lies between the short window's and the longer window's, at full throughput.
