@@ -213,12 +213,14 @@ class Runner:
     def _swap(self, batch: Batch) -> Batch | None:
         """The device is about to start ``batch`` (prefetched while it was busy): a higher-priority batch that
         became ready since goes first, and ``batch`` goes back to its lane (see PriorityScheduler.preempt).
-        Its records past their deadline by now are expired first. Returns the batch to run instead, if any."""
+        Its records past their deadline by now are expired first, and a partial batch taken ahead that keeps its
+        place takes along what arrived since (see PriorityScheduler.top_up). Returns the batch to run instead,
+        if any."""
         if batch.reason == "isolate":
             return None
         with self.cv:
             now = time.monotonic()
-            self.scheduler.start(batch)
+            was_ahead = self.scheduler.start(batch)
             current = batch
             epochs = self.epochs
             if any(epochs[r.tp] != r.epoch for r in batch.records):
@@ -233,11 +235,16 @@ class Runner:
             if self._suspects or self._isolated or not current.records:
                 return changed
             better = self.scheduler.preempt(current, now)
+            if better is not None:
+                self.metrics.event("preemptions_total", lane=batch.lane)
+            elif was_ahead:
+                # Not preempted: a partial batch taken ahead takes along what its lane (and, with
+                # fill_with_lower, the lower lanes) received since it was taken.
+                better = self.scheduler.top_up(current, now)
             if better is None:
                 return changed
             better.closed_at = now
-            self.metrics.event("preemptions_total", lane=batch.lane)
-        self.gate.count_dispatch(better)
+        self.gate.count_dispatch(better)  # only its records not counted yet
         return better
 
     def _next_batch(self, timeout: float) -> Batch | None:

@@ -10,7 +10,8 @@ What it models: the two lanes of ``tests.bench.latency`` (high: priority 1, weig
 low: priority 0, weight 1), Poisson arrivals, one device whose batch of ``n`` takes ``a + b*n`` (the synthetic
 model), and the runner's dispatch rules: while the device is busy the collate stage takes a batch ahead only
 if it is full (``next_batch(idle=False, full_only=True)``); when the device frees up a higher lane's closed
-batch may take its place (``preempt``); otherwise a free device takes the best batch, open windows included
+batch may take its place (``preempt``), else a partial batch taken ahead takes along what arrived since
+(``top_up``); with none taken ahead, a free device takes the best batch, open windows included
 (``next_batch(idle=True)``). Records over a lane's ``queue_bound`` wait "in Kafka" (the runner pauses the
 lane's partitions) and enter when the lane drops below it; their latency counts from arrival.
 
@@ -94,8 +95,11 @@ def simulate(high_wait_ms: float, load: float = 2.0, seconds: float = 60.0, seed
         # preempts it; with none taken ahead, the free device takes the best, open windows included.
         ahead = sched.next_batch(now, idle=False, full_only=True) if now > 0 else None
         if ahead is not None:
-            sched.start(ahead)  # as Runner._swap: the batch taken ahead no longer counts as its lane's waiting work
-        batch = (sched.preempt(ahead, now) or ahead) if ahead is not None else sched.next_batch(now, idle=True)
+            # As Runner._swap: start (the batch no longer counts as its lane's waiting work), preempt, top_up.
+            sched.start(ahead)
+            batch = sched.preempt(ahead, now) or sched.top_up(ahead, now) or ahead
+        else:
+            batch = sched.next_batch(now, idle=True)
         if batch is None or not batch.records:
             nxt = arrivals[i][0] if i < len(arrivals) else seconds
             wake = sched.next_wakeup(now)

@@ -59,6 +59,43 @@ def test_a_batch_whose_records_expired_before_its_device_started_it_is_not_run(
     assert h.model.forward_calls == [[]] and h.committed() == 2
 
 
+def test_a_batch_taken_ahead_that_lost_records_to_their_deadline_is_topped_up_when_its_device_starts_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runner._swap -> PriorityScheduler.top_up: the batch taken ahead lost two records to their deadline by the
+    time the device could start it, and its lane received two more meanwhile. It runs with them (one batch of
+    four instead of a batch of two and another of two), and every record gets one result."""
+    cfg = make_config(batching={"lanes": [{"name": "default", "max_batch_size": 4, "max_wait_ms": 10,
+                                           "deadline_ms": 50}]})
+    h = Harness(monkeypatch, cfg).start()
+    h.c.assign(("in", 0))
+    h.send(4)
+    h.iterate()
+    running = h.device.take()  # the device is free: it runs offsets 0-3
+    assert running is not None and len(running.records) == 4
+    h.send(2)
+    h.iterate()
+    h.clock.advance(0.030)
+    h.send(2)
+    h.iterate()
+    ahead = h.device.take()  # the device is busy: the full batch 4-7 is taken ahead
+    assert ahead is not None and [r.offset for r in ahead.records] == [4, 5, 6, 7]
+    h.clock.advance(0.005)
+    h.send(2)  # 8-9 arrive while the device is busy
+    h.iterate()
+    h.clock.advance(0.025)  # 4 and 5 are past their 50 ms deadline now
+    h.device.finish(running)
+    started = h.runner._swap(ahead)
+    assert started is not None and [r.offset for r in started.records] == [6, 7, 8, 9]
+    assert h.device.take() is None  # nothing was left behind
+    h.device.finish(started)
+    h.process()
+    h.commit()
+    statuses = {r["source"]["offset"]: r["status"] for r in h.p.results()}
+    assert statuses == {**{o: "ok" for o in range(10)}, 4: "expired", 5: "expired"}
+    assert len(h.p.results()) == 10
+    assert [len(c) for c in h.model.forward_calls] == [4, 4] and h.committed() == 10
+
+
 def test_readiness_follows_the_broker(monkeypatch: pytest.MonkeyPatch) -> None:
     """/readyz's broker check: false when the broker does not answer at start (it used to turn true at the
     first lag report), false when librdkafka reports all brokers down (through error_cb: such errors never

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import deque
 
 import pytest
 from hypothesis import given, settings
@@ -449,6 +450,8 @@ def test_adaptive_gap_filler_must_end_before_the_hold() -> None:
 LANES = ["hi", "lo", "default"]
 _add = st.tuples(st.just("add"), st.integers(0, 2), st.integers(0, 3), st.sampled_from([None, 0.001, 0.01, 0.023, 0.05]))
 _next = st.tuples(st.just("next"), st.booleans(), st.just(0), st.just(None))
+_ahead = st.tuples(st.just("ahead"), st.just(0), st.just(0), st.just(None))  # take a batch ahead (device busy)
+_start = st.tuples(st.just("start"), st.just(0), st.just(0), st.just(None))  # the device starts it (Runner._swap)
 op_st = st.one_of(
     _add, _add, _add, _next, _next,
     st.tuples(st.just("tick"), st.integers(1, 20), st.just(0), st.just(None)),
@@ -457,7 +460,7 @@ op_st = st.one_of(
     st.tuples(st.just("max"), st.integers(0, 2), st.integers(1, 6), st.just(None)),
     st.tuples(st.just("observe"), st.integers(0, 2), st.integers(1, 6), st.just(None)),
     st.tuples(st.just("flush"), st.just(0), st.just(0), st.just(None)),
-    st.tuples(st.just("ahead"), st.just(0), st.just(0), st.just(None)),  # take ahead, then maybe preempt
+    _ahead, _ahead, _start, _start,
 )
 PRIORITY = {"hi": 5, "lo": 1, "default": 0}
 
@@ -483,11 +486,12 @@ def test_every_record_comes_out_exactly_once(ops: list[tuple[str, object, int, f
     out: list[int] = []
     keep: list[Record] = []
 
-    def take(b: Batch | None) -> None:
+    def take(b: Batch | None, size_ok: int = 0) -> None:
         if b is None:
             return
         assert b.records, "empty batch"
-        assert len(b) <= s.max_batch_size(b.lane)
+        # (size_ok: a batch taken ahead before its lane's max was lowered keeps its size; the engine splits it)
+        assert len(b) <= max(s.max_batch_size(b.lane), size_ok)
         own = [r for r in b.records if r.lane == b.lane]
         assert own and b.records[:len(own)] == own, "the batch's own lane first"
         others = b.records[len(own):]
@@ -498,6 +502,22 @@ def test_every_record_comes_out_exactly_once(ops: list[tuple[str, object, int, f
         if bucket:
             assert len({r.size // bucket for r in b.records}) == 1
         out.extend(r.offset for r in b.records)
+
+    pending: deque[Batch] = deque()  # taken ahead, not started yet
+
+    def start(pre: Batch) -> None:
+        # As Runner._swap: start, drop what expired since it was taken, preempt, else top up.
+        was_ahead = s.start(pre)
+        assert was_ahead
+        trimmed = s.drop_expired(pre, now)
+        cur = trimmed if trimmed is not None else pre
+        if not cur.records:
+            return  # every record expired: handed out by the next expire()
+        run = s.preempt(cur, now) or s.top_up(cur, now)
+        if run is None:
+            take(cur, size_ok=len(cur))
+            return
+        take(run)
 
     for op, a1, a2, a3 in ops:
         if op == "add":
@@ -511,8 +531,9 @@ def test_every_record_comes_out_exactly_once(ops: list[tuple[str, object, int, f
         elif op == "ahead":
             pre = s.next_batch(now, idle=False, full_only=True)
             if pre is not None:
-                swapped = s.preempt(pre, now)
-                take(swapped if swapped is not None else pre)
+                pending.append(pre)
+        elif op == "start" and pending:
+            start(pending.popleft())
         elif op == "tick":
             assert isinstance(a1, int)
             now += a1 / 1000.0
@@ -534,12 +555,87 @@ def test_every_record_comes_out_exactly_once(ops: list[tuple[str, object, int, f
         w = s.next_wakeup(now)
         assert w is None or w == w  # never NaN
     # drain: everything left comes out
+    while pending:
+        start(pending.popleft())
     s.flush(now)
     for _ in range(1000):
         b = s.next_batch(now, idle=True)
         if b is None:
             break
         take(b)
+    out.extend(r.offset for r in s.expire(now))
+    assert len(s) == 0
+    assert len(out) == len(set(out)), "a record came out twice"
+    assert set(out) == added, "a record was lost"
+
+
+_arrivals = st.lists(st.tuples(st.integers(0, 2), st.sampled_from([None, 0.004, 0.03])), max_size=9)
+
+
+@settings(max_examples=150, deadline=None)
+@given(cycles=st.lists(st.tuples(_arrivals, st.integers(0, 25), st.integers(0, 6)), min_size=5, max_size=40),
+       policy=st.sampled_from(["fixed", "adaptive"]), bucket=st.sampled_from([0, 0, 2]), fill=st.booleans())
+def test_the_device_pipeline_with_top_ups_runs_every_record_exactly_once(
+        cycles: list[tuple[list[tuple[int, float | None]], int, int]], policy: str, bucket: int, fill: bool) -> None:
+    """The runner's pipeline on one device: while a batch runs the next is taken ahead (full_only), records
+    arrive, and when the device frees up the batch taken ahead is started as Runner._swap does (start,
+    drop_expired, preempt, else top_up). Under load most of those batches are partial by then (deadlines,
+    a raised limit) and are topped up, so this exercises top_up far more than the random-operations test."""
+    cfg = lanes({"name": "hi", "priority": 5, "max_batch_size": 4, "max_wait_ms": 5, "fill_with_lower": fill},
+                {"name": "lo", "priority": 1, "max_batch_size": 3, "max_wait_ms": 2, "fill_with_lower": fill},
+                {"name": "default", "max_batch_size": 5, "max_wait_ms": 20})
+    s = PriorityScheduler(cfg, "default", policy, bucket_width=bucket)
+    for n in (1, 3, 5):
+        s.observe("default", n, 0.002 + 0.001 * n)
+    now = 0.0
+    added: set[int] = set()
+    out: list[int] = []
+    running: Batch | None = None
+
+    def check(b: Batch, size_ok: int = 0) -> None:
+        assert b.records and len(b) <= max(s.max_batch_size(b.lane), size_ok)
+        own = [r for r in b.records if r.lane == b.lane]
+        assert b.records[:len(own)] == own, "the batch's own lane first"
+        assert all(PRIORITY[r.lane] < PRIORITY[b.lane] for r in b.records[len(own):]), "filled only from lower lanes"
+        assert all(r.deadline is None or r.deadline > now for r in b.records), "expired record dispatched"
+        if bucket:
+            assert len({r.size // bucket for r in b.records}) == 1
+        out.extend(r.offset for r in b.records)
+
+    for arrivals, tick_ms, raise_to in cycles:
+        ahead = s.next_batch(now, idle=False, full_only=True) if running is not None else None
+        for lane, deadline in arrivals:
+            r = rec(LANES[lane], size=len(added) % 4, deadline=None if deadline is None else now + deadline)
+            added.add(r.offset)
+            out.extend(x.offset for x in s.add(r, now))
+        if raise_to:
+            s.set_max_batch_size(LANES[raise_to % 3], raise_to)
+        out.extend(x.offset for x in s.expire(now))  # (the loop thread's; not right before the start)
+        now += tick_ms / 1000.0
+        running = None  # the device is free
+        if ahead is not None:
+            assert s.start(ahead)
+            trimmed = s.drop_expired(ahead, now)
+            cur = trimmed if trimmed is not None else ahead
+            if cur.records:
+                run = s.preempt(cur, now) or s.top_up(cur, now)
+                if run is None:
+                    check(cur, size_ok=len(cur))
+                    running = cur
+                else:
+                    check(run)
+                    running = run
+        if running is None:
+            running = s.next_batch(now, idle=True)
+            if running is not None:
+                check(running)
+        for lane in s._lanes.values():
+            assert lane.n == len(lane.batcher) + lane.ready_n - len(lane.dead)
+            assert lane.ready_n == sum(len(x.records) for x in lane.ready)
+            assert lane.ahead == 0
+    s.flush(now)
+    while (b := s.next_batch(now, idle=True)) is not None:
+        check(b)
     out.extend(r.offset for r in s.expire(now))
     assert len(s) == 0
     assert len(out) == len(set(out)), "a record came out twice"
@@ -991,6 +1087,73 @@ def test_a_trickling_low_lane_runs_within_a_few_batches_under_overload(lo_batch:
         if any(r.lane == "lo" for r in running.records):
             break
     assert turns <= 6, f"the low lane first ran after {turns} high batches"
+
+
+def _ahead_then_trimmed(s: PriorityScheduler, lane: str) -> Batch:
+    """A full batch of ``lane`` taken ahead at 0 whose first two records (deadline 50 ms) expired by its start at
+    60 ms: what the device starts is a partial batch."""
+    feed(s, [rec(lane, deadline=0.050), rec(lane, deadline=0.050), rec(lane), rec(lane)], now=0.0)
+    ahead = s.next_batch(0.0, idle=False, full_only=True)
+    assert ahead is not None and len(ahead.records) == 4
+    assert s.start(ahead) is True
+    trimmed = s.drop_expired(ahead, 0.060)
+    assert trimmed is not None and len(trimmed.records) == 2
+    assert s.preempt(trimmed, 0.060) is None
+    return trimmed
+
+
+def test_a_partial_batch_taken_ahead_takes_its_lanes_later_records_when_it_starts() -> None:
+    s = two_lanes(batch=4)
+    trimmed = _ahead_then_trimmed(s, "lo")
+    later = recs(3, "lo")
+    feed(s, later, now=0.030)  # arrived while the device was busy: an open window
+    out = s.top_up(trimmed, 0.060)
+    assert out is not None and ids(out.records) == ids(trimmed.records + later[:2])
+    assert not out.mixed and ids(trimmed.records) == ids(out.records[:2])  # (the batch given is not changed)
+    assert s.queued("lo") == 1 and len(s) == 1
+    assert s.top_up(out, 0.060) is None  # full
+    rest = s.next_batch(0.060, idle=True)
+    assert rest is not None and ids(rest.records) == ids(later[2:])
+    assert s.next_batch(0.060, idle=True) is None
+
+
+def test_a_fill_lane_partial_batch_taken_ahead_is_filled_when_it_starts_its_own_records_first() -> None:
+    """``fill_with_lower`` used to fill only the batches a free device took: under 2x overload a 50 ms high-lane
+    window's batches were taken ahead and ran unfilled (``overload_sim``: 0.84 of capacity instead of 1.00)."""
+    cfg = lanes({"name": "hi", "priority": 10, "max_batch_size": 4, "max_wait_ms": 10, "fill_with_lower": True},
+                {"name": "lo", "max_batch_size": 4, "max_wait_ms": 10})
+    s = PriorityScheduler(cfg, "lo", "fixed")
+    trimmed = _ahead_then_trimmed(s, "hi")
+    lo = recs(3, "lo")
+    feed(s, lo, now=0.010)
+    hi = rec("hi")
+    feed(s, [hi], now=0.040)
+    out = s.top_up(trimmed, 0.060)
+    assert out is not None and out.mixed and out.lane == "hi"
+    assert ids(out.records) == ids(trimmed.records + [hi] + lo[:1])
+    assert s.queued("lo") == 2 and s.queued("hi") == 0
+
+
+def test_no_top_up_with_size_buckets_or_for_a_full_batch() -> None:
+    s = two_lanes(batch=4, bucket_width=2)
+    trimmed = _ahead_then_trimmed(s, "lo")
+    feed(s, recs(2, "lo"), now=0.030)
+    assert s.top_up(trimmed, 0.060) is None  # a bucket's batch would take records of other sizes
+    s = two_lanes(batch=4)
+    feed(s, recs(4, "lo"), now=0.0)
+    full = s.next_batch(0.0, idle=False, full_only=True)
+    assert full is not None and s.start(full)
+    feed(s, recs(2, "lo"), now=0.001)
+    assert s.top_up(full, 0.010) is None
+
+
+def test_start_says_whether_the_batch_was_taken_ahead() -> None:
+    s = two_lanes(batch=4)
+    feed(s, recs(4, "lo") + recs(1, "hi"), now=0.0)
+    free = s.next_batch(0.0, idle=True)  # a free device: hi's open window
+    assert free is not None and s.start(free) is False
+    ahead = s.next_batch(0.0, idle=False, full_only=True)
+    assert ahead is not None and s.start(ahead) is True and s.start(ahead) is False
 
 
 def test_the_adaptive_fill_takes_a_record_without_a_finite_deadline() -> None:

@@ -41,7 +41,9 @@ their lane, already accounted for; the rest is requeued). Each added record keep
 its lane's service counter, so the fairness bound above holds per lane; the batch is marked ``mixed``. Why:
 a high lane whose windows close by time under overload otherwise runs batches of a few records whose fixed
 cost takes most of the device (``tests/bench/overload_sim``: 0.49 of capacity served at a 10 ms window, 1.00
-with the option). Batches taken ahead are not filled (they are full), and with size buckets the option is off.
+with the option). A batch taken ahead is full, or is a lane's partial batch owed the device: that one is
+topped up from its own lane and then filled when its device starts it (``top_up``). With size buckets the
+option is off.
 Adaptive policy: the fill stops where the batch's earliest deadline would be missed (``a + b*n``), and a
 lower lane whose earliest deadline the filled batch would miss is skipped, so no record is expired on a
 filled batch's account.
@@ -307,7 +309,8 @@ class PriorityScheduler:
                 return None
             batch = self._finalize(batch, now)
             if batch is not None:
-                # Only a batch the device starts now is filled: one taken ahead is full anyway (full_only).
+                # Only a batch the device starts now is filled: one taken ahead is full, or is filled when
+                # its device starts it (top_up).
                 if idle:
                     return self._fill(batch, now)
                 batch.ahead = True
@@ -444,14 +447,18 @@ class PriorityScheduler:
             lane = min(cands, key=lambda ln: ln.vservice)
         return lane
 
-    def start(self, batch: Batch) -> None:
-        """The device is about to start ``batch`` (before ``drop_expired`` and ``preempt``): a batch taken ahead
-        no longer counts as its lane's waiting work. Called for every batch; a no-op for others."""
-        if batch.ahead:
-            batch.ahead = False
-            lane = self._lanes.get(batch.lane)
-            if lane is not None and lane.ahead > 0:
-                lane.ahead -= 1
+    def start(self, batch: Batch) -> bool:
+        """The device is about to start ``batch`` (before ``drop_expired``, ``preempt`` and ``top_up``): a batch
+        taken ahead no longer counts as its lane's waiting work. Called for every batch; a no-op for others.
+        Returns whether ``batch`` was taken ahead (only such a batch is topped up at its start: one a free
+        device took was topped up and filled then)."""
+        if not batch.ahead:
+            return False
+        batch.ahead = False
+        lane = self._lanes.get(batch.lane)
+        if lane is not None and lane.ahead > 0:
+            lane.ahead -= 1
+        return True
 
     def preempt(self, batch: Batch, now: float) -> Batch | None:
         """A device is about to start ``batch``, which it took earlier (prefetched while it was busy). If a lane
@@ -489,6 +496,42 @@ class PriorityScheduler:
         if batch.records:
             self._requeue(own, batch)
         return out
+
+    def top_up(self, batch: Batch, now: float) -> Batch | None:
+        """A device is about to start ``batch``, taken ahead, and ``preempt`` kept it. A partial one (a lane
+        owed the device goes with what its windows closed by time, see ``_select_ahead``) takes what its lane
+        received since, ready batches first and then the open window, as a free device's batch does
+        (``_select_from``); then, with ``fill_with_lower``, lower lanes' records (``_fill``). Returns a new
+        batch holding them, which the device prepares again, or None when nothing was added (a full batch,
+        size buckets, nothing waiting).
+
+        Why: such a batch was taken up to a batch-time before its device could start it. Without this, its
+        lane's records arriving meanwhile would wait for a batch of their own, and a fill lane's free slots
+        would stay empty: with a 50 ms high-lane window under 2x overload the high lane's batches were taken
+        this way, unfilled, and 0.84 of capacity was served (``tests/bench/overload_sim --fill``)."""
+        lane = self._lanes.get(batch.lane)
+        if lane is None or lane.batcher.bucket_width or not batch.records:
+            return None
+        room = lane.max_batch - len(batch.records)
+        if room <= 0 or not (lane.n or (lane.fill and self._total)):
+            return None
+        self._expire_due(now)
+        out = batch.with_records(list(batch.records))
+        model = self._model(lane) if self._adaptive else None
+        if model is not None:
+            room = self._fill_room(model, out, now, room)
+        if room > 0 and lane.n:
+            if lane.ready_n < room and len(lane.batcher):
+                extra = lane.batcher.take_open(now, room - lane.ready_n, "idle")
+                if extra is not None:
+                    self._push_ready(lane, [extra])
+            if lane.ready_n:
+                part = self._finalize(self._pop_ready(lane, room), now, ahead=len(out.records))
+                if part is not None:
+                    out.records.extend(part.records)
+                    lane.served_batches -= 1  # part of this batch, not one of its own
+        out = self._fill(out, now)
+        return out if len(out.records) > len(batch.records) else None
 
     def drop_expired(self, batch: Batch, now: float) -> Batch | None:
         """A batch taken ahead waits up to a batch-time before its device starts it; records whose deadline
