@@ -1,10 +1,10 @@
 """The latency bench's overload step replayed on the real scheduler, without Kafka, threads or a clock.
 
-``python -m tests.bench.overload_sim [--load 2.0] [--high-wait-ms 5,10,20,30,50] [--seconds 60] [--fill]``
-prints, per high-lane ``max_wait_ms``, the records/s served (as a fraction of full-batch capacity), the mean
-size and share of device time of the batches the high lane leads, its p99 latency and the low lane's share of
-the records served. ``--fill`` sets ``fill_with_lower`` on the high lane (its partial batches take low-lane
-records into their free slots).
+``python -m tests.bench.overload_sim [--load 2.0[,0.9,...]] [--high-wait-ms 5,10,20,30,50] [--seconds 60] [--fill]
+[--high-max-batch 32]`` prints, per load and high-lane ``max_wait_ms``, the records/s served (as a fraction of
+full-batch capacity), the mean size and share of device time of the batches the high lane leads, the p99
+latency of each lane and the low lane's share of the records served. ``--fill`` sets ``fill_with_lower`` on
+the high lane (its partial batches take low-lane records into their free slots).
 
 What it models: the two lanes of ``tests.bench.latency`` (high: priority 1, weight 4, 10% of the traffic;
 low: priority 0, weight 1), Poisson arrivals, one device whose batch of ``n`` takes ``a + b*n`` (the synthetic
@@ -45,11 +45,12 @@ class Outcome:
     high_device_share: float
     high_p99_ms: float
     low_share: float
+    low_p99_ms: float
 
 
-def lanes(high_wait_ms: float, fill: bool = False) -> list[LaneConfig]:
+def lanes(high_wait_ms: float, fill: bool = False, high_max: int = MAX_B) -> list[LaneConfig]:
     return [
-        LaneConfig(name="high", priority=1, weight=W_HIGH, max_batch_size=MAX_B, max_wait_ms=high_wait_ms,
+        LaneConfig(name="high", priority=1, weight=W_HIGH, max_batch_size=high_max, max_wait_ms=high_wait_ms,
                    queue_bound=QUEUE_BOUND, fill_with_lower=fill),
         LaneConfig(name="low", priority=0, weight=W_LOW, max_batch_size=MAX_B, max_wait_ms=10,
                    queue_bound=QUEUE_BOUND),
@@ -57,9 +58,9 @@ def lanes(high_wait_ms: float, fill: bool = False) -> list[LaneConfig]:
 
 
 def simulate(high_wait_ms: float, load: float = 2.0, seconds: float = 60.0, seed: int = 1,
-             fill: bool = False) -> Outcome:
+             fill: bool = False, high_max: int = MAX_B) -> Outcome:
     rng = random.Random(seed)
-    sched = PriorityScheduler(lanes(high_wait_ms, fill), "low")
+    sched = PriorityScheduler(lanes(high_wait_ms, fill, high_max), "low")
     a_s, b_s = A_MS / 1000.0, B_MS / 1000.0
     arrivals: list[tuple[float, str]] = []
     t = 0.0
@@ -74,6 +75,7 @@ def simulate(high_wait_ms: float, load: float = 2.0, seconds: float = 60.0, seed
     busy = {"high": 0.0, "low": 0.0}
     batches = {"high": 0, "low": 0}
     high_lat: list[float] = []
+    low_lat: list[float] = []
     high_batch_records = 0
     now, i = 0.0, 0
     while now < seconds:
@@ -109,14 +111,14 @@ def simulate(high_wait_ms: float, load: float = 2.0, seconds: float = 60.0, seed
         now += took
         for r in batch.records:
             served[r.lane] += 1
-            if r.lane == "high":
-                high_lat.append(now - r.received_at)
+            (high_lat if r.lane == "high" else low_lat).append(now - r.received_at)
         busy[batch.lane] += took
         batches[batch.lane] += 1
         if batch.lane == "high":
             high_batch_records += len(batch.records)
     total = served["high"] + served["low"]
     high_lat.sort()
+    low_lat.sort()
     return Outcome(
         served_per_s=total / seconds,
         capacity_fraction=total / seconds / CAPACITY,
@@ -124,24 +126,39 @@ def simulate(high_wait_ms: float, load: float = 2.0, seconds: float = 60.0, seed
         high_device_share=busy["high"] / seconds,
         high_p99_ms=high_lat[int(0.99 * (len(high_lat) - 1))] * 1000.0 if high_lat else float("nan"),
         low_share=served["low"] / max(total, 1),
+        low_p99_ms=low_lat[int(0.99 * (len(low_lat) - 1))] * 1000.0 if low_lat else float("nan"),
     )
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--load", type=float, default=2.0, help="offered load / capacity (default 2.0)")
+    ap.add_argument("--load", default="2.0",
+                    help="offered load / capacity; several, comma-separated, give a row each (default 2.0)")
     ap.add_argument("--high-wait-ms", default="5,10,20,30,50", help="high-lane max_wait_ms values to compare")
     ap.add_argument("--fill", action="store_true", help="the high lane with fill_with_lower: true")
+    ap.add_argument("--high-max-batch", type=int, default=MAX_B,
+                    help=f"the high lane's max_batch_size (default {MAX_B}, the low lane's): with --fill it bounds "
+                         "how long a filled high batch takes")
     ap.add_argument("--seconds", type=float, default=60.0, help="simulated seconds per value (default 60)")
     args = ap.parse_args()
-    print(f"a={A_MS} ms, b={B_MS} ms, max batch {MAX_B}: capacity {CAPACITY:.0f} records/s; load {args.load:.0%}, "
-          f"high lane {HIGH_SHARE:.0%} of the traffic, weights high {W_HIGH:g} / low {W_LOW:g}")
-    print(f"{'high max_wait':>14} {'served/s':>9} {'of capacity':>12} {'high batch':>11} {'high device':>12} "
-          f"{'high p99 ms':>12} {'low share':>10}")
-    for w in (float(x) for x in args.high_wait_ms.split(",")):
-        o = simulate(w, args.load, args.seconds, fill=args.fill)
-        print(f"{w:>11.0f} ms {o.served_per_s:>9.0f} {o.capacity_fraction:>12.2f} {o.high_mean_batch:>11.1f} "
-              f"{o.high_device_share:>12.2f} {o.high_p99_ms:>12.0f} {o.low_share:>10.2f}")
+    try:
+        loads = [float(x) for x in args.load.split(",")]
+        waits = [float(x) for x in args.high_wait_ms.split(",")]
+    except ValueError as e:
+        ap.error(f"--load and --high-wait-ms take comma-separated numbers: {e}")
+    if args.high_max_batch < 1:
+        ap.error("--high-max-batch must be >= 1")
+    print(f"a={A_MS} ms, b={B_MS} ms, max batch {MAX_B}: capacity {CAPACITY:.0f} records/s; high lane "
+          f"{HIGH_SHARE:.0%} of the traffic, weights high {W_HIGH:g} / low {W_LOW:g}"
+          f"{', fill_with_lower' if args.fill else ''}, high max batch {args.high_max_batch}")
+    print(f"{'load':>5} {'high max_wait':>14} {'served/s':>9} {'of capacity':>12} {'high batch':>11} "
+          f"{'high device':>12} {'high p99 ms':>12} {'low p99 ms':>11} {'low share':>10}")
+    for load in loads:
+        for w in waits:
+            o = simulate(w, load, args.seconds, fill=args.fill, high_max=args.high_max_batch)
+            print(f"{load:>5.0%} {w:>11.0f} ms {o.served_per_s:>9.0f} {o.capacity_fraction:>12.2f} "
+                  f"{o.high_mean_batch:>11.1f} {o.high_device_share:>12.2f} {o.high_p99_ms:>12.0f} "
+                  f"{o.low_p99_ms:>11.0f} {o.low_share:>10.2f}")
     return 0
 
 

@@ -76,3 +76,20 @@ def test_fill_with_lower_keeps_up_at_ninety_percent_load_where_small_batches_do_
     filled = simulate(10.0, load=0.9, seconds=20.0, seed=3, fill=True)
     assert plain.capacity_fraction < 0.75  # the high lane's small batches: less than offered, a backlog grows
     assert filled.capacity_fraction == pytest.approx(0.9, abs=0.03)
+
+
+def test_below_overload_fill_with_lower_lowers_both_lanes_p99() -> None:
+    """README's load table: without the option the low lane waits behind the high lane's small batches."""
+    for load in (0.5, 0.7):
+        plain = simulate(10.0, load=load, seconds=20.0, seed=3)
+        filled = simulate(10.0, load=load, seconds=20.0, seed=3, fill=True)
+        assert filled.high_p99_ms < plain.high_p99_ms
+        assert filled.low_p99_ms < 0.6 * plain.low_p99_ms
+
+
+def test_a_smaller_high_lane_max_batch_bounds_the_filled_lanes_p99_under_overload() -> None:
+    plain = simulate(10.0, load=2.0, seconds=20.0, seed=3)
+    capped = simulate(10.0, load=2.0, seconds=20.0, seed=3, fill=True, high_max=24)
+    filled = simulate(10.0, load=2.0, seconds=20.0, seed=3, fill=True)
+    assert capped.high_p99_ms < plain.high_p99_ms < filled.high_p99_ms
+    assert plain.capacity_fraction < 0.6 < 0.85 < capped.capacity_fraction < filled.capacity_fraction
