@@ -122,7 +122,8 @@ def write_fragment(results: dict[str, Any]) -> None:
         "### Results",
         "",
         f"Measured {results['date']} on a {results['machine']} (figures are noisy, so every one is a ratio against",
-        "a baseline measured in the same run), with a local single-node Kafka broker, by one run of",
+        f"a baseline measured in the same run), with a local single-node Kafka broker "
+        f"({results.get('broker_storage', 'data on disk')}), by one run of",
         f"{_runs_line(results)} at commit `{results.get('commit', 'unknown')}`.",
         "",
         *table(results["table"]),
@@ -158,11 +159,16 @@ def write_fragment(results: dict[str, Any]) -> None:
         "PYTHONPATH=. python -m tests.bench.profile_worker --tool none --metrics # CPU per record, split by thread",
         "PYTHONPATH=. python -m tests.bench.stage_costs       # CPU per record of each loop-thread step",
         "PYTHONPATH=. python -m tests.bench.overload_sim      # the 2x-overload step replayed on the scheduler, no Kafka",
+        "                                                      # (--load 0.5,0.9,2 --fill --high-max-batch 24: other loads and lane settings)",
         "PYTHONPATH=. python -m tests.bench.resume_fetch      # first record after a resume, with and without the wake-up",
         "PYTHONPATH=. python -m tests.bench.light_load        # e2e latency of one worker at 100-2000 records/s, warm broker",
         "```",
         "",
-        "They start their own Kafka broker unless `KAFKA_BOOTSTRAP_SERVERS` is set. Baselines: a plain",
+        "They start their own Kafka broker unless `KAFKA_BOOTSTRAP_SERVERS` is set, with its data on tmpfs",
+        "(`/dev/shm`) when that has 4 GB free (`KIW_BENCH_BROKER_DISK=1` keeps it on disk): on the development VM the",
+        "disk stalled the broker's appends and fetches for 100-200 ms a minute or two after the pipeline scenario",
+        "(a bare consumer's Kafka hop p99 40-90 ms instead of 2-3), in every run of that sequence on disk and in none",
+        "on tmpfs. Every system in a run uses the same broker. Baselines: a plain",
         "confluent-kafka consume -> produce -> commit loop (`tests/bench/raw_loop.py`), a Quix Streams application",
         "(`tests/bench/quix_app.py`), the batchers of the two design articles re-implemented as written",
         "(`tests/bench/seed_batchers.py`), and the `minilm` handler run offline on the same texts",
@@ -301,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         (["--quick"] if args.quick else []) + ([f"--only {args.only}"] if args.only else []))
     today = time.strftime("%Y-%m-%d", time.gmtime())
     runs = [{"command": cmd, "runtime_s": round(runtime, 1), "scenarios": names, "date": today}]
-    results.update({"date": today, "machine": MACHINE, "python": sys.version.split()[0],
+    results.update({"date": today, "machine": MACHINE, "broker_storage": broker.storage, "python": sys.version.split()[0],
                     "platform": platform.platform(), "quick": args.quick, "command": cmd,
                     "runtime_s": round(runtime, 1), "last_run_scenarios": names, "runs": runs})
     results["table"] = all_rows(results)
