@@ -94,7 +94,8 @@ def simulate(high_wait_ms: float, load: float = 2.0, seconds: float = 60.0, seed
                 sched.add(rec, at)
             i += 1
         # The batch taken ahead while the device was busy (full only), unless a higher lane's closed batch
-        # preempts it; with none taken ahead, the free device takes the best, open windows included.
+        # preempts it (a partial one is topped up); with none taken ahead, the free device takes the best,
+        # open windows included.
         ahead = sched.next_batch(now, idle=False, full_only=True) if now > 0 else None
         if ahead is not None:
             # As Runner._swap: start (the batch no longer counts as its lane's waiting work), preempt, top_up.
@@ -146,6 +147,8 @@ def main() -> int:
         waits = [float(x) for x in args.high_wait_ms.split(",")]
     except ValueError as e:
         ap.error(f"--load and --high-wait-ms take comma-separated numbers: {e}")
+    if any(x <= 0 for x in loads) or any(x < 0 for x in waits):
+        ap.error("--load values must be > 0 and --high-wait-ms values >= 0")
     if args.high_max_batch < 1:
         ap.error("--high-max-batch must be >= 1")
     print(f"a={A_MS} ms, b={B_MS} ms, max batch {MAX_B}: capacity {CAPACITY:.0f} records/s; high lane "
