@@ -521,15 +521,10 @@ class PriorityScheduler:
         if model is not None:
             room = self._fill_room(model, out, now, room)
         if room > 0 and lane.n:
-            if lane.ready_n < room and len(lane.batcher):
-                extra = lane.batcher.take_open(now, room - lane.ready_n, "idle")
-                if extra is not None:
-                    self._push_ready(lane, [extra])
-            if lane.ready_n:
-                part = self._finalize(self._pop_ready(lane, room), now, ahead=len(out.records))
-                if part is not None:
-                    out.records.extend(part.records)
-                    lane.served_batches -= 1  # part of this batch, not one of its own
+            part = self._finalize(self._select_from(lane, now, True, room), now, ahead=len(out.records))
+            if part is not None:
+                out.records.extend(part.records)
+                lane.served_batches -= 1  # part of this batch, not one of its own
         out = self._fill(out, now)
         return out if len(out.records) > len(batch.records) else None
 
@@ -567,15 +562,17 @@ class PriorityScheduler:
             if r.deadline is not None:
                 self._track_deadline(lane, r, r.deadline)
 
-    def _select_from(self, lane: _Lane, now: float, idle: bool) -> Batch:
-        """The lane's next ready batch (it has one)."""
-        if idle and lane.ready_n < lane.max_batch and len(lane.batcher):
+    def _select_from(self, lane: _Lane, now: float, idle: bool, limit: int | None = None) -> Batch:
+        """The lane's next ready batch of at most ``limit`` records (default ``max_batch_size``); it has a ready
+        batch, or, with ``idle``, an open window."""
+        m = lane.max_batch if limit is None else limit
+        if idle and lane.ready_n < m and len(lane.batcher):
             # Work-conserving top-up: a partial batch (closed by time while the device was busy) takes
             # along the records that arrived since, instead of leaving them for the next round.
-            extra = lane.batcher.take_open(now, lane.max_batch - lane.ready_n, "idle")
+            extra = lane.batcher.take_open(now, m - lane.ready_n, "idle")
             if extra is not None:
                 self._push_ready(lane, [extra])
-        return self._pop_ready(lane)
+        return self._pop_ready(lane, limit)
 
     def _pop_ready(self, lane: _Lane, limit: int | None = None) -> Batch:
         """The next up-to-max live records from the front of the lane's ready batches (same size bucket):
