@@ -40,7 +40,9 @@ def salvage_id(value: bytes, fmt: str) -> str | None:
     """Best effort: the id of a request that failed validation, so its sender can get an error result."""
     try:
         return (_id_json if fmt == "json" else _id_msgpack).decode(value).id
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        # RecursionError: the request failed validation on an early field, and nests past the decoder's depth
+        # limit after it (the main decode stopped before reaching that depth; this one skips over it).
         return None
 
 

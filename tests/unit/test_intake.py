@@ -217,6 +217,23 @@ def test_nesting_deeper_than_the_decoder_allows_is_a_decode_error(clock: FakeTim
     assert "recursion" in (o.error or "")
 
 
+@pytest.mark.parametrize("fmt", ["json", "msgpack"])
+def test_an_invalid_request_that_nests_too_deep_after_the_bad_field_is_a_validate_error(
+        clock: FakeTime, fmt: str) -> None:
+    # The main decode stops at the invalid field (ValidationError); salvaging the id then reads the whole
+    # value and hit the depth limit (RecursionError), which escaped admit() and stopped the worker on every
+    # restart.
+    if fmt == "json":
+        deep = b'{"inputs": 1, "deadline_ms": "x", "id": "a", "meta": {"k": ' + b"[" * 5000 + b"]" * 5000 + b"}}"
+    else:
+        # msgspec cannot write this deep either: the msgpack bytes by hand (fixarray of 1 element = 0x91).
+        deep = (b"\x84\xa6inputs\x01\xabdeadline_ms\xa1x\xa2id\xa1a\xa4meta\x81\xa1k"
+                + b"\x91" * 5000 + b"\x90")
+    o = intake(delivery={"format": fmt}).admit(record(deep), clock.t)
+    assert o is not None and (o.status, o.dlq_stage) == ("error", "validate")
+    assert o.record.id is None  # no id could be read: a dead letter only
+
+
 def test_inputs_msgpack_cannot_write_are_not_cached_but_processed(clock: FakeTime) -> None:
     rec = record(request("big-int", [2**70, 1]))
     assert intake(FakeModel(), redis={"cache": True}).admit(rec, clock.t) is None
