@@ -431,7 +431,10 @@ class Runner:
                 self._broker_ok = True
                 self._ingest(msgs)
         else:
-            self.consumer.poll(0)  # heartbeats / rebalance callbacks while draining (partitions paused)
+            # Heartbeats / rebalance callbacks while draining. Every partition is paused, so this returns no
+            # record; one it did return anyway is not tracked, and the drain's commits below neither step
+            # over markers (which would commit the position past it) nor reach it through the tracker.
+            self.consumer.poll(0)
         self._serve_results(0.0, now)
         self.gate.flush()
         if now >= self._next_lag_report:
@@ -439,7 +442,7 @@ class Runner:
         if consume:
             self._backpressure()
         if time.monotonic() - self._last_commit >= self.cfg.kafka.commit_interval_ms / 1000.0:
-            self._commit(sync=False)
+            self._commit(sync=False, step=consume)
 
     def _drop_rewound(self, msgs: list[Any]) -> list[Any]:
         """A rewind served inside consume() (a revoke whose checkpoint failed) sought partitions back, but
@@ -817,18 +820,20 @@ class Runner:
                 log.debug("could not wake the fetcher of %s[%d]: %s", k.topic, k.partition, e)
 
     # ------------------------------------------------------------------ commits
-    def _commit(self, only: set[TopicPartition] | None = None, sync: bool = True, flush_s: float = 30.0) -> None:
+    def _commit(self, only: set[TopicPartition] | None = None, sync: bool = True, flush_s: float = 30.0,
+                step: bool = True) -> None:
         """Commit the done prefix. ``sync=False`` (the periodic commit): the request is sent and the loop goes
         on; ``_on_commit`` records the outcome when poll() serves it. A synchronous commit held the loop for a
         broker round trip every ``commit_interval_ms``, and every result finished meanwhile waited (the p99
-        at light load). Revoke and shutdown commit synchronously: the partitions are handed over after."""
+        at light load). Revoke and shutdown commit synchronously: the partitions are handed over after.
+        ``step=False``: a shutdown drain's turn, whose poll() tracks nothing (never step over markers)."""
         self._last_commit = time.monotonic()
         if self._no_commit:
             return
         # The loop's periodic commit only: every message the consumer returned has been tracked by now. Inside a
         # rebalance callback, consume() may hold fetched messages it has not returned yet while the position
         # already counts them.
-        periodic = not sync and only is None and self.stop_at is None
+        periodic = step and not sync and only is None and self.stop_at is None
         if self.txn is not None:
             self._checkpoint_transaction(flush_s, step=periodic)
             return
@@ -1081,7 +1086,13 @@ class Runner:
             log.info("partitions assigned", extra={"partitions": [f"{p.topic}[{p.partition}]" for p in partitions]})
             if self._on_assign_offsets is not None:
                 self._on_assign_offsets(consumer, partitions)
-            if partitions:
+            if partitions and self._shutdown_deadline is not None:
+                # Assigned while shutting down (a peer left during the drain): nothing more is read, and the
+                # drain's poll(0) would return its records only to drop them. Paused, it is committed where
+                # its group left it and handed over on close.
+                consumer.pause(partitions)
+                self.paused.update(TopicPartition(p.topic, p.partition) for p in partitions)
+            elif partitions:
                 # librdkafka keeps a partition's pause through a revoke and a new assign: one paused (backpressure,
                 # a backfill's end) when it was revoked came back paused, while the runner, which forgets what it
                 # paused of a released partition, counted it as fetching. It was never read again by this worker.

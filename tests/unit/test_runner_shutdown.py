@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from confluent_kafka import KafkaError
+from confluent_kafka import TopicPartition as KTP
 
 from tests.unit.fakes_kafka import Harness, make_config
 from worker.core.records import Batch, TopicPartition
@@ -320,3 +321,67 @@ def test_results_confirmed_by_the_last_flush_reach_the_ledger(monkeypatch: pytes
     assert [r["source"]["offset"] for r in h.p.results()] == [2, 3]
     assert h.committed() is None  # behind the stuck record: no commit can cover them...
     assert len(recorded) == 2 and all(i.endswith(("in-0-2", "in-0-3")) for i in recorded)  # ...the ledger does
+
+
+def _drain_with(monkeypatch: pytest.MonkeyPatch, mode: str, during_drain: Any) -> Harness:
+    """in[0] holds a batch on a slow device, so the worker drains for a while after stop(); ``during_drain(h)``
+    runs at the drain's second poll. in[1] has 4 records nobody has committed."""
+    cfg = make_config(kafka={"commit_interval_ms": 5}, delivery={"mode": mode, "transactional_id": "t"})
+    h = Harness(monkeypatch, cfg)
+    h.send(3, partition=0)
+    h.send(4, partition=1)
+    held: list[Batch] = []
+
+    def hold_batches() -> None:
+        while (b := h.device.take()) is not None:
+            held.append(b)
+
+    h.c.hooks.append(hold_batches)
+    polls = {"drain": 0}
+
+    def drain() -> None:
+        if not h.runner._stop.is_set():
+            return
+        polls["drain"] += 1
+        if polls["drain"] == 2:
+            during_drain(h)
+        if polls["drain"] == 40:  # the slow batch comes back
+            for b in held:
+                h.device.finish(b)
+            held.clear()
+
+    h.on_polls({1: lambda: h.c.assign(("in", 0)), 3: h.runner.stop}, then=drain)
+    assert h.run() == 0
+    assert [r["source"]["offset"] for r in h.p.results() if r["source"]["partition"] == 0] == [0, 1, 2]
+    assert h.committed("in", 0) == 3
+    return h
+
+
+@pytest.mark.parametrize("mode", ["at_least_once", "exactly_once"])
+def test_a_partition_assigned_while_draining_is_paused_and_not_committed_past(
+        monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """A peer leaves during this worker's drain (rolling deploy) and its partition comes here. It was resumed,
+    the drain's poll(0) returned its records and dropped them, and the drain's periodic commit stepped the
+    partition's commit over them to the consumer's position: 4 records lost."""
+    seen: dict[str, bool] = {}
+
+    def assign(h: Harness) -> None:
+        h.c.assign(("in", 1))
+        h.c.schedule(lambda: seen.setdefault("paused", IN1 in h.c.paused and IN1 in h.runner.paused))
+
+    h = _drain_with(monkeypatch, mode, assign)
+    assert seen == {"paused": True}
+    assert not [r for r in h.p.results() if r["source"]["partition"] == 1]
+    assert not h.committed("in", 1)
+
+
+def test_a_record_a_drain_turn_polls_anyway_is_not_committed_past(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Should a drain turn's poll(0) return a record (a partition resumed behind the runner's back), the turn
+    drops it untracked: its commits must not step over it to the consumer's position."""
+    def assign_and_resume(h: Harness) -> None:
+        h.c.assign(("in", 1))
+        h.c.resume([KTP("in", 1)])
+
+    h = _drain_with(monkeypatch, "at_least_once", assign_and_resume)
+    assert h.c.app_positions.get(IN1, 0) > 0  # the drain did read in[1]
+    assert not h.committed("in", 1)
