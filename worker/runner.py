@@ -360,10 +360,7 @@ class Runner:
         try:
             self._turn(consume)
         except FatalDeliveryError as e:
-            if self._abortable(e):
-                self._abort_pending = str(e)
-            else:
-                self._fatal = str(e)
+            self._fatal_if_refused(e)
         if self._abort_pending is not None and self._fatal is None:
             self._abort_for_failed_delivery()
         batch_timeout = self.cfg.model.batch_timeout_s
@@ -1128,13 +1125,18 @@ class Runner:
             self._fatal_if_refused(e)
 
     def _fatal_if_refused(self, e: Exception) -> None:
-        """A message the producer refuses (raised while serving results inside a rebalance callback) ends the
-        worker as it does in a loop turn: the callback must not swallow it."""
+        """A message the producer refuses ends the worker (exit 1), raised in a loop turn or while serving results
+        inside a rebalance callback (which must not swallow it)."""
         if isinstance(e, FatalDeliveryError) and self._fatal is None:
             if self._abortable(e):
                 self._abort_pending = str(e)  # the release that follows aborts the transaction (and clears it)
             else:
                 self._fatal = str(e)
+                if self.txn is not None:
+                    # The open transaction may hold part of what the refused record owes (its error result, its
+                    # dead letter refused): committed, that would be visible while the record's offset is not,
+                    # and the restart would produce it again. Commit nothing more: closing aborts it.
+                    self._no_commit = True
 
     def _release(self, tps: set[TopicPartition], graceful: bool) -> None:
         """Revoke: queued records of these partitions are dropped (not yet started: the new owner will

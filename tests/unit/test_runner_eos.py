@@ -425,3 +425,22 @@ def test_a_rewind_that_cannot_seek_stops_the_worker_and_commits_nothing_more(mon
     h.commit()
     assert h.p.group_offsets.get(IN1) is None  # nothing committed past the discarded results
     assert h.p.visible("out") == []
+
+
+def test_a_refused_dead_letter_aborts_the_open_transaction(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An invalid request with a readable id owes an error result and a dead letter. The result went into the
+    open transaction, then the dead letter was refused (the DLQ topic does not exist: exit 1): the shutdown's
+    checkpoint committed that transaction, so the error result was visible while its offset was not
+    committed, and the restart produced it again."""
+    h = Harness(monkeypatch, make_config(delivery={"mode": "exactly_once", "transactional_id": "tid-1"}))
+    h.p.unknown_topics.add("dlq")
+    h.send(1)  # offset 0: ok
+    h.c.append("in", 0, request("bad", "x", deadline_ms="nope"))  # offset 1: invalid, id readable
+    h.c.schedule(lambda: h.c.assign(("in", 0)))
+    h.device.auto = True
+    h.c.hooks.append(h.device.hook)
+    assert h.run() == 1
+    assert "dlq" in (h.runner._fatal or "")
+    assert h.p.aborted_txns and not h.p.committed_txns
+    assert h.p.visible("out") == [] and h.committed() is None  # all of it is processed again after the restart
+    check_transactions(h)
