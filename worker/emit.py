@@ -39,6 +39,7 @@ UNENCODABLE = (TypeError, ValueError, OverflowError, RecursionError, msgspec.Enc
 # librdkafka refuses a message when its largest possible size on the wire is over message.max.bytes
 # (rd_kafka_msg_max_wire_size): key + value + headers + this much record overhead (varints at their widest).
 RECORD_OVERHEAD = 36
+ERROR_IN_RESULT = 200  # characters of the reason an error result keeps when the whole one makes it too big
 
 
 def _varint_len(n: int) -> int:
@@ -273,24 +274,22 @@ class Emitter:
             if self._size(rec.key, value) > self.max_message_bytes:
                 # produce() would raise MSG_SIZE_TOO_LARGE: an error result instead (if even that is too
                 # big, e.g. a huge meta, the dead letter alone tells why).
-                o = Outcome(rec, "error", dlq_stage="output", batch_size=o.batch_size, timings=o.timings,
-                            error=f"result of {len(value)} bytes is over message.max.bytes={self.max_message_bytes}")
-                value = self.result_bytes(o, now, now_wall_ms)
+                if o.dlq_stage is None:
+                    with_key = f" with a key of {len(rec.key)} bytes" if rec.key else ""
+                    o = Outcome(rec, "error", dlq_stage="output", batch_size=o.batch_size, timings=o.timings,
+                                error=f"result of {len(value)} bytes{with_key} is over message.max.bytes="
+                                      f"{self.max_message_bytes}")
+                    value = self.result_bytes(o, now, now_wall_ms)
+                elif o.error and len(o.error) > ERROR_IN_RESULT:
+                    # An error result made too big by its reason (a model's exception text): the result says
+                    # less, the dead letter keeps the reason and the stage.
+                    cut = Outcome(rec, o.status, error=o.error[:ERROR_IN_RESULT] + " ... (cut; the dead letter has "
+                                  "it all)", dlq_stage=o.dlq_stage, batch_size=o.batch_size, timings=o.timings)
+                    value = self.result_bytes(cut, now, now_wall_ms)
             if self._size(rec.key, value) <= self.max_message_bytes:
                 p.messages.append((self.output_topic, rec.key, value, None))
         if o.dlq_stage is not None:
-            kept = [(k, v) for k, v in rec.headers if not k.startswith("x-error") and not k.startswith("x-source")
-                    and k != "x-attempts"]
-            dl_value = rec.value
-            headers = kept + self._dead_letter(rec, o.dlq_stage, o.error or o.dlq_stage).headers()
-            if self._size(rec.key, dl_value, headers) > self.max_message_bytes:
-                # The input topic took a record bigger than this producer may write: keep key, headers and
-                # the reason, drop the original bytes (else produce() raises and the partition is stuck).
-                error = (f"original value of {len(dl_value or b'')} bytes dropped (over message.max.bytes="
-                         f"{self.max_message_bytes}): {o.error or o.dlq_stage}")
-                dl_value = b""
-                headers = kept + self._dead_letter(rec, o.dlq_stage, error).headers()
-            p.messages.append((self.dlq_topic, rec.key, dl_value, headers))
+            p.messages.append((self.dlq_topic, *self._dead_letter_message(rec, o.dlq_stage, o.error or o.dlq_stage)))
         if o.status != "ok":
             rec.failed = True  # o is the final outcome here (an unencodable or oversize ok became an error)
         if not p.messages:  # nothing owed (cannot happen with a DLQ stage set); done at once
@@ -298,6 +297,45 @@ class Emitter:
             return o
         self._send(p)
         return o
+
+    def _dead_letter_message(self, rec: Record, stage: str, reason: str
+                             ) -> tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]:
+        """(key, value, headers) of the record's dead letter: its original bytes, key and headers (less stale
+        ``x-*`` ones) and the reason. When the input topic took a record bigger than this producer may write,
+        the original bytes are dropped; should it still not fit, the reason is cut to ``ERROR_IN_RESULT``
+        characters, then the bigger of its headers and key is dropped, then the other, and the reason says what
+        went. What is left (the ``x-*`` headers, a topic name of at most 249 characters) fits in librdkafka's
+        smallest message.max.bytes, 1000. Else produce() raises, the worker stops, and the same record stops it
+        again at every restart."""
+        kept = [(k, v) for k, v in rec.headers if not k.startswith("x-error") and not k.startswith("x-source")
+                and k != "x-attempts"]
+        key, limit = rec.key, self.max_message_bytes
+        headers = kept + self._dead_letter(rec, stage, reason).headers()
+        if self._size(key, rec.value, headers) <= limit:
+            return key, rec.value, headers
+        dropped = f"original value of {len(rec.value or b'')} bytes"
+
+        def letter() -> list[tuple[str, bytes]]:
+            return kept + self._dead_letter(rec, stage, f"{dropped} dropped (over message.max.bytes={limit}): "
+                                                        f"{reason}").headers()
+
+        headers = letter()
+        if self._size(key, b"", headers) > limit and len(reason) > ERROR_IN_RESULT:
+            reason = reason[:ERROR_IN_RESULT] + " ... (cut)"
+            headers = letter()
+        kept_size = self._size(None, None, kept) - RECORD_OVERHEAD
+        for part in sorted(("headers", "key"), key=lambda p: kept_size if p == "headers" else len(key or b""),
+                           reverse=True):  # the bigger one first: the other may then stay
+            if self._size(key, b"", headers) <= limit:
+                break
+            if part == "headers" and kept:
+                dropped += f", its headers ({kept_size} bytes)"
+                kept = []
+            elif part == "key" and key:
+                dropped += f", its key ({len(key)} bytes)"
+                key = None
+            headers = letter()
+        return key, b"", headers
 
     @staticmethod
     def _dead_letter(rec: Record, stage: str, error: str) -> DeadLetter:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from schemas import DeadLetter, Result
 from tests.unit.fakes_kafka import FakeProducer, FakeTime, Harness, Produced, make_config, request
 from worker.core.records import Outcome, Record, TopicPartition
-from worker.emit import SWITCH_AFTER_S, Emitter
+from worker.emit import SWITCH_AFTER_S, Emitter, _Pending
 
 TP = TopicPartition("in", 3)
 
@@ -433,4 +433,54 @@ def test_a_message_within_librdkafkas_record_overhead_does_not_stop_the_worker()
     big = Record(tp=TP, offset=9, value=b"x" * (limit - 10), key=None, received_at=10.0)
     em.emit(Outcome(big, "error", error="invalid request", dlq_stage="validate"), 10.0, 0.0)  # bytes dropped
     assert em.produced == 3 and r.failed and big.failed  # (len(producer) also counts client events here)
+    real.purge()
+
+
+@pytest.mark.parametrize("case", ["big_key", "big_headers", "long_reason", "ok_result_with_a_big_key", "everything"])
+def test_a_dead_letter_whose_key_headers_or_reason_do_not_fit_is_trimmed_until_it_does(case: str) -> None:
+    # Only the original value used to be dropped: a key or headers over the producer's message.max.bytes (the
+    # input topic took them) kept the dead letter too big, and produce() stopped the worker on every restart.
+    limit = 1_000
+    real, calls = _real_producer(limit), Calls()
+    em = Emitter(real, "out", "dlq", "m", "v1", "json", on_done=lambda r: calls.done.append(r.offset),
+                 on_failed=lambda r, e: calls.failed.append((r.offset, e)), max_message_bytes=limit)
+    key, headers, error, status = b"k1", [("trace", b"t1")], "invalid request", "error"
+    if case in ("big_key", "ok_result_with_a_big_key"):
+        key = b"k" * 1_200
+    elif case == "big_headers":
+        headers = [("trace", b"t" * 700), ("span", b"s" * 400)]
+    elif case == "long_reason":
+        error = "invalid request: " + "e" * 3_000
+    else:  # librdkafka's smallest message.max.bytes, the longest topic name Kafka allows
+        key, headers, error = b"k" * 900, [("trace", b"t" * 950)], "invalid request: " + "e" * 3_000
+    tp = TopicPartition("t" * 249, 0) if case == "everything" else TP
+    r = Record(tp=tp, offset=4, value=b"v" * 300, key=key, headers=headers, received_at=10.0)
+    r.id = "r"
+    if status == "error" and case != "ok_result_with_a_big_key":
+        em.emit(Outcome(r, "error", error=error, dlq_stage="validate"), 10.0, 0.0)
+    else:
+        em.emit(Outcome(r, "ok", output=1, batch_size=1), 10.0, 0.0)  # no result fits with that key
+    [sent] = em.cur.sent
+    assert isinstance(sent, _Pending)
+    [(_, dl_key, value, dl_headers)] = [m for m in sent.messages if m[0] == "dlq"]  # librdkafka took it (or raises)
+    assert value == b"" and (case not in ("big_key", "ok_result_with_a_big_key")
+                             or not [m for m in sent.messages if m[0] == "out"])  # no result fits that key
+    h = dict(dl_headers)
+    reason = h["x-error"].decode()
+    assert reason.startswith("original value of 300 bytes") and " dropped (over message.max.bytes=1000): " in reason
+    if case == "big_key" or case == "ok_result_with_a_big_key":
+        assert dl_key is None and ", its key (1200 bytes) dropped" in reason and h["trace"] == b"t1"
+    if case == "big_headers":
+        assert dl_key == b"k1" and "trace" not in h and ", its headers (" in reason
+    if case == "long_reason":  # the reason is cut (the error result's too), the key and headers stay
+        assert dl_key == b"k1" and h["trace"] == b"t1" and reason.endswith("e ... (cut)")
+        assert h["x-error-stage"] == b"validate"
+        [result] = [m for m in sent.messages if m[0] == "out"]
+        assert msgspec.json.decode(result[2])["error"].endswith(" ... (cut; the dead letter has it all)")
+    if case == "ok_result_with_a_big_key":
+        assert h["x-error-stage"] == b"output" and "with a key of 1200 bytes" in reason
+    if case == "everything":
+        assert dl_key is None and "trace" not in h and reason.endswith("e ... (cut)")
+        assert ", its headers (" in reason and ", its key (900 bytes)" in reason
+    assert Emitter._size(dl_key, value, dl_headers) <= limit and r.failed
     real.purge()
