@@ -33,7 +33,7 @@ class Row:
     mean_ms: float = float("nan")
     throughput: float = 0.0  # items/s
     peak_mem_mb: float = float("nan")
-    status: str = "ok"  # ok | oom | error: <message>
+    status: str = "ok"  # ok | oom | error: <message> | skipped: <why> (over the model's fixed batch size)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -149,8 +149,16 @@ def profile_engine(engine: Any, sizes: list[int], iters: int = 20, warmup: int =
         # Batch k starts further along the pool, so varied input lengths show up in p50/p99.
         return [pool[(k * bs + j) % len(pool)] for j in range(bs)]
 
+    cap = getattr(engine.model, "max_batch", None)
     for bs in sizes:
         row = Row(bs)
+        if cap and bs > cap:
+            # A model exported with a fixed batch axis: larger batches are not an option, not an error.
+            row.status = f"skipped: the model takes at most {cap} per batch"
+            rows.append(row)
+            if out is not None:
+                print(f"  batch {bs}: {row.status}", file=out)
+            continue
         try:
             for k in range(warmup):
                 engine.run(batch(k, bs))

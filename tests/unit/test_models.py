@@ -381,11 +381,16 @@ def test_an_onnx_file_with_a_fixed_batch_axis(tmp_path: Path) -> None:
     _onnx_linear(one, [[1, 0], [0, 1], [1, 1]], [0.5, -0.5], batch=1)
     m: Any = load_model(ModelConfig(name=str(one)))
     limits: list[tuple[str, int]] = []
-    eng = Engine(m, "cpu", warmup=False, max_batch_sizes={"default": 32}, on_limit=lambda ln, n: limits.append((ln, n)))
+    # With the default warm-up, which ran a batch of 8 and failed: the worker could not start.
+    eng = Engine(m, "cpu", max_batch_sizes={"default": 32}, on_limit=lambda ln, n: limits.append((ln, n)))
     eng.setup()
     assert limits == [("default", 1)] and eng.effective_max("default") == 1
     out = eng.infer([m.decode([1, 2, 3])] * 5)
     assert out == [[4.5, 4.5]] * 5 and eng.stats.poison == 0
+    from worker.profile import profile_engine
+
+    rows = profile_engine(eng, [1, 2, 4], iters=2, warmup=1)  # worker profile: sizes over 1 are skipped
+    assert [r.status for r in rows] == ["ok"] + ["skipped: the model takes at most 1 per batch"] * 2
     four = tmp_path / "four.onnx"
     _onnx_linear(four, [[1, 0], [0, 1], [1, 1]], [0.5, -0.5], batch=4)
     with pytest.raises(ConfigError, match=r"fixed batch axis of \[4\].*dynamic batch axis"):

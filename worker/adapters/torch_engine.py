@@ -440,12 +440,14 @@ class Engine:
     def _warm(self, force: bool = False) -> None:
         if not (self.warmup or force):
             return
-        items = self.example_items(8)
+        # Not past what the model takes at once: a file exported with a fixed batch axis of 1 failed its warm-up
+        # with a batch of 8, and the worker could not start.
+        items = self.example_items(min(8, getattr(self.model, "max_batch", None) or 8))
         if not items:
             log.info("model %s has no example_inputs(); skipping warm-up", self.name)
             return
         t0 = time.perf_counter()
-        for size in (1, len(items)):
+        for size in sorted({1, len(items)}):
             for _ in range(self.warmup_iters):
                 try:
                     self.run(items[:size])
