@@ -7,8 +7,9 @@ import contextlib
 import logging
 import sys
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, get_args
 
+from schemas import ErrorStage
 from worker.config import Config, ConfigError, load
 from worker.models.registry import BUILTINS
 
@@ -256,8 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "skipped and listed.")
     rp.add_argument("--config", "-c", required=True, help="worker YAML config file (its kafka section is used)")
     rp.add_argument("--limit", type=int, default=None, help="replay at most this many dead letters")
-    rp.add_argument("--filter-stage", default=None, help=(
-        "only dead letters of this x-error-stage (progress kept in the group <group_id>-dlq-replay-STAGE)"))
+    # choices: a stage no dead letter can carry ("", a typo) would skip and commit past every one of them.
+    rp.add_argument("--filter-stage", default=None, choices=get_args(ErrorStage), metavar="STAGE", help=(
+        "only dead letters of this x-error-stage: " + ", ".join(get_args(ErrorStage))
+        + " (progress kept in the group <group_id>-dlq-replay-STAGE)"))
     rp.add_argument("--dry-run", action="store_true", help="list what would be replayed; produce nothing")
     rp.set_defaults(func=cmd_dlq_replay)
 

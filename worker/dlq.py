@@ -14,12 +14,12 @@ alone. In a shared group a later run for one of those stages would never see the
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, get_args
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka import TopicPartition as KTP
 
-from schemas import DeadLetter
+from schemas import DeadLetter, ErrorStage
 from worker.adapters.kafka_clients import make_consumer, producer_config, retry_transient
 from worker.config import Config
 
@@ -32,6 +32,9 @@ def replay_group(cfg: Config, stage: str | None) -> str:
 
 def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_run: bool = False,
            timeout_s: float = 30.0) -> int:
+    if stage is not None and stage not in get_args(ErrorStage):
+        # No dead letter carries it: every one would be skipped, and committed past.
+        raise ValueError(f"unknown error stage {stage!r}; expected one of {', '.join(get_args(ErrorStage))}")
     topic = cfg.kafka.dlq_topic
     consumer = make_consumer(cfg, **{"group.id": replay_group(cfg, stage), "enable.partition.eof": True,
                                      "partition.assignment.strategy": "range"})
