@@ -144,6 +144,46 @@ class Doubler(torch.nn.Module):
         return self.lin(x) * 2
 
 
+class PerRecordList(torch.nn.Module):
+    """Returns one output per record as a list (``list(x)``, ``unbind``), or a torchvision-style list of dicts."""
+
+    def __init__(self, dicts: bool = False) -> None:
+        super().__init__()
+        self.dicts = dicts
+
+    def forward(self, x: torch.Tensor) -> Any:
+        if self.dicts:
+            return [{"boxes": r.reshape(-1, 2), "score": r.sum()} for r in x]
+        return list(x * 10)
+
+
+def test_a_list_output_is_one_output_per_record_not_heads() -> None:
+    """split_rows read a list as heads and transposed it: with a batch as wide as a record (4 x 4), record 0
+    got the first value of every record's output, record 1 the second..., all returned as ok."""
+    from worker.adapters.torch_engine import Engine, OutputCountError
+    from worker.models.base import split_rows
+    from worker.models.loaders import TensorModel
+
+    m = TensorModel(PerRecordList(), name="perrow")
+    eng = Engine(m, "cpu", warmup=False, threads=1)
+    eng.setup()
+    for n in (4, 3, 1):
+        items = [m.decode([float(i), i + 0.25, i + 0.5, i + 0.75]) for i in range(n)]
+        assert eng.infer(items) == [[10.0 * i, 10 * i + 2.5, 10 * i + 5, 10 * i + 7.5] for i in range(n)]
+    assert eng.stats.poison == 0
+    det = TensorModel(PerRecordList(dicts=True), name="det")
+    assert run(det, [[1, 2, 3, 4], [5, 6, 7, 8]]) == [
+        {"boxes": [[1.0, 2.0], [3.0, 4.0]], "score": 10.0}, {"boxes": [[5.0, 6.0], [7.0, 8.0]], "score": 26.0}]
+    # Heads go in a tuple or dict, as documented; a list of another length than the batch is refused, naming that.
+    assert split_rows((torch.zeros(3, 2), torch.ones(3)), 3)[1] == [[0.0, 0.0], 1.0]
+    with pytest.raises(OutputCountError, match="list of 2 for a batch of 3.*tuple"):
+        split_rows([torch.zeros(3, 2), torch.ones(3)], 3)
+    # A list inside a dict is per record too, and must have one item per record.
+    assert split_rows({"ids": [torch.tensor([1]), torch.tensor([2, 3])]}, 2) == [{"ids": [1]}, {"ids": [2, 3]}]
+    with pytest.raises(ValueError, match=r"output\['ids'\] has 1 rows for a batch of 2"):
+        split_rows({"ids": [torch.tensor([1])]}, 2)
+
+
 @pytest.fixture
 def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     (tmp_path / "my_models.py").write_text(textwrap.dedent('''

@@ -36,20 +36,39 @@ class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 def split_rows(output: Any, n: int) -> list[Any]:
-    """One JSON-able value per row of a (CPU) batch output: tensor/ndarray rows, or a dict/tuple of them.
+    """One JSON-able value per row of a (CPU) batch output.
+
+    - a tensor/ndarray: its rows;
+    - a dict, or a tuple, of such parts: output heads, each split into rows (a row is a dict, or a list with
+      one value per head);
+    - a list: one output per record already (``list(x)``, ``unbind``, a torchvision-style list of dicts), so
+      it must hold exactly ``n`` items; each is made JSON-able as it is. A list is never taken for heads: read
+      as heads, a list of per-record outputs hands record 0 the first value of every record's output.
+
     Every part must have exactly ``n`` rows: a part with another count (a per-batch value next to per-row
-    ones) would otherwise be cut or padded into the wrong records' results."""
-    return _split_rows(output, n)  # (a wrong count at the top is the engine's OutputCountError)
+    ones) would otherwise be cut or padded into the wrong records' results. A list of another length is
+    refused with ``OutputCountError`` (heads returned as a list are told to use a tuple)."""
+    if isinstance(output, list) and len(output) != n:
+        from worker.adapters.torch_engine import OutputCountError
+
+        # Not a record's fault (no bisecting): the model returns something split_rows cannot read.
+        raise OutputCountError(
+            f"split_rows: the output is a list of {len(output)} for a batch of {n}; a list is read as one output "
+            "per record: return a tuple (or a dict) for several output heads, or write split()"
+        )
+    return _split_rows(output, n)  # (any other wrong count at the top is the engine's OutputCountError)
 
 
 def _split_rows(output: Any, n: int, where: str = "output") -> list[Any]:
     if isinstance(output, Mapping):
         cols = {k: _rows_of(v, n, f"{where}[{k!r}]") for k, v in output.items()}
         return [{k: c[i] for k, c in cols.items()} for i in range(n)]
+    if isinstance(output, list):
+        return [_jsonable(v) for v in output]  # one item per record (the caller checks the count)
     if (
-        isinstance(output, tuple | list)
+        isinstance(output, tuple)
         and output
-        and all(hasattr(v, "tolist") or isinstance(v, Mapping) for v in output)
+        and all(hasattr(v, "tolist") or isinstance(v, Mapping | list) for v in output)
     ):
         parts = [_rows_of(v, n, f"{where}[{i}]") for i, v in enumerate(output)]
         return [[p[i] for p in parts] for i in range(n)]
@@ -58,6 +77,18 @@ def _split_rows(output: Any, n: int, where: str = "output") -> list[Any]:
         rows = tolist()
         return rows if isinstance(rows, list) else [rows]
     return list(output)
+
+
+def _jsonable(value: Any) -> Any:
+    """One record's output as JSON-able values: tensors/arrays as (nested) lists, containers walked."""
+    tolist = getattr(value, "tolist", None)
+    if tolist is not None:
+        return tolist()
+    if isinstance(value, Mapping):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value
 
 
 def _rows_of(part: Any, n: int, where: str) -> list[Any]:
