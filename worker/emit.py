@@ -60,6 +60,13 @@ class FatalDeliveryError(RuntimeError):
 _NO_TOPIC = (KafkaError._UNKNOWN_TOPIC, KafkaError.UNKNOWN_TOPIC_OR_PART)
 
 
+# (topic, key, value, headers) of a message a record owes; the value of a tombstone's dead letter is None.
+Message = tuple[str, bytes | None, bytes | None, list[tuple[str, bytes]] | None]
+
+# The delivery report code of a message the broker refused for its size (librdkafka uses it for its own check too).
+_TOO_LARGE = {KafkaError.MSG_SIZE_TOO_LARGE}
+
+
 def describe(err: Any) -> str:
     """A producer error as an operator reads it, with what to do where that is known."""
     if not isinstance(err, KafkaError):
@@ -77,7 +84,7 @@ class _Pending:
     __slots__ = ("record", "messages", "attempts", "round", "retry_at", "emitter")
 
     def __init__(self, record: Record, emitter: Emitter,
-                 messages: list[tuple[str, bytes | None, bytes, list[tuple[str, bytes]] | None]] | None = None) -> None:
+                 messages: list[Message] | None = None) -> None:
         self.record = record
         self.emitter = emitter
         self.messages = messages if messages is not None else []
@@ -85,11 +92,11 @@ class _Pending:
         self.round = 0  # callbacks of an earlier (failed) round are ignored
         self.retry_at = 0.0  # monotonic time before which a failed record is not re-sent (backoff)
 
-    def __call__(self, err: Any, _msg: Any) -> None:
+    def __call__(self, err: Any, msg: Any) -> None:
         # Only a failure matters (a success report, if the producer is set to send them, changes nothing:
         # the record is confirmed when its producer has settled).
         if err is not None and self.round == 1:
-            self.emitter._failed(self, err)
+            self.emitter._failed(self, err, msg)
 
 
 class _Retry:
@@ -101,9 +108,9 @@ class _Retry:
         self.p = p
         self.round = p.round
 
-    def __call__(self, err: Any, _msg: Any) -> None:
+    def __call__(self, err: Any, msg: Any) -> None:
         if err is not None and self.round == self.p.round:
-            self.p.emitter._failed(self.p, err)
+            self.p.emitter._failed(self.p, err, msg)
 
 
 class _Slot:
@@ -146,6 +153,10 @@ class Emitter:
         # owner, or the rewound consumer, processes it again.
         self.is_stale = is_stale or (lambda _r: False)
         self.retry_queue: list[_Pending] = []
+        # (partition, offset) -> topic of a record whose message the broker refused as too large (a topic's
+        # max.message.bytes below this producer's message.max.bytes): sent again smaller, not as it was. In
+        # exactly-once mode the refusal aborts the transaction and the record comes back through emit().
+        self.too_large: dict[tuple[Any, int], str] = {}
         # Called while produce() waits for room in a full local queue (a slow or unreachable broker): that
         # wait is bounded by message.timeout.ms, and the loop is alive in it (the runner's liveness heartbeat).
         self.on_wait = on_wait
@@ -244,6 +255,9 @@ class Emitter:
         whose result is over message.max.bytes, goes out as an ``error`` with an ``output`` dead letter (what the
         caller counts in its metrics)."""
         rec = o.record
+        refused = self.too_large.get((rec.tp, rec.offset)) if self.too_large else None
+        if refused is not None:
+            return self._emit_smaller(o, refused, now, now_wall_ms)
         if o.dlq_stage is None and rec.id is not None and result_bytes is None:
             # Hot path: one result message, no dead letter.
             try:
@@ -298,7 +312,7 @@ class Emitter:
         self._send(p)
         return o
 
-    def _dead_letter_message(self, rec: Record, stage: str, reason: str
+    def _dead_letter_message(self, rec: Record, stage: str, reason: str, refused: str | None = None
                              ) -> tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]:
         """(key, value, headers) of the record's dead letter: its original bytes, key and headers (less stale
         ``x-*`` ones) and the reason. When the input topic took a record bigger than this producer may write,
@@ -306,18 +320,19 @@ class Emitter:
         characters, then the bigger of its headers and key is dropped, then the other, and the reason says what
         went. What is left (the ``x-*`` headers, a topic name of at most 249 characters) fits in librdkafka's
         smallest message.max.bytes, 1000. Else produce() raises, the worker stops, and the same record stops it
-        again at every restart."""
+        again at every restart. ``refused``: the broker refused the whole dead letter (its reason): the
+        original bytes are dropped whatever their size."""
         kept = [(k, v) for k, v in rec.headers if not k.startswith("x-error") and not k.startswith("x-source")
                 and k != "x-attempts"]
         key, limit = rec.key, self.max_message_bytes
         headers = kept + self._dead_letter(rec, stage, reason).headers()
-        if self._size(key, rec.value, headers) <= limit:
+        if refused is None and self._size(key, rec.value, headers) <= limit:
             return key, rec.value, headers
         dropped = f"original value of {len(rec.value or b'')} bytes"
+        why = refused or f"over message.max.bytes={limit}"
 
         def letter() -> list[tuple[str, bytes]]:
-            return kept + self._dead_letter(rec, stage, f"{dropped} dropped (over message.max.bytes={limit}): "
-                                                        f"{reason}").headers()
+            return kept + self._dead_letter(rec, stage, f"{dropped} dropped ({why}): {reason}").headers()
 
         headers = letter()
         if self._size(key, b"", headers) > limit and len(reason) > ERROR_IN_RESULT:
@@ -363,7 +378,7 @@ class Emitter:
             slot.since = time.monotonic()
         slot.sent.append(cb)
 
-    def _produce(self, topic: str, key: bytes | None, value: bytes, headers: Any, cb: Any) -> None:
+    def _produce(self, topic: str, key: bytes | None, value: bytes | None, headers: Any, cb: Any) -> None:
         while True:
             try:
                 if headers is None:
@@ -384,10 +399,24 @@ class Emitter:
             except KafkaException as e:
                 raise self._refused(topic, e) from None
 
-    def _failed(self, p: _Pending, err: Any) -> None:
+    def _failed(self, p: _Pending, err: Any, msg: Any = None) -> None:
         p.attempts += 1
+        rec = p.record
         log.warning("delivery failed (attempt %d): %s", p.attempts, err,
-                    extra={"id": p.record.id, "topic": p.record.tp.topic, "offset": p.record.offset})
+                    extra={"id": rec.id, "topic": rec.tp.topic, "offset": rec.offset})
+        if (isinstance(err, KafkaError) and err.code() in _TOO_LARGE and msg is not None
+                and (rec.tp, rec.offset) not in self.too_large):
+            # The topic takes smaller messages than this producer may write: the same bytes would be refused at
+            # every retry, and at every restart. Sent again as an error result and a dead letter without the
+            # original bytes (exactly-once: after the abort, through emit()).
+            self.too_large[(rec.tp, rec.offset)] = topic = msg.topic()
+            if self.max_retries > 0:
+                p.messages = self._smaller_messages(p, topic, describe(err))
+                rec.failed = True
+                p.retry_at = 0.0
+                self.retry_queue.append(p)
+                p.round += 1
+                return
         if p.attempts <= self.max_retries:
             # Re-send everything this record owes; duplicates of the part that did arrive are allowed
             # by at-least-once and absorbed by the idempotent producer per message otherwise.
@@ -396,6 +425,50 @@ class Emitter:
         else:
             self.on_failed(p.record, describe(err))
         p.round += 1  # the round failed: its other reports are ignored, and settling does not confirm it
+
+    def _smaller_messages(self, p: _Pending, topic: str, why: str) -> list[Message]:
+        """The record's messages after the broker refused the one for ``topic`` as too large: a refused result
+        becomes an ``error`` result with an ``output`` dead letter (or, for a record that owes a dead letter
+        already, goes: the dead letter says why); a refused dead letter goes without the original bytes."""
+        rec = p.record
+        out: list[Message] = []
+        dead = next((m for m in p.messages if m[0] == self.dlq_topic), None)
+        result = next((m for m in p.messages if m[0] == self.output_topic), None)
+        refused = f"refused by the broker: {why}"
+        if topic == self.dlq_topic and dead is not None:
+            dl = DeadLetter.from_headers(dead[3])
+            if result is not None:
+                out.append(result)
+            out.append((self.dlq_topic, *self._dead_letter_message(rec, dl.error_stage, dl.error, refused)))
+        elif dead is not None:
+            out.append(dead)
+        else:
+            error = f"result of {len(result[2] or b'') if result is not None else 0} bytes {refused}"
+            rec.meta = None
+            value = self._encode(rec, "error", None, error, 0, 0.0, 0.0, time.monotonic(), time.time() * 1000.0)
+            out.append((self.output_topic, rec.key, value, None))
+            out.append((self.dlq_topic, *self._dead_letter_message(rec, "output", error)))
+        return out
+
+    def _emit_smaller(self, o: Outcome, topic: str, now: float, now_wall_ms: float) -> Outcome:
+        """emit() for a record whose message the broker refused as too large before (exactly-once: the
+        transaction was aborted, and the record processed again): what ``_smaller_messages`` sends."""
+        rec = o.record
+        refused = "refused by the broker: Message size too large"
+        owed_dead_letter = o.dlq_stage is not None
+        if topic == self.output_topic and not owed_dead_letter:
+            rec.meta = None
+            o = Outcome(rec, "error", error=f"result {refused}", dlq_stage="output", batch_size=o.batch_size,
+                        timings=o.timings)
+        p = _Pending(rec, self)
+        if rec.id is not None and not (topic == self.output_topic and owed_dead_letter):
+            p.messages.append((self.output_topic, rec.key, self.result_bytes(o, now, now_wall_ms), None))
+        stage = o.dlq_stage or "output"
+        p.messages.append((self.dlq_topic, *self._dead_letter_message(
+            rec, stage, o.error or stage, refused if topic == self.dlq_topic else None)))
+        rec.failed = True
+        self._send(p)
+        return o
 
     # ------------------------------------------------------------------ settling
     def poll(self, timeout: float = 0.0) -> None:
@@ -437,14 +510,21 @@ class Emitter:
     def _confirm(self, slot: _Slot) -> None:
         sent, slot.sent = slot.sent, []
         on_done = self.on_done
+        # A record the broker refused as too large, now delivered smaller: forgotten. (An entry whose partition
+        # went elsewhere before that stays: one per such refusal, rare.)
+        forget = self.too_large
         for cb in sent:
             # A failure bumped its record's round, so the entry of a failed round no longer matches; the
             # re-sent round is an entry of its own, confirmed with the producer it went on.
             if isinstance(cb, _Pending):
                 if cb.round == 1:
                     on_done(cb.record)
+                    if forget:
+                        forget.pop((cb.record.tp, cb.record.offset), None)
             elif cb.round == cb.p.round:
                 on_done(cb.p.record)
+                if forget:
+                    forget.pop((cb.p.record.tp, cb.p.record.offset), None)
 
     def retry_failed(self) -> None:
         """Re-send the failed records whose backoff has passed. Never sleeps: it runs on the loop thread,

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas import DeadLetter, Result
-from tests.unit.fakes_kafka import FakeProducer, FakeTime, Harness, Produced, make_config, request
+from tests.unit.fakes_kafka import FakeModel, FakeProducer, FakeTime, Harness, Produced, make_config, request
 from worker.core.records import Outcome, Record, TopicPartition
 from worker.emit import SWITCH_AFTER_S, Emitter, _Pending
 
@@ -484,3 +484,83 @@ def test_a_dead_letter_whose_key_headers_or_reason_do_not_fit_is_trimmed_until_i
         assert ", its headers (" in reason and ", its key (900 bytes)" in reason
     assert Emitter._size(dl_key, value, dl_headers) <= limit and r.failed
     real.purge()
+
+
+# -------------------------------------------------------------------- a topic that takes smaller messages
+TOO_LARGE = KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, "Broker: Message size too large")
+
+
+def _refusing(h: Harness, topic: str, over: int) -> None:
+    """The broker refuses messages of ``topic`` whose value is over ``over`` bytes (the topic's max.message.bytes
+    below the producer's message.max.bytes), in the delivery report as librdkafka gives it."""
+    h.p.fail_if = lambda p: TOO_LARGE if p.topic == topic and len(p.value or b"") > over else None
+
+
+def _run_until_committed(h: Harness, offset: int) -> None:
+    for _ in range(200):
+        if h.runner._fatal or h.committed() == offset:
+            break
+        h.process()
+        h.commit()
+
+
+def test_a_result_the_broker_refuses_as_too_large_becomes_an_error_result_and_a_dead_letter(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # It was re-sent as it was, refused 6 times, and the worker stopped, at every restart.
+    model = FakeModel(output=lambda x: {"echo": "y" * 2000} if x == 1 else {"echo": x})
+    h = Harness(monkeypatch, make_config(), model=model).start()
+    _refusing(h, "out", 1500)
+    h.c.assign(("in", 0))
+    h.send(3)
+    h.process()
+    _run_until_committed(h, 3)
+    assert h.runner._fatal is None and h.committed() == 3
+    assert sum(1 for p in h.p.produced if p.topic == "out" and len(p.value or b"") > 1500) == 1  # not retried as is
+    results = {r["source"]["offset"]: r for r in h.p.results()}
+    assert results[1]["status"] == "error" and "refused by the broker" in results[1]["error"]
+    assert results[0]["status"] == results[2]["status"] == "ok"
+    [dead] = h.p.dead_letters()
+    assert dead.header("x-error-stage") == "output" and dead.header("x-source-offset") == "1"
+    assert msgspec.json.decode(dead.value)["inputs"] == 1  # the request itself, to replay once the topic takes it
+    assert h.runner.emitter.too_large == {}  # forgotten once delivered
+
+
+def test_a_dead_letter_the_broker_refuses_as_too_large_goes_without_the_original_bytes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    h = Harness(monkeypatch, make_config()).start()
+    _refusing(h, "dlq", 500)
+    h.c.assign(("in", 0))
+    h.send(1)
+    h.c.append("in", 0, request("bad", "x" * 800, deadline_ms="nope"))  # invalid, id readable: result + dead letter
+    h.send(1)
+    h.process()
+    _run_until_committed(h, 3)
+    assert h.runner._fatal is None and h.committed() == 3
+    [dead] = h.p.dead_letters()
+    assert dead.value == b"" and dead.header("x-error-stage") == "validate"
+    assert (dead.header("x-error") or "").startswith("original value of ")
+    assert "refused by the broker: Broker: Message size too large" in (dead.header("x-error") or "")
+    # (the error result went out twice: the record's messages are re-sent together, as at-least-once allows)
+    assert {r["source"]["offset"]: r["status"] for r in h.p.results()} == {0: "ok", 1: "error", 2: "ok"}
+
+
+def test_exactly_once_a_result_the_broker_refuses_as_too_large_is_redone_as_an_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.unit.test_runner_eos import check_transactions
+
+    model = FakeModel(output=lambda x: {"echo": "y" * 2000} if x == 1 else {"echo": x})
+    cfg = make_config(delivery={"mode": "exactly_once", "transactional_id": "t"})
+    h = Harness(monkeypatch, cfg, model=model).start()
+    _refusing(h, "out", 1500)
+    h.c.assign(("in", 0))
+    h.send(3)
+    h.process()
+    _run_until_committed(h, 3)
+    assert h.runner._fatal is None and h.committed() == 3
+    assert h.p.aborted_txns  # the refusal aborted a transaction; the records were read again
+    results = {r["source"]["offset"]: r for r in h.p.results()}
+    assert [results[i]["status"] for i in range(3)] == ["ok", "error", "ok"]
+    [dead] = h.p.dead_letters()
+    assert dead.header("x-error-stage") == "output" and dead.header("x-source-offset") == "1"
+    assert h.runner.emitter.too_large == {}
+    check_transactions(h)
