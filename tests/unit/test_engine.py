@@ -56,6 +56,26 @@ def test_resolve_dtype_on_cpu() -> None:
         assert resolve_dtype("fp16", "cpu") is None
 
 
+
+def test_bf16_on_a_gpu_older_than_ampere_falls_back_to_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """is_bf16_supported() counts emulation (True on a pre-Ampere GPU) and asks about the current device, not
+    the engine's: the documented fp32 fallback never happened. The engine's own device's capability decides."""
+    caps = {"cuda:0": (7, 5), "cuda:1": (8, 0)}
+    asked: list[object] = []
+
+    def capability(device: object = None) -> tuple[int, int]:
+        asked.append(device)
+        return caps[str(device)]
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.version, "hip", None)
+    with pytest.warns(RuntimeWarning, match="bf16 is not supported on cuda:0; running fp32"):
+        assert resolve_dtype("bf16", "cuda:0") is None
+    assert resolve_dtype("bf16", "cuda:1") is torch.bfloat16
+    assert asked == ["cuda:0", "cuda:1"]
+
 def test_bf16_on_cpu_runs_under_autocast() -> None:
     seen: list[torch.dtype] = []
 

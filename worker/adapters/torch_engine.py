@@ -131,7 +131,10 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype | None:
     if dtype == "fp32":
         return None
     if dtype == "bf16":
-        if kind == "cuda" and not torch.cuda.is_bf16_supported():
+        # Compute capability 8 (Ampere) or newer, of this engine's device: is_bf16_supported() asks about the
+        # current device, and says True on older GPUs too (it counts emulation, far slower than fp32). ROCm's
+        # capability numbers are not CUDA's; its GPUs all take bf16 (what is_bf16_supported() says there).
+        if kind == "cuda" and not torch.version.hip and torch.cuda.get_device_capability(device)[0] < 8:
             warnings.warn(f"bf16 is not supported on {device}; running fp32", RuntimeWarning, stacklevel=2)
             return None
         return torch.bfloat16
