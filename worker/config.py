@@ -27,6 +27,9 @@ PosInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
 PosFloat = Annotated[float, msgspec.Meta(gt=0)]
 Fraction = Annotated[float, msgspec.Meta(gt=0, lt=1)]
+# Names the worker hands to Kafka: an empty one is no name (an empty group.id fails a C assertion in librdkafka,
+# an empty bootstrap list makes a client that waits forever, an empty topic fails subscribe).
+Name = Annotated[str, msgspec.Meta(min_length=1)]
 KafkaProps = dict[str, str | int | float | bool]
 
 
@@ -43,12 +46,12 @@ class _Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class KafkaConfig(_Strict):
-    bootstrap_servers: str = "127.0.0.1:9092"
-    group_id: str = "kafka-inference-worker"
+    bootstrap_servers: Name = "127.0.0.1:9092"
+    group_id: Name = "kafka-inference-worker"
     # Topics for the default lane when no lane lists its own topics.
-    input_topics: list[str] = msgspec.field(default_factory=list)
-    output_topic: str = "inference-results"
-    dlq_topic: str = "inference-dlq"
+    input_topics: list[Name] = msgspec.field(default_factory=list)
+    output_topic: Name = "inference-results"
+    dlq_topic: Name = "inference-dlq"
     # Any librdkafka property, passed through verbatim (SASL/SSL settings go here).
     consumer: KafkaProps = msgspec.field(default_factory=dict)
     producer: KafkaProps = msgspec.field(default_factory=dict)
@@ -79,8 +82,8 @@ def _ms_property(props: KafkaProps, key: str, default: int) -> float:
 
 
 class LaneConfig(_Strict):
-    name: str
-    topics: list[str] = msgspec.field(default_factory=list)
+    name: Name
+    topics: list[Name] = msgspec.field(default_factory=list)
     # Share of device time under overload relative to other lanes' weights (anti-starvation).
     weight: PosFloat = 1.0
     # Higher is served first when several lanes have work; ties go to the lane listed first.
@@ -502,6 +505,8 @@ def _explain(msg: str) -> str:
         u = re.match(r"Object contains unknown field `([^`]+)`", what)
         if u:
             return f"{path}.{u.group(1)}: unknown key"
+        if what == "Expected `str` of length >= 1":
+            return f"{path}: must not be empty"
         return f"{path}: {what}"
     u = re.match(r"Object contains unknown field `([^`]+)`", msg)
     if u:

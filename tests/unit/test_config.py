@@ -377,3 +377,23 @@ def test_rejoin_timeout_defaults_to_the_rebalance_timeout_plus_a_session_timeout
     assert cfg.kafka.rejoin_timeout_ms == 0 and cfg.kafka.rejoin_timeout_s() == 0.0
     with pytest.raises(ConfigError, match=r"\$\.kafka\.rejoin_timeout_ms"):
         from_dict({"kafka": {**BASE["kafka"], "rejoin_timeout_ms": -1}}, environ={})
+
+
+@pytest.mark.parametrize("data, path", [
+    ({"kafka": {"input_topics": ["in"], "group_id": ""}}, "$.kafka.group_id"),  # librdkafka: C assertion, exit 134
+    ({"kafka": {"input_topics": ["in"], "bootstrap_servers": ""}}, "$.kafka.bootstrap_servers"),  # waits forever
+    ({"kafka": {"input_topics": ["in", ""]}}, r"$.kafka.input_topics[1]"),
+    ({"kafka": {"input_topics": ["in"], "output_topic": ""}}, "$.kafka.output_topic"),
+    ({"kafka": {"input_topics": ["in"], "dlq_topic": ""}}, "$.kafka.dlq_topic"),
+    ({**BASE, "batching": {"lanes": [{"name": ""}], "default_lane": ""}}, "$.batching.lanes[0].name"),
+    ({**BASE, "batching": {"lanes": [{"name": "default", "topics": [""]}]}}, "$.batching.lanes[0].topics[0]"),
+])
+def test_an_empty_kafka_name_is_refused(data, path):
+    with pytest.raises(ConfigError) as e:
+        from_dict(data, environ={})
+    assert str(e.value) == f"{path}: must not be empty"
+
+
+def test_an_empty_group_id_from_the_environment_names_the_variable():
+    with pytest.raises(ConfigError, match=r"^\$\.kafka\.group_id: must not be empty \(set by WORKER__KAFKA__GROUP_ID\)$"):
+        from_dict(BASE, environ={"WORKER__KAFKA__GROUP_ID": ""})
