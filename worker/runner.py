@@ -441,6 +441,15 @@ class Runner:
         if time.monotonic() - self._last_commit >= self.cfg.kafka.commit_interval_ms / 1000.0:
             self._commit(sync=False, step=consume)
 
+    @staticmethod
+    def _unreadable_headers(tp: TopicPartition, offset: int) -> list[tuple[str, bytes]]:
+        """confluent-kafka decodes header names as UTF-8 without checking the result (its c_headers_to_py), so a
+        name another client wrote in another encoding makes ``headers()`` raise, at every restart. The record
+        goes on without its headers (an ``x-priority`` among them is not seen)."""
+        log.warning("headers of %s[%d]@%d cannot be read (a header name that is not UTF-8?): processed without them",
+                    tp.topic, tp.partition, offset)
+        return []
+
     def _drop_rewound(self, msgs: list[Any]) -> list[Any]:
         """A rewind served inside consume() (a revoke whose checkpoint failed) sought partitions back, but
         poll() had already returned a record of them, and consume() may return some read before the callback:
@@ -519,7 +528,11 @@ class Runner:
                 if tp not in first_read:
                     first_read[tp] = offset
             ts_type, ts = m.timestamp()
-            rec = Record(tp, offset, m.value(), m.key(), m.headers() or [], now, ts if ts_type else None, epochs[tp])
+            try:
+                headers = m.headers() or []
+            except Exception:  # noqa: BLE001 - one record's headers must not stop the partition for good
+                headers = self._unreadable_headers(tp, offset)
+            rec = Record(tp, offset, m.value(), m.key(), headers, now, ts if ts_type else None, epochs[tp])
             n_in += 1
             bad = admit(rec, now)
             if bad is not None:

@@ -12,7 +12,7 @@ import pytest
 from confluent_kafka import KafkaError
 from confluent_kafka import TopicPartition as KTP
 
-from tests.unit.fakes_kafka import Harness, make_config
+from tests.unit.fakes_kafka import FakeMessage, Harness, make_config, request
 from worker.core.records import Batch, TopicPartition
 
 IN0, IN1 = TopicPartition("in", 0), TopicPartition("in", 1)
@@ -385,3 +385,27 @@ def test_a_record_a_drain_turn_polls_anyway_is_not_committed_past(monkeypatch: p
     h = _drain_with(monkeypatch, "at_least_once", assign_and_resume)
     assert h.c.app_positions.get(IN1, 0) > 0  # the drain did read in[1]
     assert not h.committed("in", 1)
+
+
+def test_a_record_whose_headers_the_client_cannot_decode_is_processed_without_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """confluent-kafka decodes header names as UTF-8 and does not check the result: a name another client wrote
+    in another encoding makes Message.headers() raise (SystemError: "returned a result with an exception set").
+    Raised in the loop, it stopped the worker at every restart."""
+    class Undecodable(FakeMessage):
+        __slots__ = ()
+
+        def headers(self) -> list[tuple[str, bytes | None]] | None:
+            raise SystemError("<built-in method headers> returned a result with an exception set")
+
+    h = Harness(monkeypatch).start()
+    h.c.assign(("in", 0))
+    h.send(1)
+    h.c.append("in", 0, request("odd", 1))
+    good = h.c.logs[IN0][1]
+    h.c.logs[IN0][1] = Undecodable("in", 0, 1, good.value(), good.key())
+    h.send(1)
+    h.process()
+    h.commit()
+    assert h.runner._fatal is None and h.committed() == 3
+    assert [r["id"] for r in h.p.results()] == ["in-0-0", "odd", "in-0-2"]
