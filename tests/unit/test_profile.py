@@ -89,3 +89,48 @@ def test_recommend_and_percentile() -> None:
     assert profile.recommend(rows, None).batch_size == 32  # type: ignore[union-attr]
     assert profile.recommend(rows, 0.5) is None
     assert profile.percentile([1, 2, 3, 4], 0.5) == 2.5
+
+
+def test_the_gpu_check_of_the_profile_curve_fails_when_no_size_ran(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/gpu/gpu_check.py passed profile_curve whenever `worker profile` exited 0, which it does when every
+    batch size failed too (recommending none)."""
+    from tests.gpu import gpu_check
+
+    def fake_run(rows: list[dict[str, object]], recommended: int | None) -> None:
+        def run(ns: argparse.Namespace) -> int:
+            Path(ns.json).write_text(json.dumps({"rows": rows, "recommended": recommended}))
+            Path(ns.plot).write_bytes(b"\x89PNG")
+            return 0
+
+        monkeypatch.setattr(profile, "run", run)
+
+    def ok(bs: int, p99: float = 5.0) -> dict[str, object]:
+        return {"batch_size": bs, "p99_ms": p99, "status": "ok"}
+
+    cases: list[tuple[list[dict[str, object]], int | None, str | None]] = [
+        ([{"batch_size": 1, "p99_ms": None, "status": "error: RuntimeError('boom')"}], None, "batch 1: error"),
+        ([ok(1), ok(4), ok(16, 80.0)], None, "recommended None"),
+        ([ok(1), ok(4), {"batch_size": 16, "p99_ms": None, "status": "error: ValueError('x')"}], 4, "batch 16"),
+        ([ok(1), ok(4, 70.0)], 4, "p99 70.0 ms over 50"),
+        ([], None, "no rows"),
+        ([ok(1), ok(4), {"batch_size": 16, "p99_ms": None, "status": "oom"}], 4, None),  # a small device's largest
+    ]
+    for rows, rec, wrong in cases:
+        fake_run(rows, rec)
+        (r,) = gpu_check.check_profile_curve("cpu", True, tmp_path)
+        assert r["status"] == ("PASS" if wrong is None else "FAIL"), (rows, r)
+        assert wrong is None or wrong in r["detail"], r
+
+
+def test_the_gpu_check_of_a_real_oom_compares_rows_with_the_uncapped_run() -> None:
+    """real_oom checked only the output's shape: rows handed to the wrong records, or zeros, passed."""
+    from tests.gpu import gpu_check
+
+    torch.manual_seed(0)
+    ref = torch.nn.functional.normalize(torch.randn(8, 4), dim=1)
+    assert gpu_check.same_rows(ref + 1e-5, ref) is None
+    assert "rows nearer to another record's" in str(gpu_check.same_rows(ref[[1, 0, 2, 3, 4, 5, 6, 7]], ref, atol=10))
+    assert "max |got - ref|" in str(gpu_check.same_rows(torch.zeros_like(ref), ref))
+    assert "shape (7, 4)" in str(gpu_check.same_rows(ref[:7], ref))
+    (skip,) = gpu_check.check_real_oom("cpu", quick=True)
+    assert skip["status"] == "SKIP"
