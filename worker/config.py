@@ -202,6 +202,16 @@ SECRET_WORDS = ("password", "passwd", "secret", "token", "sasl_jaas", "sasl_oaut
                 "private", "credential", "api_key", "apikey", "authorization")
 # librdkafka reads a boolean property as true from "true", "t" or "1" (any case); only these read as false.
 _FALSE = ("false", "f", "0")
+# Properties the worker sets per client from its own keys. Given in the pass-through, one would override some
+# clients' value and not others' (or be overridden itself) without a word.
+_OWNED = {
+    ("consumer", "group.id"): (
+        "set kafka.group_id instead: each client's group is derived from it (worker run ignored this one, while "
+        "backfill's snapshot read the live group's commits with it)"),
+    ("producer", "transactional.id"): (
+        "set delivery.transactional_id (with delivery.mode: exactly_once) instead: a transactional producer "
+        "refuses every record sent outside a transaction, which at_least_once does (exactly_once ignored it)"),
+}
 
 
 def _resolve_secrets(value: Any, path: str, environ: dict[str, str]) -> Any:
@@ -371,6 +381,18 @@ def _check_semantics(cfg: Config) -> None:
         # Any spelling but false's: librdkafka also takes "1" or "t" for true (and refuses what is neither).
         if str(cfg.kafka.consumer.get(key, "false")).strip().lower() not in _FALSE:
             raise ConfigError(f"$.kafka.consumer.{key}: must stay false; offsets are committed only after delivery")
+    for (section, key), why in _OWNED.items():
+        props = cfg.kafka.consumer if section == "consumer" else cfg.kafka.producer
+        if key in props:
+            raise ConfigError(f"$.kafka.{section}.{key}: {why}")
+    for key in ("acks", "request.required.acks"):
+        if str(cfg.kafka.producer.get(key, "all")).strip() == "0":
+            raise ConfigError(f"$.kafka.producer.{key}: must not be 0: offsets are committed once the broker has "
+                              "acknowledged the results, and with acks=0 none does (a lost result is committed past)")
+    isolation = str(cfg.kafka.consumer.get("isolation.level", "read_committed")).strip().lower()
+    if cfg.delivery.mode == "exactly_once" and isolation != "read_committed":
+        raise ConfigError("$.kafka.consumer.isolation.level: must stay read_committed with delivery.mode "
+                          "exactly_once: read_uncommitted would process the records of aborted transactions")
     if cfg.redis.url:
         # The store would refuse it only when the worker starts; check-config should say so first.
         problem = redis_url_problem(cfg.redis.url, tls=cfg.redis.tls)

@@ -397,3 +397,30 @@ def test_an_empty_kafka_name_is_refused(data, path):
 def test_an_empty_group_id_from_the_environment_names_the_variable():
     with pytest.raises(ConfigError, match=r"^\$\.kafka\.group_id: must not be empty \(set by WORKER__KAFKA__GROUP_ID\)$"):
         from_dict(BASE, environ={"WORKER__KAFKA__GROUP_ID": ""})
+
+
+@pytest.mark.parametrize("kafka, delivery, message", [
+    # run overrode it with kafka.group_id; backfill's snapshot used it, reading the live group's commits.
+    ({"consumer": {"group.id": "live"}}, {}, r"^\$\.kafka\.consumer\.group\.id: set kafka\.group_id instead"),
+    # A transactional producer refuses every record sent outside a transaction (every one in at_least_once).
+    ({"producer": {"transactional.id": "t"}}, {}, r"^\$\.kafka\.producer\.transactional\.id: set delivery\.transactional_id"),
+    ({"producer": {"transactional.id": "t"}}, {"mode": "exactly_once"}, r"^\$\.kafka\.producer\.transactional\.id"),
+    ({"producer": {"acks": 0}}, {}, r"^\$\.kafka\.producer\.acks: must not be 0"),
+    ({"producer": {"request.required.acks": "0"}}, {}, r"^\$\.kafka\.producer\.request\.required\.acks: must not be 0"),
+    ({"consumer": {"isolation.level": "read_uncommitted"}}, {"mode": "exactly_once"},
+     r"^\$\.kafka\.consumer\.isolation\.level: must stay read_committed with delivery\.mode exactly_once"),
+])
+def test_a_passthrough_property_that_breaks_the_guarantees_is_refused(kafka, delivery, message):
+    with pytest.raises(ConfigError, match=message):
+        from_dict({"kafka": {"input_topics": ["in"], **kafka}, "delivery": delivery}, environ={})
+
+
+def test_passthrough_overrides_that_keep_the_guarantees_are_accepted():
+    # at_least_once may read uncommitted input, and trade idempotence for acks=1: duplicates, not loss of commits.
+    from_dict({"kafka": {"input_topics": ["in"], "consumer": {"isolation.level": "read_uncommitted"},
+                         "producer": {"enable.idempotence": False, "acks": 1}}}, environ={})
+
+
+def test_a_group_id_in_the_consumer_section_from_the_environment_names_the_variable():
+    with pytest.raises(ConfigError, match=r"\(set by WORKER__KAFKA__CONSUMER__GROUP_ID\)$"):
+        from_dict(BASE, environ={"WORKER__KAFKA__CONSUMER__GROUP_ID": "other"})
