@@ -600,6 +600,33 @@ def test_an_out_of_memory_error_from_another_runtime_splits_instead_of_bisecting
     assert not is_oom(RuntimeOOM("Unexpected input data type"))
 
 
+
+class CPUAllocatorOOM(Fake):
+    """Runs out of host memory, for real, above 2 records (torch's CPU allocator raises a plain RuntimeError)."""
+
+    def forward(self, batch: list[Any]) -> list[Any]:
+        if len(batch) > 2:
+            torch.empty(2**60, dtype=torch.uint8)  # past any address space: the allocator refuses it
+        return super().forward(batch)
+
+
+def test_a_cpu_out_of_memory_error_splits_the_batch_and_lowers_the_limit() -> None:
+    """"DefaultCPUAllocator: can't allocate memory" was not an OOM: the batch was bisected as if its records
+    were poison, and the lane kept a max batch size that does not fit."""
+    from worker.adapters.torch_engine import is_oom
+
+    with pytest.raises(RuntimeError) as info:
+        torch.empty(2**60, dtype=torch.uint8)
+    assert is_oom(info.value), str(info.value)
+    assert is_oom(RuntimeError("[enforce fail at CPUAllocator.cpp:79] data. DefaultCPUAllocator: not enough "
+                               "memory: you tried to allocate 1000000 bytes."))
+    limits: list[int] = []
+    eng = Engine(CPUAllocatorOOM(), "cpu", warmup=False, on_limit=lambda lane, n: limits.append(n))
+    eng.setup()
+    assert eng.infer(list(range(8))) == [x * 10 for x in range(8)]
+    assert eng.stats.oom >= 1 and eng.stats.poison == 0
+    assert eng.effective_max("default") == 2 and limits[-1] == 2
+
 def test_a_batch_output_part_without_one_row_per_record_is_an_error_not_a_misattribution() -> None:
     from worker.models.base import split_rows
 

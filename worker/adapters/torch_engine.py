@@ -190,13 +190,19 @@ def _drop_frames(exc: BaseException) -> None:
         e = e.__cause__ or e.__context__
 
 
+# Lower-case message parts of out-of-memory errors that are not torch.cuda.OutOfMemoryError: torch's CPU
+# allocator raises a plain RuntimeError ("DefaultCPUAllocator: can't allocate memory: you tried to allocate N
+# bytes", "... not enough memory" on Windows), MPS "MPS backend out of memory", onnxruntime a RuntimeException
+# that is not a RuntimeError ("... CUDA failure 2: out of memory", "Failed to allocate memory").
+_OOM_MARKS = ("out of memory", "failed to allocate memory", "defaultcpuallocator: can't allocate memory",
+              "defaultcpuallocator: not enough memory")
+
+
 def is_oom(exc: BaseException) -> bool:
     if isinstance(exc, torch.cuda.OutOfMemoryError | MemoryError):
         return True
-    # By message for the rest: torch's own, and other runtimes whose exceptions are not RuntimeErrors
-    # (onnxruntime's RuntimeException: "... CUDA failure 2: out of memory", "Failed to allocate memory").
     text = str(exc).lower()
-    return isinstance(exc, Exception) and ("out of memory" in text or "failed to allocate memory" in text)
+    return isinstance(exc, Exception) and any(mark in text for mark in _OOM_MARKS)
 
 
 # torch >= 2.8 raises AcceleratorError for CUDA errors; older ones a RuntimeError("CUDA error: ...").
