@@ -368,6 +368,28 @@ def test_onnx_file(tmp_path: Path) -> None:
         m.decode([1, 2])
 
 
+
+def test_an_onnx_integer_input_refuses_fractions_instead_of_truncating(tmp_path: Path) -> None:
+    """np.asarray([1.7, 2.9], dtype=int64) is [1, 2]: such records ran, silently truncated (TensorModel refuses them)."""
+    needs.module("onnxruntime")
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Identity", ["ids"], ["out"])], "id",
+                              [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", 3])],
+                              [helper.make_tensor_value_info("out", TensorProto.INT64, ["batch", 3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(tmp_path / "ids.onnx"))
+    m: Any = load_model(ModelConfig(name=str(tmp_path / "ids.onnx")))
+    m.setup("cpu")
+    assert run(m, [[1, 2, 3], [4.0, 5.0, -6.0]]) == [[1, 2, 3], [4, 5, -6]]
+    for bad in ([1.7, 2.9, -0.5], [1, 2, 3.5]):
+        with pytest.raises(ValueError, match=r"inputs\['ids'\] .*int64: got non-integers"):
+            m.decode(bad)
+    with pytest.raises(ValueError, match=r"inputs\['ids'\] must be a \(nested\) list of numbers"):
+        m.decode([2**70, 1, float("nan")])
+
 def test_onnx_missing_runtime_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "lin.onnx"
     path.write_bytes(b"not really onnx")

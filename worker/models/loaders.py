@@ -261,7 +261,13 @@ class OnnxModel:
                 raise ValueError(f"inputs lacks {name!r}")
             try:
                 a = np.asarray(inputs[name], dtype=dt)
-            except (TypeError, ValueError) as e:
+                if a.dtype.kind in "iu":
+                    # np.asarray([1.7], dtype=int64) is [1]: an input the model cannot take is an error, as in
+                    # TensorModel (out-of-range values already raise OverflowError, NaN ValueError).
+                    raw = np.asarray(inputs[name])
+                    if raw.dtype.kind == "f" and not np.array_equal(raw, np.trunc(raw)):
+                        raise ValueError(f"the input's type is {dt}: got non-integers")
+            except (TypeError, ValueError, OverflowError) as e:
                 raise ValueError(f"inputs[{name!r}] must be a (nested) list of numbers: {e}") from None
             want = shape[1:] if shape else []
             if len(want) != a.ndim or any(isinstance(w, int) and w != g for w, g in zip(want, a.shape, strict=False)):
