@@ -71,6 +71,22 @@ def test_tiny_is_deterministic_and_validates_dim() -> None:
         decode_request(a, msgspec.json.encode({"id": "1", "inputs": [0.0] * 15}))
 
 
+
+def test_tiny_refuses_inputs_that_are_not_finite_in_float32() -> None:
+    """NaN or inf (msgpack carries them) or 1e39 (inf as a float32) ran and came back as [null, null, null, null]
+    in an ok result; each is a decode error of its record now."""
+    import math
+
+    m: Any = load_model(ModelConfig(name="tiny"))
+    m.setup("cpu")
+    raws = [msgspec.msgpack.encode({"id": "1", "inputs": [bad] + [0.0] * 15}) for bad in (math.nan, math.inf, -math.inf)]
+    reqs = [msgspec.msgpack.decode(raw, type=Request[m.input_type]) for raw in raws]
+    reqs.append(decode_request(m, b'{"id": "2", "inputs": [0' + b", 0" * 14 + b", -1e39]}"))
+    for req in reqs:
+        with pytest.raises(ValueError, match="finite float32"):
+            m.decode(req.inputs)
+    assert m.decode([3.4028234663852886e38, -1e-45] + [0.0] * 14)  # float32's largest and smallest are fine
+
 def test_synthetic_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
     m: Any = load_model(ModelConfig(name="synthetic", options={"a_ms": 0, "b_ms": 0, "fail_on": "BAD",
                                                                 "oom_above": 2, "crash_on": "DIE"}))

@@ -10,6 +10,8 @@ import torch
 from worker.models.base import Options, parse_options, split_rows
 from worker.models.inputs import TINY_CLASSES, TINY_DIM, Scores, TinyInput
 
+_F32_MAX = 3.4028234663852886e38  # the largest finite float32
+
 
 class TinyOptions(Options):
     hidden: int = 64
@@ -38,7 +40,12 @@ class TinyModel:
         self.net.to(device)
 
     def decode(self, inputs: list[float]) -> list[float]:
-        return inputs  # validated by msgspec (exactly TINY_DIM floats)
+        # msgspec checks there are TINY_DIM floats; not that they are finite in float32: NaN or inf (msgpack
+        # carries them) or a value past float32's range (inf once converted) gave NaN probabilities, sent as
+        # nulls in an ok result. (A comparison is False for NaN.)
+        if not all(-_F32_MAX <= v <= _F32_MAX for v in inputs):
+            raise ValueError("inputs must be finite float32 values: got NaN, infinity or a value beyond +-3.4e38")
+        return inputs
 
     def collate(self, items: Sequence[list[float]]) -> torch.Tensor:
         return torch.tensor(items, dtype=torch.float32)
