@@ -288,3 +288,14 @@ def test_readme_metrics_table_matches_what_is_exported() -> None:
         family = name.removesuffix("_total") if kind == "counter" else name
         documented[family] = (kind, set(re.findall(r"`(\w+)`", labels)))
     assert documented == EXPECTED
+
+
+def test_the_health_server_binds_ipv6_and_serves_ipv4_too_on_the_any_address() -> None:
+    # metrics.host "::" (what the chart accepts for dual-stack and IPv6 clusters) made the worker exit at start:
+    # the server was IPv4 only ("address family for hostname not supported").
+    with HealthServer(PrometheusMetrics(), "::", 0, HealthState(), heartbeat_timeout_s=30) as hs:
+        assert hs.url == f"http://[::1]:{hs.port}"
+        assert get(f"{hs.url}/healthz")[0] == 200
+        assert get(f"http://127.0.0.1:{hs.port}/healthz")[0] == 200  # dual stack: IPv4 probes reach it too
+    with HealthServer(PrometheusMetrics(), "::1", 0, HealthState(), heartbeat_timeout_s=30) as hs:
+        assert get(f"http://[::1]:{hs.port}/healthz")[0] == 200

@@ -13,8 +13,10 @@ Runs a stdlib ``ThreadingHTTPServer`` in a daemon thread; nothing listens until 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -69,7 +71,9 @@ class HealthServer:
 
     @property
     def url(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "[::1]"}.get(self.host, self.host)
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
         return f"http://{host}:{self.port}"
 
     # -- checks (usable without HTTP) ---------------------------------------------------------------
@@ -96,7 +100,8 @@ class HealthServer:
     def start(self) -> HealthServer:
         if self._server is not None:
             return self
-        server = ThreadingHTTPServer((self.host, self._port), _make_handler(self))
+        server_cls = _Server6 if ":" in self.host else ThreadingHTTPServer
+        server = server_cls((self.host, self._port), _make_handler(self))
         server.daemon_threads = True
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
@@ -120,6 +125,19 @@ class HealthServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class _Server6(ThreadingHTTPServer):
+    """An IPv6 address (``::``, ``::1``...): ThreadingHTTPServer is IPv4 only, and ``metrics.host: "::"`` made the
+    worker exit at start. ``::`` also takes IPv4 (dual stack, where the kernel allows it): the kubelet probes the
+    pod on whichever family its IP is."""
+
+    address_family = socket.AF_INET6
+
+    def server_bind(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
 
 
 def _make_handler(owner: HealthServer) -> type[BaseHTTPRequestHandler]:
