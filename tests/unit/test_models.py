@@ -230,6 +230,12 @@ def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str
 
         def not_a_model():
             return 42
+
+        def missing_weights(dim: int = 3):
+            raise FileNotFoundError("weights.bin")
+
+        def buggy(dim: int = 3):
+            return len(None)
     '''))
     monkeypatch.syspath_prepend(str(tmp_path))
     yield "my_models"
@@ -259,6 +265,22 @@ def test_factory_errors(user_module: str) -> None:
     with pytest.raises(ConfigError, match=r"\$\.model\.options: factory .* rejected options \['nope'\]"):
         load_model(ModelConfig(name=f"{user_module}:build", options={"nope": 1}))
 
+
+
+def test_an_error_inside_a_factory_is_a_config_error_that_says_it_raised(user_module: str, tmp_path: Path) -> None:
+    """A TypeError raised in a factory's body was reported as the factory rejecting the options; any other
+    exception escaped load_model as a traceback instead of a ConfigError naming $.model (exit 2)."""
+    with pytest.raises(ConfigError, match=r"^\$\.model\.name: factory '.*:buggy' raised TypeError: object of type"):
+        load_model(ModelConfig(name=f"{user_module}:buggy", options={"dim": 4}))
+    with pytest.raises(ConfigError, match=r"^\$\.model\.name: factory .* raised FileNotFoundError: weights.bin"):
+        load_model(ModelConfig(name=f"{user_module}:missing_weights"))
+    with pytest.raises(ConfigError, match=r"\$\.model\.options: factory .*:buggy' rejected options \['dims'\]: "
+                                          r"got an unexpected keyword argument 'dims'"):
+        load_model(ModelConfig(name=f"{user_module}:buggy", options={"dims": 4}))
+    sd = tmp_path / "w.safetensors"
+    sd.write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"^\$\.model\.options\.factory: factory .* raised FileNotFoundError"):
+        load_model(ModelConfig(name=str(sd), options={"factory": f"{user_module}:missing_weights"}))
 
 def test_state_dict_with_factory(user_module: str, tmp_path: Path) -> None:
     torch.manual_seed(1)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
+import inspect
 import logging
 import os
 import sys
@@ -403,16 +404,31 @@ def _complete(model: Any, name: str, version: str) -> Any:
     return model
 
 
-def from_factory(spec: str, options: dict[str, Any], state_dict: Path | None = None) -> Any:
+def from_factory(spec: str, options: dict[str, Any], state_dict: Path | None = None,
+                 key: str = "$.model.name") -> Any:
+    """``key``: the config path naming the factory, for the error when calling it fails."""
     factory = import_callable(spec)
     kwargs = {k: v for k, v in options.items() if k not in RESERVED_OPTIONS}
     sd_opt = options.get("state_dict")
     if state_dict is None and sd_opt is not None:
         state_dict = existing_file(str(sd_opt), "$.model.options.state_dict")
+    # Options the factory cannot take, told by its signature: a TypeError raised inside its body (a bug, a
+    # bad value) is not the options' fault, and was reported as if it were.
     try:
-        obj = factory(**kwargs)
+        inspect.signature(factory).bind(**kwargs)
     except TypeError as e:
         raise ConfigError(f"$.model.options: factory {spec!r} rejected options {sorted(kwargs)}: {e}") from None
+    except ValueError:
+        pass  # no signature to read (some C callables): the call itself tells
+    try:
+        obj = factory(**kwargs)
+    except ConfigError:
+        raise
+    except Exception as e:
+        # A ConfigError naming the key (exit 2 at start), not a traceback out of load_model; the traceback is
+        # logged, since the cause is somewhere in the user's code.
+        log.error("model factory %r raised", spec, exc_info=True)
+        raise ConfigError(f"{key}: factory {spec!r} raised {type(e).__name__}: {e}") from e
     import torch
 
     name = spec.rsplit(":", 1)[1]
@@ -468,7 +484,7 @@ def from_file(path_str: str, options: dict[str, Any]) -> Any:
     path = check_file(path_str, options)
     suffix = path.suffix.lower()
     if "factory" in options:
-        return from_factory(str(options["factory"]), options, state_dict=path)
+        return from_factory(str(options["factory"]), options, state_dict=path, key="$.model.options.factory")
     version = file_version(path)
     if suffix in ONNX_SUFFIXES:
         return OnnxModel(path, name=path.name, version=version, example_input=options.get("example_input"))
