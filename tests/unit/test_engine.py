@@ -701,6 +701,26 @@ def test_a_dataclass_batch_is_moved_too() -> None:
     assert isinstance(moved, Inputs) and moved.ids.tolist() == [1.0, 1.0] and moved.lengths == [1, 2]
 
 
+
+def test_a_packed_sequence_batch_keeps_its_batch_sizes_on_the_cpu() -> None:
+    """Moved as a NamedTuple, a PackedSequence's batch_sizes went to the device too, which its constructor
+    refuses ("batch_sizes should always be on CPU"): on a GPU every packed batch failed. The meta device
+    stands in for one."""
+    from torch.nn.utils.rnn import PackedSequence, pack_sequence
+
+    from worker.adapters.torch_engine import _map_tensors, _tensors
+
+    packed = pack_sequence([torch.ones(3, 2), torch.zeros(1, 2)], enforce_sorted=False)
+    moved = _map_tensors({"x": packed}, lambda t: t.to("meta"))["x"]
+    assert isinstance(moved, PackedSequence)
+    assert moved.data.device.type == "meta" and moved.batch_sizes.device.type == "cpu"
+    assert moved.sorted_indices is not None and moved.sorted_indices.device.type == "meta"
+    assert moved.batch_sizes.tolist() == packed.batch_sizes.tolist()
+    assert {t.device.type for t in _tensors(moved)} == {"meta", "cpu"}  # record_stream skips the CPU one
+    sorted_packed = pack_sequence([torch.ones(3, 2), torch.zeros(1, 2)])  # no indices
+    again = _map_tensors(sorted_packed, lambda t: t.to("meta"))
+    assert again.data.device.type == "meta" and again.sorted_indices is None
+
 # ------------------------------------------------------------------------------- device errors, OOM retries
 class Sticky(Fake):
     """What a CUDA device-side assert does: one bad record breaks the context, every later call fails."""

@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
 from worker.core.records import Batch
 
@@ -239,6 +240,11 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
             except Exception:
                 pass
         return moved
+    if isinstance(obj, PackedSequence):
+        # As PackedSequence.to() does: batch_sizes stays on the CPU (its constructor refuses it anywhere else,
+        # so a packed batch could not go to a GPU); the rest goes where ``fn`` puts it.
+        return type(obj)(fn(obj.data), obj.batch_sizes, *(None if t is None else fn(t)
+                                                          for t in (obj.sorted_indices, obj.unsorted_indices)))
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # NamedTuple
         return type(obj)(*(_map_tensors(v, fn) for v in obj))
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # a handler's own batch type
