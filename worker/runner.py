@@ -840,6 +840,9 @@ class Runner:
         self._last_commit = time.monotonic()
         if self._no_commit:
             return
+        if self._shutdown_deadline is not None:
+            # Stopping: no flush waits past the shutdown deadline (the pod's grace period is counted from it).
+            flush_s = min(flush_s, max(1.0, self._shutdown_deadline - self._last_commit))
         # The loop's periodic commit only: every message the consumer returned has been tracked by now. Inside a
         # rebalance callback, consume() may hold fetched messages it has not returned yet while the position
         # already counts them.
@@ -1230,6 +1233,8 @@ class Runner:
             self.cv.notify_all()
         deadline = time.monotonic() + self.cfg.delivery.shutdown_timeout_s
         self._shutdown_deadline = deadline
+        if self.txn is not None:
+            self.txn.deadline = deadline
         while self.tracker.in_flight() > 0 and time.monotonic() < deadline and self._fatal is None:
             self._iterate(consume=False)
             time.sleep(0.001)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -32,15 +33,16 @@ COMMIT_ATTEMPTS = 3
 ABORT_ATTEMPTS = 3
 
 
-def _call_again(call: Callable[[], None], what: str, attempts: int, again: Callable[[Any], bool]) -> None:
-    """``call()``, called again (up to ``attempts`` calls in all) while it raises a KafkaError that ``again``
-    accepts; otherwise, or after the last call, its KafkaException propagates."""
+def _call_again(call: Callable[[], None], what: str, attempts: int, again: Callable[[Any], bool],
+                deadline: float | None = None) -> None:
+    """``call()``, called again (up to ``attempts`` calls in all, and not past ``deadline``) while it raises a
+    KafkaError that ``again`` accepts; otherwise, or after the last call, its KafkaException propagates."""
     for attempt in range(1, attempts + 1):
         try:
             call()
             return
         except KafkaException as e:
-            if attempt == attempts or not again(e.args[0]):
+            if attempt == attempts or not again(e.args[0]) or (deadline is not None and time.monotonic() >= deadline):
                 raise
             log.warning("%s did not complete (%s); calling it again", what, e.args[0])
 
@@ -59,11 +61,19 @@ class TransactionalCommitter:
         self.producer = producer
         self.consumer = consumer
         self.timeout = timeout_s
+        # Monotonic time no call may wait past, set when the worker stops: the checkpoint of a shutdown must end
+        # within delivery.shutdown_timeout_s (the pod's grace period), not 30 s per call and 3 calls per commit.
+        self.deadline: float | None = None
         self.order: dict[TopicPartition, deque[int]] = {}
         self.ready: dict[TopicPartition, dict[int, Outcome]] = {}
         self.in_txn = False
         self.commits = 0
         self.aborts = 0
+
+    def _timeout(self) -> float:
+        if self.deadline is None:
+            return self.timeout
+        return max(0.5, min(self.timeout, self.deadline - time.monotonic()))
 
     def init(self) -> None:
         self.producer.init_transactions(self.timeout)
@@ -107,7 +117,7 @@ class TransactionalCommitter:
             if offsets:
                 self.producer.send_offsets_to_transaction(
                     [KTP(tp.topic, tp.partition, o) for tp, o in offsets.items()],
-                    self.consumer.consumer_group_metadata(), self.timeout)
+                    self.consumer.consumer_group_metadata(), self._timeout())
             self._commit()
             self.commits += 1
             self.in_txn = False
@@ -124,15 +134,15 @@ class TransactionalCommitter:
     def _commit(self) -> None:
         # A retriable error that does not require an abort (a timeout: the commit goes on in the background) is
         # only resolved by calling commit_transaction again; abort is refused meanwhile.
-        _call_again(lambda: self.producer.commit_transaction(self.timeout), "commit_transaction", COMMIT_ATTEMPTS,
-                    lambda err: err.retriable() and not err.fatal() and not err.txn_requires_abort())
+        _call_again(lambda: self.producer.commit_transaction(self._timeout()), "commit_transaction", COMMIT_ATTEMPTS,
+                    lambda err: err.retriable() and not err.fatal() and not err.txn_requires_abort(), self.deadline)
 
     def abort(self) -> None:
         """Aborts the open transaction and begins the next one; raises TransactionFailed when it cannot be aborted
         (beginning a transaction then fails anyway, and the loop would go on producing outside one)."""
         try:
-            _call_again(lambda: self.producer.abort_transaction(self.timeout), "abort_transaction", ABORT_ATTEMPTS,
-                        lambda err: err.retriable() and not err.fatal())
+            _call_again(lambda: self.producer.abort_transaction(self._timeout()), "abort_transaction", ABORT_ATTEMPTS,
+                        lambda err: err.retriable() and not err.fatal(), self.deadline)
         except KafkaException as e:
             err = e.args[0]
             if err.fatal():

@@ -711,6 +711,8 @@ class FakeProducer:
                                             txn_requires_abort=True))
         if self.pending:
             self.commit_in_progress = True
+            if self.clock is not None and timeout:
+                self.clock.advance(timeout)  # waited the whole timeout for the acknowledgements
             raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "Local: Timed out", retriable=True))
         self.committed_txns.add(self.txn_index)
         self.group_offsets.update(self._txn_offsets)  # the group's offsets commit with the transaction
@@ -873,10 +875,11 @@ class Harness:
         import worker.emit
         import worker.intake
         import worker.runner as wr
+        import worker.transactions
 
         self.cfg = cfg if cfg is not None else make_config()
         self.clock = FakeTime()
-        for mod in (wr, worker.emit, worker.intake):
+        for mod in (wr, worker.emit, worker.intake, worker.transactions):
             monkeypatch.setattr(mod, "time", self.clock)
         # Built now so a test can script them before run(); make_consumer/make_producer hand them out.
         self.consumer = FakeConsumer(self.clock)

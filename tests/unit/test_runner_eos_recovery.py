@@ -209,3 +209,28 @@ def test_a_begin_that_fails_stops_the_worker(monkeypatch: pytest.MonkeyPatch) ->
     assert "begin_transaction failed" in (h.runner._fatal or "")
 
 
+
+
+def test_past_the_shutdown_deadline_a_commit_that_times_out_is_not_called_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the worker stops, each transactional call waits at most what is left of shutdown_timeout_s, and a
+    timed-out commit is not called again past it: 3 calls of 30 s each outlived the pod's grace period."""
+    h = Harness(monkeypatch, make_config(delivery=EOS)).start()
+    h.c.assign(("in", 0))
+    h.send(3)
+    h.process()
+    timeouts: list[float | None] = []
+    real = h.p.commit_transaction
+
+    def commit(timeout: float | None = None) -> None:
+        timeouts.append(timeout)
+        h.clock.advance(timeout or 0.0)  # it waited that long before timing out
+        real(timeout)
+
+    monkeypatch.setattr(h.p, "commit_transaction", commit)
+    for _ in range(3):
+        h.p.fail_txn("commit", timed_out())
+    assert h.runner.txn is not None
+    h.runner.txn.deadline = h.clock.t + 4.0
+    h.commit()
+    assert timeouts == [4.0]  # not 30, and not called again once past the deadline
+    assert "could not be aborted" in (h.runner._fatal or "")  # exit 1: the next process starts from the commits

@@ -409,3 +409,33 @@ def test_a_record_whose_headers_the_client_cannot_decode_is_processed_without_th
     h.commit()
     assert h.runner._fatal is None and h.committed() == 3
     assert [r["id"] for r in h.p.results()] == ["in-0-0", "odd", "in-0-2"]
+
+
+def test_an_exactly_once_checkpoint_while_draining_ends_by_the_shutdown_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The drain's periodic checkpoint flushed for 30 s and commit_transaction waited 30 s per call (3 calls),
+    whatever was left of shutdown_timeout_s: a batch that finished 29 s into a 30 s drain, just as the broker
+    stopped acknowledging, made the stop take 60 s and more, past the pod's grace period (SIGKILL in the middle
+    of a transaction). Now every wait ends by the deadline; the transaction is aborted and the records are
+    read again after the restart."""
+    h = _stuck(monkeypatch, delivery={"shutdown_timeout_s": 30, "mode": "exactly_once", "transactional_id": "t"},
+               kafka={"commit_interval_ms": 1000})
+    t: dict[str, Any] = {}
+
+    def take() -> None:
+        t["stuck"] = _one_done_one_stuck(h)
+
+    def stop() -> None:
+        t["stop"] = h.clock.t
+        h.runner.stop()
+
+    def drain() -> None:
+        if "stuck" in t and h.clock.t - t["stop"] >= 29:
+            h.p.hold = True  # the broker stops acknowledging just as the slow batch comes back
+            h.device.finish(t.pop("stuck"))
+        else:
+            h.clock.advance(0.5)
+
+    h.on_polls({2: take, 3: stop}, then=drain)
+    h.run()
+    assert h.clock.t - t["stop"] <= 30 + 1.1  # a flush's minimum of 1 s past the deadline at most
+    assert h.committed() == 2 and not [r for r in h.p.results() if r["source"]["offset"] >= 2]
