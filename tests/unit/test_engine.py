@@ -424,6 +424,66 @@ def test_compile_wraps_forward_and_falls_back_to_eager(monkeypatch: pytest.Monke
     assert eng3.stats.poison == 0
 
 
+
+class NegativeIsPoison:
+    """A handler without example_inputs() whose forward refuses a negative record (as eager and compiled)."""
+
+    name, version, input_type, output_type = "neg", "1", Any, Any
+
+    def setup(self, device: str) -> None:
+        pass
+
+    def decode(self, x: Any) -> Any:
+        return x
+
+    def collate(self, items: Sequence[Any]) -> torch.Tensor:
+        return torch.tensor(items)
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        if (batch < 0).any():
+            raise ValueError("negative input")
+        return batch * 2
+
+    def split(self, out: torch.Tensor, n: int) -> list[Any]:
+        return out.tolist()
+
+
+def test_a_poison_record_in_the_first_compiled_batch_does_not_switch_compile_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without example inputs the first batch verifies the compiled forward; a record that fails eager too made
+    it fall back to eager for good. Only a batch that eager runs and the compiled forward does not does."""
+    calls: list[str] = []
+
+    def fake_compile(fn: Any, **kw: Any) -> Any:
+        def compiled(batch: Any) -> Any:
+            calls.append("compiled")
+            return fn(batch)
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    m = NegativeIsPoison()
+    eng = Engine(m, "cpu", compile=True, threads=1)
+    eng.setup()
+    out = eng.infer([1.0, -1.0, 3.0])
+    assert out[0] == 2.0 and isinstance(out[1], ValueError) and out[2] == 6.0
+    assert getattr(m.forward, "__name__", "") == "compiled"  # verified by a good chunk, still compiled
+    calls.clear()
+    assert eng.infer([4.0]) == [8.0] and calls == ["compiled"]
+
+    def broken_compile(fn: Any, **kw: Any) -> Any:
+        def compiled(batch: Any) -> Any:
+            raise RuntimeError("inductor: no compiler")
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    m2 = NegativeIsPoison()
+    eng2 = Engine(m2, "cpu", compile=True, threads=1)
+    eng2.setup()
+    trial = m2.forward
+    out = eng2.infer([-1.0])  # fails both ways: the record's fault, the compiled forward is still on trial
+    assert isinstance(out[0], ValueError) and m2.forward is trial
+    assert eng2.infer([1.0, 2.0]) == [2.0, 4.0]  # eager runs what the compiled forward cannot: eager for good
+    assert getattr(m2.forward, "__func__", None) is NegativeIsPoison.forward
+
 def test_failed_forward_frames_are_released_before_the_retry() -> None:
     """An OOM's traceback keeps the failed forward's locals (its activations) alive; the retry must not
     run while they are pinned."""

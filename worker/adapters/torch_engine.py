@@ -431,9 +431,12 @@ class Engine:
             except Exception as e:
                 if is_oom(e) or is_device_error(e):
                     raise  # the OOM / device-error policy's, not the compiler's
-                log.warning("torch.compile of %s failed on its first batch (%s); running eager", self.name, e)
+                # The compiler's fault only if eager runs the same batch: a poison record fails both, and must
+                # not switch compilation off for good (it raises, is bisected, and the next batch verifies).
+                out = eager(batch)
+                log.warning("torch.compile of %s failed on a batch eager runs (%s); running eager", self.name, e)
                 self.model.forward = eager
-                return eager(batch)
+                return out
             self.model.forward = compiled  # it works: no wrapper from now on
             return out
 
