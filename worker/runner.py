@@ -50,6 +50,9 @@ GC_THRESHOLD = (20_000, 20, 20)
 # in a row without a commit between them (the same failure each time, say a topic that refuses the record)
 # end the worker instead, as max_retries failed deliveries do in at-least-once mode.
 DELIVERY_ABORTS_MAX = 5
+# Paused partitions whose high watermark one lag report asks the broker for, and how long each answer may take.
+LAG_QUERIES = 4
+LAG_QUERY_TIMEOUT_S = 0.5
 
 
 def _by_lane(records: list[Record]) -> Iterable[tuple[str, list[Record]]]:
@@ -153,6 +156,8 @@ class Runner:
         self._delivery_aborts = 0  # such aborts in a row, without a commit between them
         self._next_lag_report = 0.0
         self._done_at_last_lag = 0
+        self._lag_turn = 0
+        self._live_high: dict[TopicPartition, int] = {}  # high watermarks a lag report asked the broker for
         from worker.adapters.metrics import DrainEstimator
 
         self._drain = DrainEstimator(window_s=60.0)
@@ -750,9 +755,22 @@ class Runner:
         self._drain.record(done - self._done_at_last_lag, now, busy=self.tracker.in_flight() > 0)
         self._done_at_last_lag = done
         total = 0
+        # librdkafka's cached high watermark comes with fetch responses, and a paused partition (backpressure)
+        # fetches nothing: its lag froze exactly when the HPA needed it. A few paused partitions per report, in
+        # turn, ask the broker (a round trip each); the others use the latest of that answer and the cache.
+        paused = sorted(self.paused & self.assigned)
+        ask = {paused[(self._lag_turn + i) % len(paused)] for i in range(min(LAG_QUERIES, len(paused)))}
+        self._lag_turn += len(ask)
         for tp in list(self.assigned):
             try:
-                _lo, hi = self.consumer.get_watermark_offsets(KTP(tp.topic, tp.partition), cached=True)
+                if tp in ask:
+                    _lo, hi = self.consumer.get_watermark_offsets(KTP(tp.topic, tp.partition),
+                                                                  timeout=LAG_QUERY_TIMEOUT_S, cached=False)
+                    self._live_high[tp] = hi
+                else:
+                    _lo, hi = self.consumer.get_watermark_offsets(KTP(tp.topic, tp.partition), cached=True)
+                    if tp in self._live_high:
+                        hi = max(hi, self._live_high[tp]) if hi is not None else self._live_high[tp]
             except KafkaException:
                 continue
             if hi is None or hi < 0:
@@ -1208,6 +1226,8 @@ class Runner:
             self.metrics.remove_lag(tp.topic, tp.partition)
         self.assigned -= tps
         self.paused -= tps
+        for tp in tps:
+            self._live_high.pop(tp, None)
         if self.txn is not None and not graceful:
             # The open transaction holds results of these partitions, whose offsets it can no longer commit
             # (the new owner produces them again): committed later, they would be visible twice. Abort it and

@@ -199,6 +199,9 @@ class FakeConsumer:
         self.committed_offsets: dict[TopicPartition, int] = {}
         self.assignment_set: list[TopicPartition] = []
         self.paused: set[TopicPartition] = set()
+        # High watermarks as of the last fetch (get_watermark_offsets(cached=True)): a paused partition's go stale.
+        self.fetched_high: dict[TopicPartition, int] = {}
+        self.watermark_queries: list[TopicPartition] = []  # cached=False calls (a broker round trip each)
         self.topics: list[str] = []
         self.callbacks: dict[str, Callable[..., None] | None] = {}
         self.hooks: list[Hook] = []  # run at the start of every consume/poll
@@ -316,6 +319,9 @@ class FakeConsumer:
             self._scheduled.popleft()()
 
     def _fetch(self, n: int) -> list[FakeMessage]:
+        for tp in self.assignment_set:  # as librdkafka: the watermark a fetch response carried
+            if tp not in self.paused:
+                self.fetched_high[tp] = self.high_watermark(tp)
         out: list[FakeMessage] = []
         while self._errors and len(out) < n:
             out.append(self._errors.popleft())
@@ -443,6 +449,9 @@ class FakeConsumer:
         self._check_open()
         tp = tp_of(partition)
         log = self.logs.get(tp)
+        if cached:
+            return (OFFSET_INVALID, self.fetched_high.get(tp, OFFSET_INVALID))
+        self.watermark_queries.append(tp)
         return (log[0].offset() if log else 0, self.high_watermark(tp))
 
     def consumer_group_metadata(self) -> _GroupMetadata:

@@ -439,3 +439,37 @@ def test_an_exactly_once_checkpoint_while_draining_ends_by_the_shutdown_deadline
     h.run()
     assert h.clock.t - t["stop"] <= 30 + 1.1  # a flush's minimum of 1 s past the deadline at most
     assert h.committed() == 2 and not [r for r in h.p.results() if r["source"]["offset"] >= 2]
+
+
+def test_the_lag_of_a_paused_partition_follows_the_broker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """librdkafka's cached high watermark comes with fetch responses: a partition paused by backpressure kept
+    the lag it had when it was paused, and kiw_consumer_lag / kiw_drain_seconds (the HPA's metric) stayed low
+    under exactly the overload that should scale the worker out."""
+    gauges: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+
+    class Metrics:
+        def __getattr__(self, name: str) -> object:
+            return lambda *a, **kw: None
+
+        def gauge(self, name: str, value: float, **labels: str) -> None:
+            gauges[(name, tuple(sorted(labels.items())))] = value
+
+    h = Harness(monkeypatch, metrics=Metrics()).start()
+    h.c.assign(("in", 0), ("in", 1))
+    h.send(5)
+    h.send(5, partition=1)
+    h.process()
+    h.commit()
+    h.runner.consumer.pause([KTP("in", 0)])  # as _backpressure pauses it
+    h.runner.paused.add(IN0)
+    h.send(1000)  # arrives while in[0] is paused
+    h.send(7, partition=1)
+    h.c.poll(0)  # a fetch: in[1]'s cached watermark moves, in[0]'s does not
+    h.runner._report_lag(h.clock.t)
+
+    def lag(p: int) -> float:
+        return gauges[("consumer_lag", (("partition", str(p)), ("topic", "in")))]
+
+    assert lag(0) == 1000  # asked the broker: the cache still says 5
+    assert h.c.watermark_queries == [IN0]  # only the paused partition costs a round trip
+    assert lag(1) == 7  # fetching: the cache is current
