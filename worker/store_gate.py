@@ -191,9 +191,12 @@ class StoreGate:
         the same id (a client's retry), and must then be processed, not acknowledged without a result."""
         if self.ledger and rec.id and not rec.failed:
             self._delivered_ids.append(ledger_key(self.output_topic, rec.id))
-        if self.attempts and (rec.attempts > 0 or rec.counted):
+        if self.attempts and (rec.attempts > 0 or rec.counted) and rec.attempts < self.max_attempts:
             # Read with a count, or dispatched: counted, also where the INCR reply was lost (count unknown, 0)
-            # after Redis applied it; DEL of a key that is not there costs nothing.
+            # after Redis applied it; DEL of a key that is not there costs nothing. A quarantined record keeps
+            # its count until attempts_ttl_s: its dead letter is delivered before its offset is committed, and
+            # a second poison record behind it killed the process in between; read again with no count, the
+            # first one killed the next process, and the two took turns for good.
             self._attempts_done.append(attempt_key(self.group_id, rec))
 
     def flush(self) -> None:

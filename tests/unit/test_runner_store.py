@@ -134,7 +134,35 @@ def test_attempts_at_max_attempts_are_quarantined_to_the_dlq(monkeypatch: pytest
     assert (dead.header("x-error-stage"), dead.header("x-source-offset"), dead.header("x-attempts")) == (
         "quarantine", "1", "3")
     assert h.committed() == 3
-    assert store.get_attempts_many(["g:in:0:1"]) == [0]
+    assert store.get_attempts_many(["g:in:0:1"]) == [3]  # kept until attempts_ttl_s (see the next test)
+
+
+def test_two_records_that_each_kill_the_process_are_both_quarantined(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A quarantined record's count was cleared once its dead letter was delivered, before its offset was
+    committed (a record before it still waited behind the other suspect). The other poison record then killed
+    the process, the next one read the first again with no count and died on it: they took turns for good."""
+    store = MemoryStore()
+    cfg = make_config(redis={"url": REDIS_URL}, delivery={"max_attempts": 2})
+    poison = {1, 2}
+    processes = 0
+    while processes < 12:
+        processes += 1
+        h = Harness(monkeypatch, cfg, store=store).start()
+        h.c.assign(("in", 0))
+        h.send(3)  # nothing of in[0] is ever committed before a crash: every process reads 0, 1, 2 again
+        h.iterate()
+        crashed = False
+        while (b := h.device.take()) is not None:
+            if any(r.offset in poison for r in b.records):
+                crashed = True  # the process dies with this batch on the device
+                break
+            h.device.finish(b)
+            h.iterate()
+        if not crashed:
+            break
+    h.commit()
+    assert processes <= 2 * 2 + 1 and h.committed() == 3
+    assert sorted(int(p.header("x-source-offset") or -1) for p in h.p.dead_letters()) == [1, 2]
 
 
 def test_suspects_are_isolated_and_clear_their_count_when_they_come_back(monkeypatch: pytest.MonkeyPatch) -> None:
