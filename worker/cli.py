@@ -48,7 +48,7 @@ def unreachable_broker_is_an_error(bootstrap: str, source: str, timeout_s: float
 
 
 def _config(path: str | None) -> Config:
-    return load(path)
+    return load(path, check_clients=True)
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -192,8 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check-config", help="validate a config file and exit (0 valid, 2 invalid)", description=(
         "Loads the file with WORKER__* environment overrides and secret references applied, validates every "
         "key, checks that model.name resolves (a built-in and its options, an existing model file, an importable "
-        "factory; no weights are loaded), and exits 0, or 2 with a message naming the bad key's path. Connects "
-        "to nothing."))
+        "factory; no weights are loaded) and that librdkafka takes the kafka.consumer and kafka.producer "
+        "properties, and exits 0, or 2 with a message naming the bad key's path. Connects to nothing."))
     c.add_argument("--config", "-c", required=True, help="worker YAML config file")
     c.add_argument("--print", action="store_true", help=(
         "print the effective config (defaults, env overrides and secret references applied; values of "

@@ -479,7 +479,11 @@ def _merge(base: Any, over: Any) -> Any:
     return over
 
 
-def from_dict(data: dict[str, Any] | None, environ: dict[str, str] | None = None) -> Config:
+def from_dict(data: dict[str, Any] | None, environ: dict[str, str] | None = None, *,
+              check_clients: bool = False) -> Config:
+    """The validated config. ``check_clients``: also make the Kafka consumer and producer the config describes,
+    offline, to find what librdkafka would refuse (the CLI does; tests that pair the config with fake clients
+    may use values only the fakes take)."""
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"$: expected a mapping at the top of the config, got {type(data).__name__}")
     # Start from the defaults so env overrides can address keys the file leaves out (lanes[0], ...).
@@ -499,6 +503,13 @@ def from_dict(data: dict[str, Any] | None, environ: dict[str, str] | None = None
             below = msg.endswith(": unknown key")
             raise ConfigError(msg) from None
         _check_semantics(cfg)
+        if check_clients:
+            # A property librdkafka refuses would stop `worker run` with a traceback, after the model load.
+            from worker.adapters.kafka_clients import config_problem
+
+            refused = config_problem(cfg)
+            if refused:
+                raise ConfigError(f"{refused[0]}: {refused[1]}")
     except ConfigError as e:
         raise ConfigError(_blame(str(e), set_by, below)) from None
     return cfg
@@ -589,9 +600,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def load(path: str | Path | None, environ: dict[str, str] | None = None) -> Config:
+def load(path: str | Path | None, environ: dict[str, str] | None = None, *, check_clients: bool = False) -> Config:
     if path is None:
-        return from_dict({}, environ)
+        return from_dict({}, environ, check_clients=check_clients)
     p = Path(path)
     try:
         text = p.read_text()
@@ -615,7 +626,7 @@ def load(path: str | Path | None, environ: dict[str, str] | None = None) -> Conf
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"$: expected a mapping at the top of {p}, got {type(data).__name__}")
-    return from_dict(data, environ)
+    return from_dict(data, environ, check_clients=check_clients)
 
 
 def _is_secret(key: str) -> bool:

@@ -99,6 +99,17 @@ def test_a_cuda_device_without_cuda_is_a_config_error(tmp_path: Path, capsys: py
     assert "note: $.model.device: 'cuda' requested but CUDA is not available" in capsys.readouterr().err
 
 
+def test_a_property_librdkafka_refuses_stops_run_before_the_model_loads(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """It used to exit 1 with a traceback when the consumer was made, after the model load."""
+    monkeypatch.setattr("worker.service.run_service", lambda *a, **kw: pytest.fail("started"))
+    monkeypatch.setenv("WORKER__KAFKA__CONSUMER__SESION_TIMEOUT_MS", "10000")
+    assert main(["run", "--config", _config(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        'config error: $.kafka.consumer.sesion.timeout.ms: librdkafka refuses it: No such configuration property: '
+        '"sesion.timeout.ms" (set by WORKER__KAFKA__CONSUMER__SESION_TIMEOUT_MS)\n')
+
+
 def test_dlq_replay_refuses_a_negative_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     t0 = time.monotonic()
     assert main(["dlq", "replay", "--config", _config(tmp_path), "--limit", "-1"]) == 2

@@ -166,6 +166,11 @@ def test_check_config_cli_exit_codes(tmp_path):
     assert r.returncode == 2 and "$.kafka.nope: unknown key" in r.stderr
     r = _cli("check-config", "--config", str(good), env={"WORKER__KAFKA__INPUT_TOPICS": "[a"})
     assert r.returncode == 2 and "WORKER__KAFKA__INPUT_TOPICS" in r.stderr and "Traceback" not in r.stderr
+    # librdkafka would refuse it when `worker run` makes its consumer, after the model load, with a traceback.
+    r = _cli("check-config", "--config", str(good), env={"WORKER__KAFKA__CONSUMER__SESION_TIMEOUT_MS": "10000"})
+    assert r.returncode == 2 and r.stderr.strip() == (
+        'config error: $.kafka.consumer.sesion.timeout.ms: librdkafka refuses it: No such configuration property: '
+        '"sesion.timeout.ms" (set by WORKER__KAFKA__CONSUMER__SESION_TIMEOUT_MS)'), r.stderr
 
 
 @pytest.mark.parametrize("model, message", [

@@ -5,11 +5,13 @@ Only the loop thread calls into these objects (librdkafka callbacks fire from it
 
 from __future__ import annotations
 
+import functools
 import logging
+import re
 import socket
 from typing import Any
 
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Consumer, KafkaError, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from worker.config import Config
@@ -71,6 +73,81 @@ def producer_config(cfg: Config, **extra: Any) -> dict[str, Any]:
     conf.update(extra)
     conf.setdefault("logger", logging.getLogger("worker.kafka.producer"))
     return conf
+
+
+# librdkafka names the property it refuses in quotes or backquotes: 'No such configuration property:
+# "sesion.timeout.ms"', 'Invalid value for configuration property "session.timeout.ms"', '`acks` must be set to
+# `all` when `enable.idempotence` is true', 'ssl.ca.location failed: ...', 'on_commit requires a callable'.
+_NAMED = re.compile(r'"([a-z0-9_.]+)"|`([a-z0-9_.]+)(?:=[^`]*)?`|^([a-z0-9_.]+) (?:failed|requires)')
+_SILENT = logging.getLogger("worker.kafka.config_check")
+_SILENT.addHandler(logging.NullHandler())
+_SILENT.propagate = False
+
+
+def config_problem(cfg: Config) -> tuple[str, str] | None:
+    """What librdkafka would refuse when ``worker run`` makes its consumer or producer (a misspelt property, a
+    value out of range, two properties that do not go together) as ``(path, message)``, found by making each
+    client without a broker to talk to and closing it at once; None when both are fine. A few milliseconds,
+    and the result is kept for each pair of client configurations."""
+    consumer = _offline(consumer_config(cfg))
+    producer = producer_config(cfg)
+    if cfg.delivery.mode == "exactly_once":
+        # As runner.Runner.run makes it (its transactional.id is per instance, any one does here).
+        producer = {"transactional.id": "config-check", **producer}
+        if "message.timeout.ms" not in cfg.kafka.producer:
+            producer["message.timeout.ms"] = cfg.kafka.producer.get("transaction.timeout.ms", 60000)
+    return _problem(tuple(consumer.items()), tuple(_offline(producer).items()),
+                    frozenset(cfg.kafka.consumer), frozenset(cfg.kafka.producer))
+
+
+def _offline(conf: dict[str, Any]) -> dict[str, Any]:
+    """``conf`` for a client that reaches nothing while it exists: librdkafka connects to its bootstrap
+    servers as soon as it is made, fetches an OIDC token over HTTP (sasl.oauthbearer.method=oidc), runs
+    kinit (GSSAPI), and a plugin may do anything. Everything else is checked as given."""
+    conf = {k: v for k, v in conf.items() if k not in ("bootstrap.servers", "plugin.library.paths", "logger")}
+    if str(conf.get("sasl.oauthbearer.method", "")).strip().lower() == "oidc":
+        conf["sasl.oauthbearer.method"] = "default"
+    if "GSSAPI" in str(conf.get("sasl.mechanisms", conf.get("sasl.mechanism", "GSSAPI"))).upper():  # the default
+        conf["sasl.kerberos.min.time.before.relogin"] = 0  # 0: no kinit
+    return conf
+
+
+@functools.lru_cache(maxsize=64)
+def _problem(consumer: tuple[tuple[str, Any], ...], producer: tuple[tuple[str, Any], ...],
+             consumer_keys: frozenset[str], producer_keys: frozenset[str]) -> tuple[str, str] | None:
+    for section, conf, given in (("consumer", consumer, consumer_keys), ("producer", producer, producer_keys)):
+        text = _refusal(section, dict(conf))
+        if text is None:
+            continue
+        named = [next(g for g in m.groups() if g) for m in _NAMED.finditer(text)]
+        # The property in the section the user wrote; else the one refused on its own under another of its
+        # names (linger.ms is "queue.buffering.max.ms" to librdkafka); else the section (a property missing,
+        # or one that does not go with a default).
+        prop = next((n for n in named if n in given), None)
+        if prop is None and "configuration property" in text:
+            prop = next((k for k in sorted(given)
+                         if _refusal(section, {"group.id": "config-check", k: dict(conf)[k]}) == text), None)
+        return f"$.kafka.{section}" + (f".{prop}" if prop else ""), f"librdkafka refuses it: {text}"
+    return None
+
+
+def _refusal(section: str, conf: dict[str, Any]) -> str | None:
+    """librdkafka's reason for refusing to make the client, or None when it made one (closed at once)."""
+    from confluent_kafka import KafkaException
+
+    # Its log lines (CONFWARN: "No bootstrap.servers configured") are only served by a poll: none here.
+    conf = {**conf, "logger": _SILENT}
+    try:
+        if section == "consumer":
+            Consumer(conf).close()
+        else:
+            conf.pop("group.id", None)
+            Producer(conf)  # destroyed on the spot: nothing to send, no broker
+    except (KafkaException, TypeError, ValueError) as e:
+        kerr = e.args[0] if e.args else None
+        text = kerr.str() if isinstance(kerr, KafkaError) else str(e)
+        return re.sub(r"^Failed to create (consumer|producer): ", "", text.strip())
+    return None
 
 
 def admin_config(cfg: Config) -> dict[str, Any]:
