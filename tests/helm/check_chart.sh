@@ -135,6 +135,10 @@ good_case all-on-hpa -f "$here/values-all-on.yaml" -f "$here/values-hpa.yaml"
 good_case keda-plain --set autoscaling.enabled=true
 good_case hpa-pods --set autoscaling.enabled=true --set autoscaling.kind=hpa
 good_case gpu-only --set gpu.enabled=true --set config.model.device=cuda --set lifecycle.preStopSleepSeconds=0
+# Recreate takes no rollingUpdate (the API server refuses one next to it; the validator checks), and the GPU-pool
+# rollout (no surge) renders.
+good_case recreate --set updateStrategy.type=Recreate
+good_case no-surge --set updateStrategy.rollingUpdate.maxSurge=0 --set updateStrategy.rollingUpdate.maxUnavailable=1
 
 # The KEDA variant renders no HPA and the HPA variant no ScaledObject (they are exclusive).
 if grep -q '^kind: HorizontalPodAutoscaler' "$work/all-on-keda.yaml" || ! grep -q '^kind: ScaledObject' "$work/all-on-keda.yaml" \
@@ -284,6 +288,29 @@ bad_render keda-ref-twice "parameter ca is given twice" -f "$here/values-all-on.
   --set 'autoscaling.keda.extraSecretTargetRefs[1].name=c' --set 'autoscaling.keda.extraSecretTargetRefs[1].key=ca.crt'
 bad_render keda-reset-error "auto.offset.reset=error has no KEDA equivalent" --set autoscaling.enabled=true \
   --set 'config.kafka.consumer.auto\.offset\.reset=error'
+bad_render strategy-type "updateStrategy/type" --set updateStrategy.type=BlueGreen
+bad_render strategy-no-progress "maxSurge and maxUnavailable are both 0" \
+  --set updateStrategy.rollingUpdate.maxSurge=0 --set updateStrategy.rollingUpdate.maxUnavailable=0
+
+# The validator itself: manifests the API server would refuse must fail it (the default rendering, altered).
+bad_manifest() {  # bad_manifest NAME EXPECTED-SUBSTRING PYTHON (alters `dep`, the Deployment, or `docs`)
+  local name=$1 expect=$2 code=$3
+  "$PY" - "$work/default.yaml" "$work/$name.yaml" "$code" <<'PYEOF'
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+dep = next(d for d in docs if d["kind"] == "Deployment")
+exec(sys.argv[3])
+yaml.safe_dump_all(docs, open(sys.argv[2], "w"))
+PYEOF
+  if out=$("$PY" "$here/validate_manifests.py" "${validate_args[@]}" "$work/$name.yaml" 2>&1); then
+    fail "$name: validator passed it, expected a failure mentioning '$expect'"
+  elif grep -qF -- "$expect" <<<"$out"; then
+    pass "$name: validator refuses it ($expect)"
+  else
+    fail "$name: validator failed without mentioning '$expect'" "$out"
+  fi
+}
+bad_manifest recreate-with-rolling-update "rollingUpdate: Forbidden" 'dep["spec"]["strategy"]["type"] = "Recreate"'
 
 # A value the chart cannot judge but the worker rejects: check-config must exit 2 naming the key.
 name=worker-rejects

@@ -162,6 +162,20 @@ def check_invariants(docs: list[dict[str, Any]]) -> list[str]:
     if any(labels.get(k) != v for k, v in match.items()):
         errs.append(f"Deployment/{name}: selector {match} does not match the pod labels {labels}")
 
+    # What the API server refuses in a Deployment's strategy (the JSON schemas cannot express it).
+    strategy = dep["spec"].get("strategy") or {}
+    kind = strategy.get("type", "RollingUpdate")
+    rolling = strategy.get("rollingUpdate")
+    if kind != "RollingUpdate" and rolling is not None:
+        errs.append(f"Deployment/{name}: spec.strategy.rollingUpdate: Forbidden: may not be specified when "
+                    f"strategy type is {kind!r}")
+    if kind == "RollingUpdate" and rolling is not None:
+        def zero(v: Any) -> bool:
+            return str(v) in ("0", "0%")
+        if zero(rolling.get("maxSurge")) and zero(rolling.get("maxUnavailable")):
+            errs.append(f"Deployment/{name}: spec.strategy.rollingUpdate.maxUnavailable: may not be 0 when "
+                        "maxSurge is 0")
+
     (worker,) = [c for c in pod["containers"] if c["name"] == "worker"]
     ports = {p["name"]: p["containerPort"] for p in worker.get("ports", [])}
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):

@@ -194,9 +194,21 @@ secrets the chart injects as env vars.
 {{- toYaml $cfg }}
 {{- end }}
 
+{{/* "true" when an int-or-percent value (maxSurge, maxUnavailable) is zero; unset is not (Kubernetes: 25%). */}}
+{{- define "kiw.isZero" -}}
+{{- if has (toString .) (list "0" "0%") }}true{{ end }}
+{{- end }}
+
 {{/* Cross-field checks that values.schema.json cannot express. Included by the Deployment. */}}
 {{- define "kiw.validate" -}}
 {{- $cfg := .Values.config | default dict }}
+{{- $strategy := .Values.updateStrategy | default dict }}
+{{- if eq ($strategy.type | default "RollingUpdate") "RollingUpdate" }}
+{{- $ru := $strategy.rollingUpdate | default dict }}
+{{- if and (include "kiw.isZero" (get $ru "maxSurge")) (include "kiw.isZero" (get $ru "maxUnavailable")) }}
+{{- fail "updateStrategy.rollingUpdate: maxSurge and maxUnavailable are both 0, so a rollout could never replace a pod (the API server refuses the Deployment): set one of them above 0, or use type: Recreate" }}
+{{- end }}
+{{- end }}
 {{- $budget := include "kiw.shutdownBudget" . | int }}
 {{- if not (kindIs "invalid" .Values.terminationGracePeriodSeconds) }}
 {{- if le (.Values.terminationGracePeriodSeconds | int) $budget }}
