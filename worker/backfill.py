@@ -138,6 +138,10 @@ def backfill(cfg: Config, from_beginning: bool = False, from_timestamp: int | No
     def on_assign(consumer: Any, partitions: list[KTP]) -> None:
         for p in partitions:
             tp = TopicPartition(p.topic, p.partition)
+            if tp not in start:
+                # Added to an input topic after the end snapshot: all of it is past the end (left to the live
+                # workers; the loop skips it), wherever it starts.
+                continue
             done = runner.committed.get(tp, -1)
             if done > start[tp]:
                 # Assigned again in this run (a lost assignment, a replaced consumer, a member that joined the

@@ -1116,7 +1116,10 @@ class Runner:
                 self.health.assigned = bool(self.assigned)
             log.info("partitions assigned", extra={"partitions": [f"{p.topic}[{p.partition}]" for p in partitions]})
             if self._on_assign_offsets is not None:
-                self._on_assign_offsets(consumer, partitions)
+                try:
+                    self._on_assign_offsets(consumer, partitions)
+                except Exception:  # the pause / resume below must still happen, or a paused partition stays so
+                    log.exception("error in on_assign (choosing start offsets)")
             if partitions and self._shutdown_deadline is not None:
                 # Assigned while shutting down (a peer left during the drain): nothing more is read, and the
                 # drain's poll(0) would return its records only to drop them. Paused, it is committed where

@@ -329,3 +329,22 @@ def test_backfill_partition_read_to_its_end_then_revoked_is_read_again_from_its_
     process_all(h)
     assert offsets_out(h) == [0, 1, 2, 3, 4, 5] and h.committed() == 6
     assert h.runner._backfill_complete()
+
+
+def test_an_assign_hook_that_raises_still_leaves_the_partitions_resumed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start-offsets hook (backfill's) raised once for a partition it did not know; the pause or resume that
+    follows it was skipped, and a partition paused when it was revoked stayed paused in the client for good."""
+    def hook(consumer: object, partitions: list[object]) -> None:
+        raise KeyError("in[1]")
+
+    h = Harness(monkeypatch, make_config(batching={"max_in_flight": 4, "resume_ratio": 0.5}),
+                on_assign_offsets=hook).start()
+    h.c.assign(("in", 0))
+    h.send(6)
+    h.iterate()
+    assert h.c.paused == {IN0}
+    h.c.revoke(("in", 0))
+    h.c.assign(("in", 0))
+    assert h.c.paused == set()
+    process_all(h)
+    assert offsets_out(h) == [0, 1, 2, 3, 4, 5]
