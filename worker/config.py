@@ -398,6 +398,9 @@ def _check_semantics(cfg: Config) -> None:
         problem = redis_url_problem(cfg.redis.url, tls=cfg.redis.tls)
         if problem:
             raise ConfigError(f"$.redis.url: {problem}")
+        if cfg.redis.tls_ca_file and not (cfg.redis.tls or cfg.redis.url.startswith("rediss://")):
+            # The store refuses it when the worker starts (exit 1, after the model load).
+            raise ConfigError("$.redis.tls_ca_file: set but TLS is off: set redis.tls: true or use a rediss:// URL")
     if cfg.redis.url and cfg.delivery.max_attempts < 2:
         raise ConfigError("$.delivery.max_attempts: must be >= 2 with redis.url set: with 1, every record that was on "
                           "a device when a worker process stopped without finishing it (a crash, an OOM kill, a "

@@ -288,6 +288,14 @@ def test_good_redis_urls_pass(url):
     assert from_dict({**BASE, "redis": {"url": url}}, environ={}).redis.url == url
 
 
+def test_a_tls_ca_file_without_tls_is_refused():
+    """The store refused it when the worker started: run exited 1 with a traceback after the model load."""
+    with pytest.raises(ConfigError, match=r"^\$\.redis\.tls_ca_file: set but TLS is off: set redis\.tls: true"):
+        from_dict({**BASE, "redis": {"url": "redis://redis:6379/0", "tls_ca_file": "/ca.pem"}}, environ={})
+    for redis in ({"url": "redis://redis:6379/0", "tls": True}, {"url": "rediss://redis:6380/0"}):
+        assert from_dict({**BASE, "redis": {**redis, "tls_ca_file": "/ca.pem"}}, environ={}).redis.tls_ca_file
+
+
 def test_max_attempts_1_is_refused_with_redis():
     """With the attempt counters on, 1 dead-letters every record that was on a device when a process stopped."""
     with pytest.raises(ConfigError, match=r"^\$.delivery.max_attempts: must be >= 2 with redis.url set"):
