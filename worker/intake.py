@@ -151,6 +151,11 @@ class Intake:
             rec.item = self.model.decode(req.inputs)
             if self._size_of is not None:
                 rec.size = int(self._size_of(rec.item))
-        except Exception as e:  # noqa: BLE001 - a handler bug on one input must not stop the partition
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - a handler bug on one input must not stop the partition
+            # BaseException too: a Rust tokenizer's panic arrives as pyo3's PanicException, which is not an
+            # Exception. This runs on the loop thread, before any attempt is counted: escaping, it stopped the
+            # worker at every restart, and the record was never quarantined.
             return Outcome(rec, "error", error=f"model decode failed: {type(e).__name__}: {e}", dlq_stage="decode")
         return None

@@ -331,3 +331,25 @@ def test_meta_nested_as_deep_as_the_decoder_allows_gets_an_error_result(monkeypa
 
 def _deep(depth: int) -> bytes:
     return ('{"id":"deep","inputs":1,"meta":{"k":' + "[" * depth + "1" + "]" * depth + "}}").encode()
+
+
+def test_a_panic_in_the_model_decode_is_a_decode_error(clock: FakeTime) -> None:
+    """pyo3 raises a Rust panic (a tokenizer's, say) as PanicException, a BaseException: it escaped admit() on
+    the loop thread, before any attempt was counted, and stopped the worker at every restart."""
+    class PanicException(BaseException):
+        pass
+
+    class Panicking(FakeModel):
+        def decode(self, inputs: Any) -> Any:
+            raise PanicException("called `Option::unwrap()` on a `None` value")
+
+    o = intake(Panicking()).admit(record(request("p", 1)), clock.t)
+    assert o is not None and (o.status, o.dlq_stage) == ("error", "decode")
+    assert "PanicException" in (o.error or "")
+
+    class Stopping(FakeModel):
+        def decode(self, inputs: Any) -> Any:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # still stops the worker
+        intake(Stopping()).admit(record(request("s", 1)), clock.t)
