@@ -227,11 +227,24 @@ def _resolve_secrets(value: Any, path: str, environ: dict[str, str]) -> Any:
                     raise ConfigError(f"{path}: environment variable {ref!r} is not set")
                 return environ[ref]
             try:
-                return Path(ref).read_text().strip()
+                return _read_utf8(Path(ref)).strip()
             except OSError as e:
                 raise ConfigError(f"{path}: cannot read secret file {ref!r}: {e.strerror}") from None
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{path}: cannot read secret file {ref!r}: {_not_utf8(e)}") from None
         return _SECRET_REF.sub(sub, value)
     return value
+
+
+def _read_utf8(p: Path) -> str:
+    # Not the locale's encoding (read_text's default): the same file must read the same on every machine.
+    return p.read_bytes().decode("utf-8-sig")  # -sig: a BOM (Notepad) is no part of a secret
+
+
+def _not_utf8(e: UnicodeDecodeError) -> str:
+    """Where the first byte that is not UTF-8 is (not the byte: a secret file's content stays out of errors)."""
+    line = e.object[:e.start].count(b"\n") + 1
+    return f"not UTF-8 (line {line}, byte offset {e.start}); save it as UTF-8"
 
 
 def _field_type(parts: list[str]) -> Any:
@@ -608,9 +621,11 @@ def load(path: str | Path | None, environ: dict[str, str] | None = None, *, chec
         return from_dict({}, environ, check_clients=check_clients)
     p = Path(path)
     try:
-        text = p.read_text()
+        text = _read_utf8(p)
     except OSError as e:
         raise ConfigError(f"cannot read config file {str(p)!r}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"cannot read config file {str(p)!r}: {_not_utf8(e)}") from None
     # What yaml.load does, keeping the composed tree (to name a repeated key by its path) and the file's
     # name (positions in errors say 'in "worker.yaml", line 3' rather than 'in "<unicode string>"').
     loader = _UniqueKeyLoader(text)

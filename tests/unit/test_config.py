@@ -145,6 +145,25 @@ def test_load_file_errors(tmp_path):
         load(bad, environ={})
 
 
+def test_a_file_that_is_not_utf8_is_a_config_error(tmp_path):
+    """A UnicodeDecodeError escaped with a traceback (exit 1) for the config file and for a ${file:...} secret."""
+    f = tmp_path / "latin1.yaml"
+    f.write_bytes("kafka:\n  group_id: café\n  input_topics: [in]\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"^cannot read config file '.*latin1.yaml': not UTF-8 \(line 2, byte offset 22\)"):
+        load(f, environ={})
+    secret = tmp_path / "pw"
+    secret.write_bytes(b"\xffs3cret")
+    with pytest.raises(ConfigError) as e:
+        from_dict({**BASE, "redis": {"password": f"${{file:{secret}}}"}}, environ={})
+    assert str(e.value).startswith(f"$.redis.password: cannot read secret file '{secret}': not UTF-8 (line 1, byte")
+    assert "s3cret" not in str(e.value) and "xff" not in str(e.value)
+    # A byte order mark (Windows editors write one) is no part of the secret.
+    secret.write_bytes(b"\xef\xbb\xbfs3cret\n")
+    assert from_dict({**BASE, "redis": {"password": f"${{file:{secret}}}"}}, environ={}).redis.password == "s3cret"
+    r = _cli("check-config", "--config", str(f))
+    assert r.returncode == 2 and "not UTF-8" in r.stderr and "Traceback" not in r.stderr
+
+
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     import os
     return subprocess.run([sys.executable, "-m", "worker", *args], capture_output=True, text=True, cwd=ROOT,
