@@ -139,6 +139,16 @@ good_case gpu-only --set gpu.enabled=true --set config.model.device=cuda --set l
 # rollout (no surge) renders.
 good_case recreate --set updateStrategy.type=Recreate
 good_case no-surge --set updateStrategy.rollingUpdate.maxSurge=0 --set updateStrategy.rollingUpdate.maxUnavailable=1
+# /tmp without a size limit (the schema allows null) is still an emptyDir, `emptyDir: {}` (a bare `emptyDir:` is
+# null: no volume type); with medium Memory it keeps the medium.
+good_case tmp-unlimited --set tmpVolume.sizeLimit=null
+good_case tmp-memory-unlimited --set tmpVolume.sizeLimit=null --set tmpVolume.medium=Memory
+if grep -qxF '          emptyDir: {}' "$work/tmp-unlimited.yaml" \
+   && grep -A1 -xF '          emptyDir:' "$work/tmp-memory-unlimited.yaml" | grep -qxF '            medium: Memory'; then
+  pass "tmpVolume without sizeLimit: emptyDir {} (or with its medium)"
+else
+  fail "tmpVolume without sizeLimit: emptyDir {} (or with its medium)" "$(grep -n -A2 'emptyDir' "$work"/tmp-*.yaml)"
+fi
 
 # The KEDA variant renders no HPA and the HPA variant no ScaledObject (they are exclusive).
 if grep -q '^kind: HorizontalPodAutoscaler' "$work/all-on-keda.yaml" || ! grep -q '^kind: ScaledObject' "$work/all-on-keda.yaml" \
@@ -311,6 +321,8 @@ PYEOF
   fi
 }
 bad_manifest recreate-with-rolling-update "rollingUpdate: Forbidden" 'dep["spec"]["strategy"]["type"] = "Recreate"'
+bad_manifest volume-without-type "'tmp': must specify exactly one volume type" \
+  'next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "tmp")["emptyDir"] = None'
 
 # A value the chart cannot judge but the worker rejects: check-config must exit 2 naming the key.
 name=worker-rejects

@@ -200,7 +200,13 @@ def check_invariants(docs: list[dict[str, Any]]) -> list[str]:
         errs.append(f"Deployment/{name}: allowPrivilegeEscalation must be false")
     mounts = {m["mountPath"]: m["name"] for m in worker.get("volumeMounts", [])}
     volumes = {v["name"]: v for v in pod.get("volumes", [])}
-    if "emptyDir" not in volumes.get(mounts.get("/tmp", ""), {}):
+    # The schemas accept `emptyDir: null`; the API server does not ("must specify a volume type").
+    for vol_name, vol in volumes.items():
+        sources = [k for k, v in vol.items() if k != "name" and v is not None]
+        if len(sources) != 1:
+            errs.append(f"Deployment/{name}: volume {vol_name!r}: must specify exactly one volume type, "
+                        f"got {sources or 'none'}")
+    if not isinstance(volumes.get(mounts.get("/tmp", ""), {}).get("emptyDir"), dict):
         errs.append(f"Deployment/{name}: /tmp must be an emptyDir (the root filesystem is read-only)")
     for mount_name in mounts.values():
         if mount_name not in volumes:
