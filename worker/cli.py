@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, get_args
 
 from schemas import ErrorStage
-from worker.config import Config, ConfigError, load
+from worker.config import Config, ConfigError, load, name_overrides
 from worker.models.registry import BUILTINS
 
 log = logging.getLogger("worker")
@@ -61,7 +61,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     except ConfigError as e:
         # Not an error here: the config may well be checked on a CI machine without the run's GPU. `worker run`
         # on this machine would refuse it (exit 2).
-        print(f"note: {e} (`worker run` here would exit 2)", file=sys.stderr)
+        print(f"note: {name_overrides(str(e))} (`worker run` here would exit 2)", file=sys.stderr)
     if args.print:
         import yaml
 
@@ -86,7 +86,8 @@ def check_devices(cfg: Config) -> None:
         try:
             resolve_device(spec)
         except ValueError as e:
-            msg = str(e)
+            # resolve_device names $.model.device whichever key the spec came from.
+            msg = str(e).removeprefix("$.model.device: ")
             raise ConfigError(msg if msg.startswith("$.") else f"{key}: {msg}") from None
 
 
@@ -282,7 +283,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        # The checks after loading (model, devices) name the key; README promises the variable that set it too.
+        print(f"config error: {name_overrides(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

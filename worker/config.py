@@ -531,6 +531,43 @@ def from_dict(data: dict[str, Any] | None, environ: dict[str, str] | None = None
     return cfg
 
 
+def name_overrides(msg: str, environ: dict[str, str] | None = None) -> str:
+    """``msg``, an error about a key found after loading (the model and device checks: ``$.model.devices[1]:
+    ...``), with the ``WORKER__*`` variables that set the key or a section above it, as from_dict names them."""
+    if "(set by " in msg:
+        return msg  # from_dict's own
+    env = dict(os.environ) if environ is None else environ
+    set_by = {}
+    for name in env:
+        parts = [p.lower() for p in name[len("WORKER__"):].split("__") if p] if name.startswith("WORKER__") else []
+        if parts:
+            set_by[_env_path(parts)] = name
+    return _blame(msg, set_by, below=False)
+
+
+def _env_path(parts: list[str]) -> str:
+    """The key path a variable's parts address (``["model", "devices", "1"]`` -> ``$.model.devices[1]``), from the
+    declared types alone, as _apply_env builds it."""
+    t: Any = msgspec.inspect.type_info(Config)
+    path = "$"
+    for i, part in enumerate(parts):
+        if isinstance(t, msgspec.inspect.ListType) and part.isdigit():
+            path += f"[{int(part)}]"
+        else:
+            path += "." + (part.replace("_", ".") if tuple(parts[:i]) in _PASSTHROUGH else part)
+        if isinstance(t, msgspec.inspect.StructType):
+            t = next((f.type for f in t.fields if f.name == part), None)
+        elif isinstance(t, msgspec.inspect.ListType):
+            t = t.item_type
+        elif isinstance(t, msgspec.inspect.DictType):
+            t = t.value_type
+        else:
+            t = None
+        while isinstance(t, msgspec.inspect.Metadata):
+            t = t.type
+    return path
+
+
 def _blame(msg: str, set_by: dict[str, str], below: bool) -> str:
     """``msg`` with the ``WORKER__*`` variables behind the key it names: one that set the key or a section
     above it, and with ``below`` one that set a key under it (``WORKER__KAFKAX__FOO`` -> ``$.kafkax``)."""

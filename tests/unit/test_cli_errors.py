@@ -110,6 +110,26 @@ def test_a_property_librdkafka_refuses_stops_run_before_the_model_loads(tmp_path
         '"sesion.timeout.ms" (set by WORKER__KAFKA__CONSUMER__SESION_TIMEOUT_MS)\n')
 
 
+def test_a_missing_device_names_its_list_item_and_variable(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch, no_log_setup: None) -> None:
+    """It said $.model.device for every item of model.devices, and never which variable set it."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setenv("WORKER__MODEL__DEVICES", "[cpu, cuda:1]")
+    assert main(["run", "--config", _config(tmp_path)]) == 2
+    assert capsys.readouterr().err == ("config error: $.model.devices[1]: 'cuda:1' requested but CUDA is not available "
+                                       "on this machine (set by WORKER__MODEL__DEVICES)\n")
+    assert main(["check-config", "--config", _config(tmp_path)]) == 0
+    assert "note: $.model.devices[1]: 'cuda:1' requested but CUDA is not available on this machine (set by " \
+           "WORKER__MODEL__DEVICES) (`worker run` here would exit 2)" in capsys.readouterr().err
+
+
+def test_a_failed_model_check_names_the_variable(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORKER__MODEL__OPTIONS__HIDEN", "3")
+    assert main(["check-config", "--config", _config(tmp_path)]) == 2
+    assert capsys.readouterr().err.endswith("(set by WORKER__MODEL__OPTIONS__HIDEN)\n")
+
+
 def test_dlq_replay_refuses_a_negative_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     t0 = time.monotonic()
     assert main(["dlq", "replay", "--config", _config(tmp_path), "--limit", "-1"]) == 2

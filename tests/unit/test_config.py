@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.config import ConfigError, from_dict, load, redact
+from worker.config import ConfigError, from_dict, load, name_overrides, redact
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = {"kafka": {"input_topics": ["in"]}}
@@ -456,3 +456,15 @@ def test_passthrough_overrides_that_keep_the_guarantees_are_accepted():
 def test_a_group_id_in_the_consumer_section_from_the_environment_names_the_variable():
     with pytest.raises(ConfigError, match=r"\(set by WORKER__KAFKA__CONSUMER__GROUP_ID\)$"):
         from_dict(BASE, environ={"WORKER__KAFKA__CONSUMER__GROUP_ID": "other"})
+
+
+def test_an_error_found_after_loading_names_the_variables_that_set_its_key():
+    env = {"WORKER__MODEL__DEVICES": "[cpu, cuda:1]", "WORKER__MODEL__DEVICES__01": "cuda:1",
+           "WORKER__KAFKA__CONSUMER__SASL_PASSWORD": "x", "WORKER__MODEL__NAME": "m", "OTHER": "1"}
+    assert name_overrides("$.model.devices[1]: no GPU", env) == (
+        "$.model.devices[1]: no GPU (set by WORKER__MODEL__DEVICES, WORKER__MODEL__DEVICES__01)")
+    assert name_overrides("$.kafka.consumer.sasl.password: bad", env).endswith(
+        "(set by WORKER__KAFKA__CONSUMER__SASL_PASSWORD)")
+    assert name_overrides("$.model.options: bad", env) == "$.model.options: bad"
+    # from_dict's own naming stands.
+    assert name_overrides("$.model.name: x (set by WORKER__MODEL__NAME)", env) == "$.model.name: x (set by WORKER__MODEL__NAME)"
