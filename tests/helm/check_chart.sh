@@ -186,6 +186,27 @@ else
     "$(grep -nE 'port:|consumerGroup' "$work/port-group-from-env.yaml")"
 fi
 
+# KEDA's triggers follow the input topics the worker reads after literal extraEnv overrides: the whole list
+# (YAML), one item, a lane's list (lane 0 is the default lane, which the default config gives no topics).
+render topics-from-env --set autoscaling.enabled=true \
+  --set 'extraEnv[0].name=WORKER__KAFKA__INPUT_TOPICS' --set-string 'extraEnv[0].value=[orders-v2]'
+render topics-items-from-env --set autoscaling.enabled=true \
+  --set 'extraEnv[0].name=WORKER__KAFKA__INPUT_TOPICS' --set-string 'extraEnv[0].value=[a\, b]' \
+  --set 'extraEnv[1].name=WORKER__KAFKA__INPUT_TOPICS__1' --set-string 'extraEnv[1].value=orders-b' \
+  --set 'extraEnv[2].name=WORKER__BATCHING__LANES__0__TOPICS' --set-string 'extraEnv[2].value=[lane-0]'
+# An override the chart cannot read is fine when autoscaling.keda.topics names the topics.
+render topics-valuefrom-keda-topics --set autoscaling.enabled=true --set 'autoscaling.keda.topics[0]=orders-v3' \
+  --set 'extraEnv[0].name=WORKER__KAFKA__INPUT_TOPICS' --set 'extraEnv[0].valueFrom.configMapKeyRef.name=topics' \
+  --set 'extraEnv[0].valueFrom.configMapKeyRef.key=input'
+if [ "$(grep ' topic: ' "$work/topics-from-env.yaml")" = '        topic: "orders-v2"' ] \
+   && [ "$(grep ' topic: ' "$work/topics-items-from-env.yaml" | tr -d ' \n')" = 'topic:"a"topic:"orders-b"topic:"lane-0"' ] \
+   && [ "$(grep ' topic: ' "$work/topics-valuefrom-keda-topics.yaml")" = '        topic: "orders-v3"' ]; then
+  pass "KEDA topics follow extraEnv topic overrides (list, item, lane), or autoscaling.keda.topics"
+else
+  fail "KEDA topics follow extraEnv topic overrides (list, item, lane), or autoscaling.keda.topics" \
+    "$(grep -n ' topic: ' "$work"/topics-*.yaml; cat "$work"/topics-*.err)"
+fi
+
 # KEDA reaches the brokers like the worker: sasl, tls and offsetResetPolicy follow config.kafka.consumer
 # (values-all-on.yaml sets SASL_SSL, SCRAM-SHA-512 and a private CA, and leaves the keda ones empty), and
 # the CA given in extraSecretTargetRefs lands in the TriggerAuthentication next to the SASL credentials.
@@ -299,6 +320,17 @@ bad_render keda-ref-twice "parameter ca is given twice" -f "$here/values-all-on.
 bad_render keda-reset-error "auto.offset.reset=error has no KEDA equivalent" --set autoscaling.enabled=true \
   --set 'config.kafka.consumer.auto\.offset\.reset=error'
 bad_render strategy-type "updateStrategy/type" --set updateStrategy.type=BlueGreen
+# Topics KEDA cannot know (an override through valueFrom) or that the worker would refuse.
+bad_render keda-topics-valuefrom "cannot read it at render time" --set autoscaling.enabled=true \
+  --set 'extraEnv[0].name=WORKER__KAFKA__INPUT_TOPICS' --set 'extraEnv[0].valueFrom.configMapKeyRef.name=topics' \
+  --set 'extraEnv[0].valueFrom.configMapKeyRef.key=input'
+bad_render keda-lane-topics-valuefrom "WORKER__BATCHING__LANES__0__TOPICS may set the input topics" \
+  --set autoscaling.enabled=true --set 'extraEnv[0].name=WORKER__BATCHING__LANES__0__TOPICS' \
+  --set 'extraEnv[0].valueFrom.secretKeyRef.name=topics' --set 'extraEnv[0].valueFrom.secretKeyRef.key=input'
+bad_render topics-env-not-a-list "is not a YAML list of topic names" \
+  --set 'extraEnv[0].name=WORKER__KAFKA__INPUT_TOPICS' --set-string 'extraEnv[0].value=orders-v2'
+bad_render topics-env-no-such-lane "the config has no batching.lanes[1]" \
+  --set 'extraEnv[0].name=WORKER__BATCHING__LANES__1__TOPICS' --set-string 'extraEnv[0].value=[x]'
 bad_render strategy-no-progress "maxSurge and maxUnavailable are both 0" \
   --set updateStrategy.rollingUpdate.maxSurge=0 --set updateStrategy.rollingUpdate.maxUnavailable=0
 

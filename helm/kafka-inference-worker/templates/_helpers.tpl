@@ -139,15 +139,92 @@ uncommitted partitions exactly like the worker does.
 {{- end }}
 {{- end }}
 
-{{/* Every input topic of the config: kafka.input_topics plus batching.lanes[].topics, as a JSON list. */}}
-{{- define "kiw.inputTopics" -}}
+{{/*
+The input topics the worker will read, as JSON {"topics": [...], "unreadable": [...]}: kafka.input_topics plus
+batching.lanes[].topics, after the literal extraEnv overrides the worker applies over the file, as for the group
+and the brokers: WORKER__KAFKA__INPUT_TOPICS="[a, b]" (YAML), an item WORKER__KAFKA__INPUT_TOPICS__0=a, and the
+same for a lane, WORKER__BATCHING__LANES__<n>__TOPICS(__<i>). "unreadable" names the overrides that may change
+the topics but cannot be read at render time (valueFrom) or followed (a whole section: WORKER__KAFKA,
+WORKER__BATCHING, WORKER__BATCHING__LANES(__<n>)); kiw.validate refuses them where KEDA needs the topics. A literal
+the worker would refuse (not a list of names, an index past the list) fails rendering here.
+*/}}
+{{- define "kiw.inputTopicsInfo" -}}
 {{- $cfg := .Values.config | default dict }}
-{{- $topics := list }}
-{{- range (dig "kafka" "input_topics" (list) $cfg) }}{{ $topics = append $topics . }}{{ end }}
-{{- range (dig "batching" "lanes" (list) $cfg) }}
-{{- range (.topics | default list) }}{{ $topics = append $topics . }}{{ end }}
+{{- $input := list }}
+{{- range (dig "kafka" "input_topics" (list) $cfg | default list) }}{{ $input = append $input (toString .) }}{{ end }}
+{{- /* Without batching.lanes the worker has its one default lane, with no topics of its own. */}}
+{{- $laneCfgs := list (dict) }}
+{{- if hasKey (dig "batching" (dict) $cfg | default dict) "lanes" }}{{ $laneCfgs = dig "batching" "lanes" (list) $cfg | default list }}{{ end }}
+{{- $lanes := dict }}
+{{- range $i, $lane := $laneCfgs }}
+{{- $t := list }}
+{{- if kindIs "map" $lane }}{{ range ($lane.topics | default list) }}{{ $t = append $t (toString .) }}{{ end }}{{ end }}
+{{- $_ := set $lanes (toString $i) $t }}
 {{- end }}
-{{- $topics | uniq | toJson }}
+{{- $unreadable := list }}
+{{- $items := list }}
+{{- range $e := .Values.extraEnv | default list }}
+{{- if hasPrefix "WORKER__" ($e.name | toString) }}
+{{- /* The worker's reading of the name: case-insensitive after the prefix, empty parts skipped. */}}
+{{- $n := printf "WORKER__%s" (splitList "__" (upper (trimPrefix "WORKER__" $e.name)) | compact | join "__") }}
+{{- $whole := regexMatch "^WORKER__(KAFKA|BATCHING|BATCHING__LANES|BATCHING__LANES__[0-9]+)$" $n }}
+{{- $topicsVar := regexMatch "^WORKER__(KAFKA__INPUT_TOPICS|BATCHING__LANES__[0-9]+__TOPICS)(__[0-9]+)?$" $n }}
+{{- if or $whole (and $topicsVar (hasKey $e "valueFrom")) }}
+{{- $unreadable = append $unreadable $e.name }}
+{{- else if and $topicsVar (regexMatch "TOPICS__[0-9]+$" $n) }}
+{{- $items = append $items (dict "n" $n "name" $e.name "value" ($e.value | default "" | toString)) }}
+{{- else if $topicsVar }}
+{{- $raw := $e.value | default "" | toString }}
+{{- $parsed := printf "v:\n%s" (indent 2 $raw) | fromYaml }}
+{{- $ok := and (not (hasKey $parsed "Error")) (kindIs "slice" (get $parsed "v")) }}
+{{- if $ok }}{{ range (get $parsed "v") }}{{ if not (and (kindIs "string" .) .) }}{{ $ok = false }}{{ end }}{{ end }}{{ end }}
+{{- if not $ok }}
+{{- fail (printf "extraEnv %s=%q is not a YAML list of topic names (e.g. \"[orders-v2]\"): the worker would refuse it" $e.name $raw) }}
+{{- end }}
+{{- if eq $n "WORKER__KAFKA__INPUT_TOPICS" }}
+{{- $input = get $parsed "v" }}
+{{- else }}
+{{- $li := regexReplaceAll "^WORKER__BATCHING__LANES__([0-9]+)__TOPICS$" $n "${1}" | atoi }}
+{{- if ge $li (len $laneCfgs) }}
+{{- fail (printf "extraEnv %s: the config has no batching.lanes[%d] (%d lane(s)): the worker would refuse it" $e.name $li (len $laneCfgs)) }}
+{{- end }}
+{{- $_ := set $lanes (toString $li) (get $parsed "v") }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- /* Items after whole lists, as the worker applies them (in the variables' sorted order). */}}
+{{- range $items }}
+{{- $idx := regexReplaceAll "^.*TOPICS__([0-9]+)$" .n "${1}" | atoi }}
+{{- $lane := "" }}
+{{- $cur := $input }}
+{{- if hasPrefix "WORKER__BATCHING__" .n }}
+{{- $li := regexReplaceAll "^WORKER__BATCHING__LANES__([0-9]+)__TOPICS__[0-9]+$" .n "${1}" | atoi }}
+{{- if ge $li (len $laneCfgs) }}
+{{- fail (printf "extraEnv %s: the config has no batching.lanes[%d] (%d lane(s)): the worker would refuse it" .name $li (len $laneCfgs)) }}
+{{- end }}
+{{- $lane = toString $li }}
+{{- $cur = get $lanes $lane }}
+{{- end }}
+{{- if ge $idx (len $cur) }}
+{{- fail (printf "extraEnv %s: that topic list has no item %d (%d topic(s)): the worker would refuse it" .name $idx (len $cur)) }}
+{{- end }}
+{{- if not .value }}
+{{- fail (printf "extraEnv %s is empty: the worker would refuse an empty topic name" .name) }}
+{{- end }}
+{{- $v := .value }}
+{{- $new := list }}
+{{- range $j, $x := $cur }}{{ $new = append $new (ternary $v $x (eq $j $idx)) }}{{ end }}
+{{- if $lane }}{{ $_ := set $lanes $lane $new }}{{ else }}{{ $input = $new }}{{ end }}
+{{- end }}
+{{- $topics := $input }}
+{{- range $i := until (len $laneCfgs) }}{{ $topics = concat $topics (get $lanes (toString $i)) }}{{ end }}
+{{- dict "topics" ($topics | uniq) "unreadable" $unreadable | toJson }}
+{{- end }}
+
+{{/* Every input topic the worker will read (see kiw.inputTopicsInfo), as a JSON list. */}}
+{{- define "kiw.inputTopics" -}}
+{{- get (include "kiw.inputTopicsInfo" . | fromJson) "topics" | toJson }}
 {{- end }}
 
 {{/*
@@ -231,8 +308,9 @@ secrets the chart injects as env vars.
 {{- if and .Values.secrets.redisPassword.enabled (not .Values.secrets.redisPassword.secretName) }}
 {{- fail "secrets.redisPassword.enabled needs secrets.redisPassword.secretName (an existing Secret)" }}
 {{- end }}
-{{- if eq (len (include "kiw.inputTopics" . | fromJsonArray)) 0 }}
-{{- fail "config has no input topics: set config.kafka.input_topics or config.batching.lanes[].topics" }}
+{{- $topicsInfo := include "kiw.inputTopicsInfo" . | fromJson }}
+{{- if and (eq (len $topicsInfo.topics) 0) (not $topicsInfo.unreadable) }}
+{{- fail "config has no input topics (after extraEnv overrides): set config.kafka.input_topics or config.batching.lanes[].topics" }}
 {{- end }}
 {{- with .Values.autoscaling }}
 {{- if .enabled }}
@@ -249,6 +327,11 @@ secrets the chart injects as env vars.
 {{- end }}
 {{- $a := .Values.autoscaling }}
 {{- if and $a.enabled (eq $a.kind "keda") }}
+{{- /* One trigger per topic the worker reads: an override the chart cannot read would leave KEDA measuring
+the lag of other topics (and, at zero replicas, never waking for the real ones). */}}
+{{- if and (not $a.keda.topics) $topicsInfo.unreadable }}
+{{- fail (printf "extraEnv %s may set the input topics, but the chart cannot read it at render time (valueFrom, or a whole section): KEDA would scale on the lag of the config's topics, not those the worker reads. Give the topics as a literal value (WORKER__KAFKA__INPUT_TOPICS: \"[a, b]\", WORKER__BATCHING__LANES__<n>__TOPICS) or list them in autoscaling.keda.topics" (join ", " $topicsInfo.unreadable)) }}
+{{- end }}
 {{- /* KEDA connects to the brokers itself: what the worker needs to reach them, KEDA needs too. */}}
 {{- $refs := dict }}
 {{- range $i, $r := ($a.keda.extraSecretTargetRefs | default list) }}
