@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any, get_args
@@ -164,6 +165,17 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _finite(text: str) -> float:
+    """A float flag: nan passes every range check (and meant "unthrottled" to --rate), inf overflowed later."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
 def _port(text: str) -> int:
     try:
         port = int(text)
@@ -206,11 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
         "topics, produces sample requests, runs the worker with a built-in model, prints a summary, stops."))
     d.add_argument("--records", type=int, default=5000, help="sample requests to produce (default 5000)")
     d.add_argument("--partitions", type=int, default=4, help="partitions of the demo's topics (default 4)")
-    d.add_argument("--rate", type=float, default=2000.0, help="records/s the requests are produced at (default 2000)")
+    d.add_argument("--rate", type=_finite, default=2000.0, help="records/s the requests are produced at (default 2000)")
     d.add_argument("--model", default="tiny", choices=list(BUILTINS), help="built-in model (default tiny)")
     d.add_argument("--bootstrap", default=None, help=(
         "use this broker instead of starting one (default: $KAFKA_BOOTSTRAP_SERVERS where set)"))
-    d.add_argument("--warm-up-s", type=float, default=None, help=(
+    d.add_argument("--warm-up-s", type=_finite, default=None, help=(
         "seconds of throwaway traffic through the broker before the measured run, while the model loads "
         "(default 5 with the demo's own freshly started broker, whose JVM is still cold; 0 with --bootstrap or "
         "KAFKA_BOOTSTRAP_SERVERS, whose broker is taken to be warm)"))
@@ -237,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
         "answer or a record is not delivered."))
     ld.add_argument("--bootstrap", default=None, help="broker (default: $KAFKA_BOOTSTRAP_SERVERS or 127.0.0.1:9092)")
     ld.add_argument("--topic", required=True, help="topic to produce to")
-    ld.add_argument("--rate", type=float, default=1000.0, help="records per second (default 1000; 0 = as fast as possible)")
+    ld.add_argument("--rate", type=_finite, default=1000.0, help="records per second (default 1000; 0 = as fast as possible)")
     ld.add_argument("--count", type=int, default=10000, help="records to produce (default 10000)")
     ld.add_argument("--lanes", default=None, help="priority mix, e.g. high=0.1,low=0.9 (sets the request field)")
     ld.add_argument("--model-input", default="tiny", choices=list(BUILTINS),

@@ -66,3 +66,20 @@ def test_load_reports_an_unreachable_broker_and_exits_1(capsys, monkeypatch):
     assert main(["load", "--topic", "t", "--count", "5", "--bootstrap", "127.0.0.1:1"]) == 1
     err = capsys.readouterr().err
     assert "cannot reach Kafka at 127.0.0.1:1 within 1 s" in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["demo", "--rate", "nan"], ["demo", "--rate", "inf"], ["demo", "--warm-up-s", "inf"], ["demo", "--warm-up-s", "nan"],
+    ["load", "--topic", "t", "--rate", "nan"], ["load", "--topic", "t", "--rate", "inf"],
+])
+def test_a_non_finite_number_is_a_usage_error(argv, capsys, monkeypatch):
+    """nan passed every range check (--rate nan meant unthrottled) and inf overflowed once the demo ran."""
+    import worker.demo
+    import worker.load
+
+    monkeypatch.setattr(worker.demo, "demo", lambda **kw: pytest.fail("started"))
+    monkeypatch.setattr(worker.load, "produce", lambda *a, **kw: pytest.fail("started"))
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert f"argument {argv[-2]}: expected a finite number, got '{argv[-1]}'" in capsys.readouterr().err
