@@ -55,7 +55,9 @@ class KafkaConfig(_Strict):
     # Any librdkafka property, passed through verbatim (SASL/SSL settings go here).
     consumer: KafkaProps = msgspec.field(default_factory=dict)
     producer: KafkaProps = msgspec.field(default_factory=dict)
-    poll_max_records: PosInt = 1000
+    # At most 1,000,000: the runner takes a turn's records after the first with consume(n - 1), and
+    # confluent-kafka's consume() raises (ValueError, exit 1 at the first record) for more than that.
+    poll_max_records: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 1000
     poll_timeout_ms: PosInt = 20
     commit_interval_ms: PosInt = 1000
     # A consumer out of its group (after a lost assignment, or since it subscribed) this long is replaced by a

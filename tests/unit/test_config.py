@@ -468,3 +468,11 @@ def test_an_error_found_after_loading_names_the_variables_that_set_its_key():
     assert name_overrides("$.model.options: bad", env) == "$.model.options: bad"
     # from_dict's own naming stands.
     assert name_overrides("$.model.name: x (set by WORKER__MODEL__NAME)", env) == "$.model.name: x (set by WORKER__MODEL__NAME)"
+
+
+def test_poll_max_records_stays_within_what_consume_takes():
+    """The runner asks consume() for poll_max_records - 1 records, and consume() raises above 1,000,000."""
+    assert from_dict({"kafka": {**BASE["kafka"], "poll_max_records": 1_000_000}}, environ={})
+    with pytest.raises(ConfigError, match=r"^\$\.kafka\.poll_max_records: Expected `int` <= 1000000 "
+                                          r"\(set by WORKER__KAFKA__POLL_MAX_RECORDS\)$"):
+        from_dict(BASE, environ={"WORKER__KAFKA__POLL_MAX_RECORDS": "2000000"})
