@@ -142,6 +142,8 @@ good_case no-surge --set updateStrategy.rollingUpdate.maxSurge=0 --set updateStr
 # /tmp without a size limit (the schema allows null) is still an emptyDir, `emptyDir: {}` (a bare `emptyDir:` is
 # null: no volume type); with medium Memory it keeps the medium.
 good_case tmp-unlimited --set tmpVolume.sizeLimit=null
+# A grace period of exactly shutdown 30 + preStop 5 + the worker's stop overhead 13 = 48 renders and validates.
+good_case grace-at-overhead --set terminationGracePeriodSeconds=48
 good_case tmp-memory-unlimited --set tmpVolume.sizeLimit=null --set tmpVolume.medium=Memory
 if grep -qxF '          emptyDir: {}' "$work/tmp-unlimited.yaml" \
    && grep -A1 -xF '          emptyDir:' "$work/tmp-memory-unlimited.yaml" | grep -qxF '            medium: Memory'; then
@@ -279,9 +281,14 @@ bad_render replicas-over-partitions "exceeds autoscaling.partitions" \
   --set autoscaling.enabled=true --set autoscaling.partitions=4 --set autoscaling.maxReplicas=8
 bad_render hpa-over-partitions "exceeds autoscaling.partitions" \
   --set autoscaling.enabled=true --set autoscaling.kind=hpa --set autoscaling.partitions=2 --set autoscaling.maxReplicas=3
-bad_render grace-below-shutdown "must be larger than config.delivery.shutdown_timeout_s" \
+bad_render grace-below-shutdown "must be at least config.delivery.shutdown_timeout_s" \
   --set terminationGracePeriodSeconds=30
-bad_render grace-below-env-shutdown "must be larger than config.delivery.shutdown_timeout_s" \
+# shutdown + preStop + 1 s is not enough: a stop takes up to about 13 s past shutdown_timeout_s.
+bad_render grace-below-overhead "= 48: the worker's stop takes up to shutdown_timeout_s + about 13 s" \
+  --set terminationGracePeriodSeconds=47
+bad_render grace-margin-below-overhead "terminationGraceMarginSeconds=12 must be at least 13" \
+  --set terminationGraceMarginSeconds=12
+bad_render grace-below-env-shutdown "must be at least config.delivery.shutdown_timeout_s" \
   --set terminationGracePeriodSeconds=60 --set 'extraEnv[0].name=WORKER__DELIVERY__SHUTDOWN_TIMEOUT_S' \
   --set-string 'extraEnv[0].value=120'
 bad_render unknown-config-section "batchng" --set config.batchng.max_in_flight=1
@@ -353,6 +360,8 @@ PYEOF
   fi
 }
 bad_manifest recreate-with-rolling-update "rollingUpdate: Forbidden" 'dep["spec"]["strategy"]["type"] = "Recreate"'
+bad_manifest manifest-grace-below-overhead "does not cover preStop 5s + shutdown_timeout_s 30.0s + the worker's stop overhead 13s" \
+  'dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 36'
 bad_manifest volume-without-type "'tmp': must specify exactly one volume type" \
   'next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "tmp")["emptyDir"] = None'
 

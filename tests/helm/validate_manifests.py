@@ -142,6 +142,11 @@ def check_crd(doc: dict[str, Any]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------- chart invariants
+# What a stop takes past delivery.shutdown_timeout_s at most (README, "Delivery guarantees"; the chart's
+# kiw.stopOverheadSeconds): the grace period must cover it too.
+STOP_OVERHEAD_S = 13
+
+
 def _pod_spec(doc: dict[str, Any]) -> dict[str, Any]:
     return doc["spec"]["template"]["spec"]
 
@@ -225,9 +230,10 @@ def check_invariants(docs: list[dict[str, Any]]) -> list[str]:
         if cmd[:1] == ["sleep"]:
             pre_stop = int(cmd[1])
         grace = pod.get("terminationGracePeriodSeconds", 30)
-        if grace <= math.ceil(shutdown) + pre_stop:
+        if grace < math.ceil(shutdown) + pre_stop + STOP_OVERHEAD_S:
             errs.append(f"Deployment/{name}: terminationGracePeriodSeconds={grace} does not cover "
-                        f"preStop {pre_stop}s + shutdown_timeout_s {shutdown}s")
+                        f"preStop {pre_stop}s + shutdown_timeout_s {shutdown}s + the worker's stop overhead "
+                        f"{STOP_OVERHEAD_S}s")
         port = int(cfg.get("metrics", {}).get("port", 9400))
         if ports.get("metrics") != port:
             errs.append(f"Deployment/{name}: containerPort metrics={ports.get('metrics')} but config metrics.port={port}")

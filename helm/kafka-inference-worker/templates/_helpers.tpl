@@ -239,6 +239,14 @@ to exit. Kubernetes counts the preStop hook inside the grace period, so both mus
 {{- add $shutdown $preStop }}
 {{- end }}
 
+{{/*
+What a stop takes past delivery.shutdown_timeout_s at most (README, "Delivery guarantees": the revoke on leaving
+the group waits no longer than the same deadline, the devices stop together within 5 s and the producers' last
+flush shares another 5 s: about 13 s when the broker is unreachable or a device hangs). The grace period must
+cover it too, or the kubelet SIGKILLs a worker that is still committing.
+*/}}
+{{- define "kiw.stopOverheadSeconds" -}}13{{- end }}
+
 {{- define "kiw.terminationGracePeriodSeconds" -}}
 {{- $budget := include "kiw.shutdownBudget" . | int }}
 {{- if kindIs "invalid" .Values.terminationGracePeriodSeconds }}
@@ -287,9 +295,14 @@ secrets the chart injects as env vars.
 {{- end }}
 {{- end }}
 {{- $budget := include "kiw.shutdownBudget" . | int }}
+{{- $overhead := include "kiw.stopOverheadSeconds" . | int }}
+{{- $grace := include "kiw.terminationGracePeriodSeconds" . | int }}
+{{- if lt $grace (add $budget $overhead) }}
+{{- $why := printf "the worker's stop takes up to shutdown_timeout_s + about %d s when the broker is unreachable or a device hangs (devices stop within 5 s, the producers' last flush shares another 5 s, plus the revoke), and Kubernetes would SIGKILL it before in-flight batches finish and offsets commit" $overhead }}
 {{- if not (kindIs "invalid" .Values.terminationGracePeriodSeconds) }}
-{{- if le (.Values.terminationGracePeriodSeconds | int) $budget }}
-{{- fail (printf "terminationGracePeriodSeconds=%d must be larger than config.delivery.shutdown_timeout_s (or its extraEnv override) + lifecycle.preStopSleepSeconds = %d: Kubernetes would kill the worker before in-flight batches finish and offsets commit (leave it empty to derive it)" (.Values.terminationGracePeriodSeconds | int) $budget) }}
+{{- fail (printf "terminationGracePeriodSeconds=%d must be at least config.delivery.shutdown_timeout_s (or its extraEnv override) + lifecycle.preStopSleepSeconds + %d s = %d: %s (leave it empty to derive it)" $grace $overhead (add $budget $overhead) $why) }}
+{{- else }}
+{{- fail (printf "terminationGraceMarginSeconds=%d must be at least %d: %s" (.Values.terminationGraceMarginSeconds | int) $overhead $why) }}
 {{- end }}
 {{- end }}
 {{- if or .Values.probes.liveness.enabled .Values.probes.readiness.enabled .Values.probes.startup.enabled }}
