@@ -497,6 +497,30 @@ def _merge(base: Any, over: Any) -> Any:
     return over
 
 
+def _check_shape(value: Any, path: str, above: tuple[int, ...] = ()) -> None:
+    """Keys are text, and no mapping or list contains itself. msgspec names a key that is not text only by its
+    section ("Expected `str` - at `key` in `$.kafka`"), and a YAML alias to an anchor above it (``kafka: &k
+    {consumer: *k}``) makes a structure with no end: the checks after this one would recurse until Python gives
+    up (RecursionError, exit 1)."""
+    if not isinstance(value, dict | list):
+        return
+    if id(value) in above:
+        raise ConfigError(f"{path}: contains itself (a YAML alias to an anchor around it); copy the values instead")
+    if len(above) > 100:
+        raise ConfigError(f"{path}: nested more than 100 levels deep")
+    above = (*above, id(value))
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_shape(item, f"{path}[{i}]", above)
+        return
+    for k, v in value.items():
+        if not isinstance(k, str):
+            shown = "null" if k is None else str(k)
+            raise ConfigError(f"{path}: the key {shown} is not text but {type(k).__name__}; in YAML, quote it: "
+                              f"'{shown}':")
+        _check_shape(v, f"{path}.{k}", above)
+
+
 def from_dict(data: dict[str, Any] | None, environ: dict[str, str] | None = None, *,
               check_clients: bool = False) -> Config:
     """The validated config. ``check_clients``: also make the Kafka consumer and producer the config describes,
@@ -504,6 +528,7 @@ def from_dict(data: dict[str, Any] | None, environ: dict[str, str] | None = None
     may use values only the fakes take)."""
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"$: expected a mapping at the top of the config, got {type(data).__name__}")
+    _check_shape(data, "$")
     # Start from the defaults so env overrides can address keys the file leaves out (lanes[0], ...).
     data = _merge(msgspec.to_builtins(Config()), data or {})
     env = dict(os.environ) if environ is None else environ

@@ -476,3 +476,25 @@ def test_poll_max_records_stays_within_what_consume_takes():
     with pytest.raises(ConfigError, match=r"^\$\.kafka\.poll_max_records: Expected `int` <= 1000000 "
                                           r"\(set by WORKER__KAFKA__POLL_MAX_RECORDS\)$"):
         from_dict(BASE, environ={"WORKER__KAFKA__POLL_MAX_RECORDS": "2000000"})
+
+
+@pytest.mark.parametrize("text, message", [
+    ("kafka:\n  input_topics: [in]\n  1: x\n", "$.kafka: the key 1 is not text but int; in YAML, quote it: '1':"),
+    ("kafka: {input_topics: [in]}\nmodel:\n  options: {2024-06-01: x}\n",
+     "$.model.options: the key 2024-06-01 is not text but date"),
+    # An alias to an anchor around it: a structure without end (RecursionError, exit 1).
+    ("kafka: &k\n  input_topics: [in]\n  consumer: *k\n", "$.kafka.consumer: contains itself (a YAML alias"),
+    ("kafka: {input_topics: [in]}\nmodel:\n  options: &o\n    self: [*o]\n", "$.model.options.self[0]: contains itself"),
+])
+def test_a_key_that_is_not_text_or_a_section_that_contains_itself_is_named(tmp_path, text, message):
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load(f, environ={})
+    assert str(e.value).startswith(message)
+
+
+def test_an_alias_used_twice_is_not_a_cycle(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("kafka:\n  input_topics: [in]\n  consumer: &s {client.rack: r1}\n  producer: *s\n")
+    assert load(f, environ={}).kafka.producer == {"client.rack": "r1"}
