@@ -3,9 +3,10 @@
 - Unknown keys and bad values are errors that name the key's path (``$.batching.lanes[0].max_wait_ms``)
   and what was expected; the CLI turns them into exit code 2.
 - ``WORKER__SECTION__KEY=value`` overrides any key (``WORKER__KAFKA__GROUP_ID=g``;
-  list items by index: ``WORKER__BATCHING__LANES__0__MAX_WAIT_MS=5``). Values are parsed as YAML scalars.
-  Under ``kafka.consumer`` / ``kafka.producer`` underscores become dots, so
-  ``WORKER__KAFKA__CONSUMER__SESSION_TIMEOUT_MS=10000`` sets librdkafka's ``session.timeout.ms``.
+  list items by index: ``WORKER__BATCHING__LANES__0__MAX_WAIT_MS=5``). Values are parsed as YAML, except for
+  keys that take text. Under ``kafka.consumer`` / ``kafka.producer`` underscores become dots, so
+  ``WORKER__KAFKA__CONSUMER__SESSION_TIMEOUT_MS=10000`` sets librdkafka's ``session.timeout.ms``, and the value
+  stays text (librdkafka parses it).
 - String values may reference secrets instead of holding them: ``${env:NAME}`` or ``${file:/path}``.
 """
 
@@ -277,10 +278,12 @@ def _wants_text(parts: list[str]) -> bool:
 
 def _env_value(name: str, raw: str, parts: list[str], path: str) -> Any:
     """An override's value: YAML (``5``, ``true``, ``[a, b]``), except where the key takes text, so that
-    ``WORKER__KAFKA__GROUP_ID=123`` or ``WORKER__MODEL__VERSION=2024-06-01`` mean the text as written."""
+    ``WORKER__KAFKA__GROUP_ID=123`` or ``WORKER__MODEL__VERSION=2024-06-01`` mean the text as written, and for
+    a librdkafka property, which librdkafka parses itself from text: read as YAML, the password 0123 became 83,
+    12:30 became 750 (a base-60 number), on became true and 1.50 became 1.5."""
     if raw == "":
         return ""
-    if _wants_text(parts):
+    if _wants_text(parts) or (len(parts) > 2 and tuple(parts[:2]) in _PASSTHROUGH):
         return raw
     try:
         return yaml.safe_load(raw)

@@ -80,7 +80,7 @@ def test_env_overrides_sections_lists_and_passthrough():
     cfg = from_dict(BASE, environ=env)
     assert cfg.kafka.group_id == "g2"
     assert cfg.batching.lanes[0].max_wait_ms == 7.5
-    assert cfg.kafka.consumer["session.timeout.ms"] == 10000
+    assert cfg.kafka.consumer["session.timeout.ms"] == "10000"  # text: librdkafka parses it
     assert cfg.model.warmup is False
 
 
@@ -103,8 +103,19 @@ def test_env_override_of_a_text_key_keeps_the_text_as_written():
         "123", "2024-06-01", "yes", "[dlq")
     # Numbers, booleans and lists still parse where the key takes them.
     cfg = from_dict(BASE, environ={"WORKER__METRICS__PORT": "9500", "WORKER__KAFKA__INPUT_TOPICS": "[a, b]",
-                                   "WORKER__KAFKA__CONSUMER__FETCH_MIN_BYTES": "10"})
-    assert (cfg.metrics.port, cfg.kafka.input_topics, cfg.kafka.consumer["fetch.min.bytes"]) == (9500, ["a", "b"], 10)
+                                   "WORKER__MODEL__OPTIONS__HIDDEN": "8"})
+    assert (cfg.metrics.port, cfg.kafka.input_topics, cfg.model.options["hidden"]) == (9500, ["a", "b"], 8)
+
+
+@pytest.mark.parametrize("raw", ["0123", "12:30", "1_000", "on", "0x1F", "1.50", "null", "[a]", "'q'"])
+def test_env_override_of_a_librdkafka_property_keeps_the_text_as_written(raw):
+    """Read as YAML, the password 0123 was 83, 12:30 was 750, on was true: librdkafka parses the text itself."""
+    env = {"WORKER__KAFKA__CONSUMER__SASL_PASSWORD": raw, "WORKER__KAFKA__PRODUCER__SASL_PASSWORD": raw}
+    cfg = from_dict(BASE, environ=env)
+    assert cfg.kafka.consumer["sasl.password"] == cfg.kafka.producer["sasl.password"] == raw
+    # A whole section from one variable is still YAML (a mapping).
+    cfg = from_dict(BASE, environ={"WORKER__KAFKA__CONSUMER": "{fetch.min.bytes: 10}"})
+    assert cfg.kafka.consumer == {"fetch.min.bytes": 10}
 
 
 def test_a_repeated_key_in_the_file_is_an_error(tmp_path):
