@@ -144,6 +144,20 @@ good_case no-surge --set updateStrategy.rollingUpdate.maxSurge=0 --set updateStr
 good_case tmp-unlimited --set tmpVolume.sizeLimit=null
 # A grace period of exactly shutdown 30 + preStop 5 + the worker's stop overhead 13 = 48 renders and validates.
 good_case grace-at-overhead --set terminationGracePeriodSeconds=48
+# Exactly-once with a fixed delivery.transactional_id: only as one pod that no rollout doubles (no surge, or
+# Recreate). An id per pod (${env:POD_NAME}), or at-least-once (which ignores the id), renders with replicas.
+good_case eos-fixed-id-one-pod --set config.delivery.mode=exactly_once --set config.delivery.transactional_id=kiw-tx \
+  --set updateStrategy.rollingUpdate.maxSurge=0 --set updateStrategy.rollingUpdate.maxUnavailable=1
+if render eos-fixed-id-recreate --set config.delivery.mode=exactly_once --set config.delivery.transactional_id=kiw-tx \
+     --set updateStrategy.type=Recreate \
+   && render eos-pod-id-replicas --set config.delivery.mode=exactly_once --set replicaCount=3 \
+     --set 'config.delivery.transactional_id=kiw-${env:POD_NAME}' \
+   && render alo-fixed-id-replicas --set config.delivery.transactional_id=kiw-tx --set replicaCount=3; then
+  pass "fixed transactional id with Recreate, a per-pod id with 3 replicas, at-least-once with an id: render"
+else
+  fail "fixed transactional id with Recreate, a per-pod id with 3 replicas, at-least-once with an id: render" \
+    "$(cat "$work"/eos-fixed-id-recreate.err "$work"/eos-pod-id-replicas.err "$work"/alo-fixed-id-replicas.err)"
+fi
 good_case tmp-memory-unlimited --set tmpVolume.sizeLimit=null --set tmpVolume.medium=Memory
 if grep -qxF '          emptyDir: {}' "$work/tmp-unlimited.yaml" \
    && grep -A1 -xF '          emptyDir:' "$work/tmp-memory-unlimited.yaml" | grep -qxF '            medium: Memory'; then
@@ -327,6 +341,19 @@ bad_render keda-ref-twice "parameter ca is given twice" -f "$here/values-all-on.
 bad_render keda-reset-error "auto.offset.reset=error has no KEDA equivalent" --set autoscaling.enabled=true \
   --set 'config.kafka.consumer.auto\.offset\.reset=error'
 bad_render strategy-type "updateStrategy/type" --set updateStrategy.type=BlueGreen
+# One fixed transactional.id in two pods: they fence each other.
+bad_render eos-fixed-id-replicas "but replicaCount=2: two pods with one transactional.id fence each other" \
+  --set config.delivery.mode=exactly_once --set config.delivery.transactional_id=kiw-tx --set replicaCount=2 \
+  --set updateStrategy.type=Recreate
+bad_render eos-fixed-id-autoscaling "but autoscaling.enabled with maxReplicas=6" \
+  --set config.delivery.mode=exactly_once --set config.delivery.transactional_id=kiw-tx --set autoscaling.enabled=true \
+  --set updateStrategy.rollingUpdate.maxSurge=0 --set updateStrategy.rollingUpdate.maxUnavailable=1
+bad_render eos-fixed-id-surge "maxSurge=1 starts a new pod beside the old one" \
+  --set config.delivery.mode=exactly_once --set config.delivery.transactional_id=kiw-tx
+bad_render eos-env-fixed-id 'WORKER__DELIVERY__TRANSACTIONAL_ID="kiw-tx" in extraEnv is one transactional.id for every pod' \
+  --set replicaCount=2 --set updateStrategy.type=Recreate \
+  --set 'extraEnv[0].name=WORKER__DELIVERY__MODE' --set-string 'extraEnv[0].value=exactly_once' \
+  --set 'extraEnv[1].name=WORKER__DELIVERY__TRANSACTIONAL_ID' --set-string 'extraEnv[1].value=kiw-tx'
 # Topics KEDA cannot know (an override through valueFrom) or that the worker would refuse.
 bad_render keda-topics-valuefrom "cannot read it at render time" --set autoscaling.enabled=true \
   --set 'extraEnv[0].name=WORKER__KAFKA__INPUT_TOPICS' --set 'extraEnv[0].valueFrom.configMapKeyRef.name=topics' \

@@ -284,6 +284,54 @@ secrets the chart injects as env vars.
 {{- if has (toString .) (list "0" "0%") }}true{{ end }}
 {{- end }}
 
+{{/*
+A fixed transactional.id, as the worker will use it in exactly-once mode: "" when there is none (the worker's
+default, <group_id>-<hostname>, is one per pod) or when the id differs per pod or cannot be judged at render
+time; else a description of it. The id is config.delivery.transactional_id or WORKER__DELIVERY__TRANSACTIONAL_ID
+in extraEnv (a literal value, or valueFrom: one Secret or ConfigMap value for every pod, unless a fieldRef to the
+pod's name, uid or IP). An id is per pod when it refers to ${env:POD_NAME}, ${env:HOSTNAME} or an extraEnv
+variable from such a fieldRef; a ${file:...} or a variable the chart does not know (extraEnvFrom) cannot be judged.
+*/}}
+{{- define "kiw.fixedTransactionalId" -}}
+{{- $cfg := .Values.config | default dict }}
+{{- $mode := dig "delivery" "mode" "at_least_once" $cfg | toString }}
+{{- $envMode := include "kiw.envValue" (dict "ctx" . "name" "WORKER__DELIVERY__MODE") }}
+{{- if $envMode }}{{ $mode = $envMode }}{{ end }}
+{{- if eq $mode "exactly_once" }}
+{{- $perPodFields := list "metadata.name" "metadata.uid" "status.podIP" }}
+{{- /* Env vars of the pod: name -> "pod" (differs per pod) or "fixed" (one value for every pod). */}}
+{{- $vars := dict "POD_NAME" "pod" "HOSTNAME" "pod" "POD_NAMESPACE" "fixed" "KIW_HEALTHCHECK_URL" "fixed" "KIW_SASL_USERNAME" "fixed" "KIW_SASL_PASSWORD" "fixed" "KIW_REDIS_PASSWORD" "fixed" }}
+{{- $id := dig "delivery" "transactional_id" "" $cfg | default "" | toString }}
+{{- $from := printf "config.delivery.transactional_id=%q" $id }}
+{{- $perPod := false }}
+{{- range $e := .Values.extraEnv | default list }}
+{{- $fieldPath := "" }}
+{{- if hasKey $e "valueFrom" }}{{ $fieldPath = dig "fieldRef" "fieldPath" "" ($e.valueFrom | default dict) }}{{ end }}
+{{- $_ := set $vars $e.name (ternary "pod" "fixed" (has $fieldPath $perPodFields)) }}
+{{- if eq $e.name "WORKER__DELIVERY__TRANSACTIONAL_ID" }}
+{{- if hasKey $e "valueFrom" }}
+{{- $id = "(valueFrom)" }}
+{{- $from = "WORKER__DELIVERY__TRANSACTIONAL_ID in extraEnv (valueFrom: one value for every pod)" }}
+{{- $perPod = has $fieldPath $perPodFields }}
+{{- else }}
+{{- $id = $e.value | default "" | toString }}
+{{- $from = printf "WORKER__DELIVERY__TRANSACTIONAL_ID=%q in extraEnv" $id }}
+{{- $perPod = false }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- $refs := regexFindAll "\\$\\{(env|file):[^}]+\\}" $id -1 }}
+{{- range $refs }}
+{{- if hasPrefix "${file:" . }}{{ $perPod = true }}
+{{- else }}
+{{- $var := trimSuffix "}" (trimPrefix "${env:" .) | trim }}
+{{- if ne (get $vars $var) "fixed" }}{{ $perPod = true }}{{ end }}
+{{- end }}
+{{- end }}
+{{- if and $id (not $perPod) }}{{ $from }}{{ end }}
+{{- end }}
+{{- end }}
+
 {{/* Cross-field checks that values.schema.json cannot express. Included by the Deployment. */}}
 {{- define "kiw.validate" -}}
 {{- $cfg := .Values.config | default dict }}
@@ -292,6 +340,26 @@ secrets the chart injects as env vars.
 {{- $ru := $strategy.rollingUpdate | default dict }}
 {{- if and (include "kiw.isZero" (get $ru "maxSurge")) (include "kiw.isZero" (get $ru "maxUnavailable")) }}
 {{- fail "updateStrategy.rollingUpdate: maxSurge and maxUnavailable are both 0, so a rollout could never replace a pod (the API server refuses the Deployment): set one of them above 0, or use type: Recreate" }}
+{{- end }}
+{{- end }}
+{{- /* Exactly-once with one fixed transactional.id: only one pod may ever run it, even during a rollout. */}}
+{{- $fixedId := include "kiw.fixedTransactionalId" . }}
+{{- if $fixedId }}
+{{- $pods := list }}
+{{- if .Values.autoscaling.enabled }}
+{{- if gt (.Values.autoscaling.maxReplicas | int) 1 }}{{ $pods = append $pods (printf "autoscaling.enabled with maxReplicas=%d" (.Values.autoscaling.maxReplicas | int)) }}{{ end }}
+{{- else if gt (.Values.replicaCount | int) 1 }}
+{{- $pods = append $pods (printf "replicaCount=%d" (.Values.replicaCount | int)) }}
+{{- end }}
+{{- if eq ($strategy.type | default "RollingUpdate") "RollingUpdate" }}
+{{- $surge := get ($strategy.rollingUpdate | default dict) "maxSurge" }}
+{{- if not (include "kiw.isZero" $surge) }}
+{{- $surgeText := ternary "25% (Kubernetes' default)" (toString $surge) (or (kindIs "invalid" $surge) (eq (toString $surge) "")) }}
+{{- $pods = append $pods (printf "updateStrategy.rollingUpdate.maxSurge=%s starts a new pod beside the old one" $surgeText) }}
+{{- end }}
+{{- end }}
+{{- if $pods }}
+{{- fail (printf "%s is one transactional.id for every pod (delivery.mode exactly_once), but %s: two pods with one transactional.id fence each other (each one's start aborts the other's open transaction). Leave it unset (the worker then uses <group_id>-<hostname>, one per pod), or run exactly one pod: replicaCount: 1, no autoscaling, and updateStrategy.rollingUpdate.maxSurge: 0 (or updateStrategy.type: Recreate)" $fixedId (join "; " $pods)) }}
 {{- end }}
 {{- end }}
 {{- $budget := include "kiw.shutdownBudget" . | int }}
