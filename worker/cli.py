@@ -48,13 +48,20 @@ def unreachable_broker_is_an_error(bootstrap: str, source: str, timeout_s: float
                            f"{detail}") from None
 
 
-def _config(path: str | None) -> Config:
-    return load(path, check_clients=True)
+def _config(path: str | None, files_elsewhere: bool = False) -> Config:
+    return load(path, check_clients=True, files_elsewhere=files_elsewhere)
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    cfg = _config(args.config)
+    # The config may be checked outside the pod its CA or key files are mounted in: a file that is not here is a
+    # note, as a device that is not here is.
+    cfg = _config(args.config, files_elsewhere=True)
+    from worker.adapters.kafka_clients import absent_files
     from worker.models.registry import check_model
+
+    for key, file in absent_files(cfg):
+        print(f"note: {name_overrides(f'{key}: {file} is not on this machine')} (not checked; `worker run` here "
+              "would exit 2)", file=sys.stderr)
 
     model_kind = check_model(cfg.model)
     try:

@@ -525,10 +525,11 @@ def _check_shape(value: Any, path: str, above: tuple[int, ...] = ()) -> None:
 
 
 def from_dict(data: dict[str, Any] | None, environ: dict[str, str] | None = None, *,
-              check_clients: bool = False) -> Config:
+              check_clients: bool = False, files_elsewhere: bool = False) -> Config:
     """The validated config. ``check_clients``: also make the Kafka consumer and producer the config describes,
     offline, to find what librdkafka would refuse (the CLI does; tests that pair the config with fake clients
-    may use values only the fakes take)."""
+    may use values only the fakes take). ``files_elsewhere``: the files client properties name (a CA...) may be
+    mounted where the worker runs, not here (check-config); those not here are not checked."""
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"$: expected a mapping at the top of the config, got {type(data).__name__}")
     _check_shape(data, "$")
@@ -553,7 +554,7 @@ def from_dict(data: dict[str, Any] | None, environ: dict[str, str] | None = None
             # A property librdkafka refuses would stop `worker run` with a traceback, after the model load.
             from worker.adapters.kafka_clients import config_problem
 
-            refused = config_problem(cfg)
+            refused = config_problem(cfg, files_elsewhere)
             if refused:
                 raise ConfigError(f"{refused[0]}: {refused[1]}")
     except ConfigError as e:
@@ -683,9 +684,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def load(path: str | Path | None, environ: dict[str, str] | None = None, *, check_clients: bool = False) -> Config:
+def load(path: str | Path | None, environ: dict[str, str] | None = None, *, check_clients: bool = False,
+         files_elsewhere: bool = False) -> Config:
     if path is None:
-        return from_dict({}, environ, check_clients=check_clients)
+        return from_dict({}, environ, check_clients=check_clients, files_elsewhere=files_elsewhere)
     p = Path(path)
     try:
         text = _read_utf8(p)
@@ -711,7 +713,7 @@ def load(path: str | Path | None, environ: dict[str, str] | None = None, *, chec
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"$: expected a mapping at the top of {p}, got {type(data).__name__}")
-    return from_dict(data, environ, check_clients=check_clients)
+    return from_dict(data, environ, check_clients=check_clients, files_elsewhere=files_elsewhere)
 
 
 def _is_secret(key: str) -> bool:

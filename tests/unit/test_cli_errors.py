@@ -258,3 +258,23 @@ def test_a_demo_worker_that_dies_after_start_is_reported(caplog: pytest.LogCaptu
     assert "device pipeline exploded" in caplog.text
     with pytest.raises(RuntimeError, match="device pipeline exploded"):
         w.check()
+
+
+def test_a_ca_file_not_on_this_machine_fails_run_and_is_a_note_in_check_config(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """check-config made the clients with the pod's CA path, which a CI machine does not have: librdkafka
+    refused it and check-config exited 2 on a valid config (the chart's checks of the TLS examples)."""
+    monkeypatch.setattr("worker.service.run_service", lambda *a, **kw: pytest.fail("started"))
+    monkeypatch.setenv("WORKER__KAFKA__CONSUMER__SECURITY_PROTOCOL", "ssl")
+    monkeypatch.setenv("WORKER__KAFKA__CONSUMER__SSL_CA_LOCATION", str(tmp_path / "mounted-in-the-pod" / "ca.crt"))
+    assert main(["check-config", "--config", _config(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert f"note: $.kafka.consumer.ssl.ca.location: {tmp_path}/mounted-in-the-pod/ca.crt is not on this machine " \
+           "(set by WORKER__KAFKA__CONSUMER__SSL_CA_LOCATION) (not checked; `worker run` here would exit 2)" in err
+    assert main(["run", "--config", _config(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"config error: $.kafka.consumer.ssl.ca.location: no such file on this machine: {tmp_path}/mounted-in-the-pod/"
+        "ca.crt (set by WORKER__KAFKA__CONSUMER__SSL_CA_LOCATION)\n")
+    monkeypatch.setenv("WORKER__KAFKA__CONSUMER__SSL_CA_LOCATION", "probe")  # librdkafka's own lookup: checked
+    assert main(["check-config", "--config", _config(tmp_path)]) == 0
+    assert "note:" not in capsys.readouterr().err

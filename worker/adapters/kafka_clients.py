@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
 import socket
 from typing import Any
@@ -84,13 +85,35 @@ _SILENT.addHandler(logging.NullHandler())
 _SILENT.propagate = False
 
 
-def config_problem(cfg: Config) -> tuple[str, str] | None:
+# Properties naming a file librdkafka reads when it makes the client (a CA, a key, a keytab...).
+FILE_PROPERTIES = frozenset({
+    "ssl.ca.location", "ssl.certificate.location", "ssl.key.location", "ssl.keystore.location",
+    "ssl.crl.location", "ssl.engine.location", "sasl.kerberos.keytab",
+})
+
+
+def absent_files(cfg: Config) -> list[tuple[str, str]]:
+    """``(path, file)`` of each file-valued client property whose file is not on this machine."""
+    return [(f"$.kafka.{section}.{k}", v)
+            for section, conf in (("consumer", cfg.kafka.consumer), ("producer", cfg.kafka.producer))
+            for k, v in sorted(conf.items())
+            if k in FILE_PROPERTIES and isinstance(v, str) and v.strip() and v != "probe" and not os.path.exists(v)]
+
+
+def config_problem(cfg: Config, files_elsewhere: bool = False) -> tuple[str, str] | None:
     """What librdkafka would refuse when ``worker run`` makes its consumer or producer (a misspelt property, a
-    value out of range, two properties that do not go together) as ``(path, message)``, found by making each
-    client without a broker to talk to and closing it at once; None when both are fine. A few milliseconds,
-    and the result is kept for each pair of client configurations."""
-    consumer = _offline(consumer_config(cfg))
-    producer = producer_config(cfg)
+    value out of range, two properties that do not go together, a CA file that is not there) as
+    ``(path, message)``, found by making each client without a broker to talk to and closing it at once; None
+    when both are fine. A few milliseconds, and the result is kept for each pair of client configurations.
+    ``files_elsewhere`` (check-config, which may run outside the pod its secrets are mounted in): a file-valued
+    property whose file is not here is left out of the check instead of refused (``absent_files`` lists them)."""
+    absent = absent_files(cfg)
+    if absent and not files_elsewhere:
+        path, file = absent[0]
+        return path, f"no such file on this machine: {file}"
+    skip = {path.split(".", 3)[3] for path, _ in absent}  # "$.kafka.consumer.ssl.ca.location" -> the property
+    consumer = _offline({k: v for k, v in consumer_config(cfg).items() if k not in skip})
+    producer = {k: v for k, v in producer_config(cfg).items() if k not in skip}
     if cfg.delivery.mode == "exactly_once":
         # As runner.Runner.run makes it (its transactional.id is per instance, any one does here).
         producer = {"transactional.id": "config-check", **producer}
