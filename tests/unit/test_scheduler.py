@@ -1182,3 +1182,29 @@ def test_a_full_lane_stays_full_until_its_low_watermark() -> None:
     assert s.over_bound({"default"}, 0.5) == {"default"}  # held: 6 > 5
     assert s.next_batch(0.0, idle=True) is not None  # 2 left
     assert s.over_bound({"default"}, 0.5) == set()
+
+
+def test_tombstones_left_alone_in_a_window_never_make_next_wakeup_overdue() -> None:
+    """An expired record left in an open window as a tombstone (its lane still held live records) stayed there
+    once those were dispatched: next_batch returned at once (nothing queued) without polling the window, and
+    next_wakeup kept returning that window's close time, in the past for good. The device's wait became a busy
+    loop (149 turns of the runner's lock in 50 ms). Revoking a lane's last live records did the same."""
+    s = PriorityScheduler(lanes({"name": "default", "max_batch_size": 2, "max_wait_ms": 10}), "default")
+    s.add(rec(), 0.0)
+    s.add(rec(), 0.0)  # closed by count: a ready batch
+    s.add(rec(deadline=0.005), 0.0)  # opens a window
+    assert len(s.expire(0.006)) == 1  # a tombstone: two live records are still queued
+    batch = s.next_batch(0.006, idle=True)
+    assert batch is not None and len(batch.records) == 2 and len(s) == 0
+    assert s.next_wakeup(1.0) is None
+    s.add(late := rec(), 1.0)  # a new window, with its own max_wait (the stale one went out at once)
+    assert s.next_batch(1.0, idle=False) is None and s.next_wakeup(1.0) == pytest.approx(1.01)
+    assert s.next_batch(1.01, idle=False) is not None and late is not None
+
+    s = PriorityScheduler(lanes({"name": "default", "max_batch_size": 8, "max_wait_ms": 10}), "default")
+    s.add(rec(partition=1, deadline=0.005), 0.0)
+    s.add(rec(partition=0), 0.0)
+    assert len(s.expire(0.006)) == 1
+    assert len(s.revoke({TopicPartition("in", 0)})) == 1 and len(s) == 0
+    assert s.next_wakeup(1.0) is None
+

@@ -659,6 +659,10 @@ class PriorityScheduler:
         n = len(recs)
         self._total -= n  # (dropped records were accounted for in _drop_misses)
         lane.n -= n
+        if lane.n == 0 and dead:
+            # Tombstones left in an open window with nothing live behind them kept its close time in
+            # next_wakeup, overdue for good: the device's wait turned into a busy loop on the lock.
+            self._purge_dead(lane)
         if live:
             for r in recs:
                 if r.deadline is not None:
@@ -851,6 +855,8 @@ class PriorityScheduler:
             lane.revoked += n
             lane.n -= n
             self._total -= n
+            if lane.n == 0 and lane.dead:  # only tombstones of other partitions left: no spurious wake-ups
+                self._purge_dead(lane)
         if self._pending_expired:
             out.extend(r for r in self._pending_expired if r.tp in tps)
             self._pending_expired = [r for r in self._pending_expired if r.tp not in tps]
