@@ -1208,3 +1208,20 @@ def test_tombstones_left_alone_in_a_window_never_make_next_wakeup_overdue() -> N
     assert len(s.revoke({TopicPartition("in", 0)})) == 1 and len(s) == 0
     assert s.next_wakeup(1.0) is None
 
+
+def test_a_filled_batch_a_free_device_took_is_not_preempted() -> None:
+    """preempt() put a batch back in its own lane whole. A free device's batch filled from lower lanes (never
+    taken ahead) was requeued with the lower lane's records booked to the filling lane: the lanes' counts,
+    served records and fair-share service went wrong, and their results were counted under the wrong lane."""
+    s = PriorityScheduler(lanes({"name": "hi", "priority": 10, "max_wait_ms": 1},
+                                {"name": "mid", "priority": 5, "fill_with_lower": True},
+                                {"name": "lo"}), "lo")
+    s.add(rec("mid"), 0.0)
+    for _ in range(3):
+        s.add(rec("lo"), 0.0)
+    b = s.next_batch(0.0, idle=True)
+    assert b is not None and b.mixed and len(b.records) == 4
+    s.add(rec("hi"), 0.0)
+    assert not s.start(b)  # taken by a free device, not ahead
+    assert s.preempt(b, 0.002) is None  # it runs: only a batch taken ahead is swapped out
+    assert (s.queued("hi"), s.queued("mid"), s.queued("lo")) == (1, 0, 0)

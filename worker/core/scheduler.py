@@ -473,7 +473,9 @@ class PriorityScheduler:
         goes after ``batch`` with the records that arrive meanwhile, which keeps high-priority batches from
         shrinking to a record or two and eating the device's time in fixed costs under overload."""
         own = self._lanes.get(batch.lane)
-        if own is None or not batch.records:
+        if own is None or not batch.records or batch.mixed:
+            # (mixed: a free device's batch filled from lower lanes (one taken ahead is never filled). Its
+            # records would go back under the filling lane's counts and service; it runs.)
             return None
         if not any(ln.n and ln.priority > own.priority for ln in self._order):
             return None  # the common case: nothing of higher priority is queued
