@@ -496,6 +496,18 @@ def _refusing(h: Harness, topic: str, over: int) -> None:
     h.p.fail_if = lambda p: TOO_LARGE if p.topic == topic and len(p.value or b"") > over else None
 
 
+def _big_second_result(monkeypatch: pytest.MonkeyPatch, **sections: Any) -> Harness:
+    """Three records in in[0]; the result of offset 1 (2 kB) is over what the output topic takes (1500 B)."""
+    model = FakeModel(output=lambda x: {"echo": "y" * 2000} if x == 1 else {"echo": x})
+    h = Harness(monkeypatch, make_config(**sections), model=model).start()
+    _refusing(h, "out", 1500)
+    h.c.assign(("in", 0))
+    h.send(3)
+    h.process()
+    _run_until_committed(h, 3)
+    return h
+
+
 def _run_until_committed(h: Harness, offset: int) -> None:
     for _ in range(200):
         if h.runner._fatal or h.committed() == offset:
@@ -507,13 +519,7 @@ def _run_until_committed(h: Harness, offset: int) -> None:
 def test_a_result_the_broker_refuses_as_too_large_becomes_an_error_result_and_a_dead_letter(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # It was re-sent as it was, refused 6 times, and the worker stopped, at every restart.
-    model = FakeModel(output=lambda x: {"echo": "y" * 2000} if x == 1 else {"echo": x})
-    h = Harness(monkeypatch, make_config(), model=model).start()
-    _refusing(h, "out", 1500)
-    h.c.assign(("in", 0))
-    h.send(3)
-    h.process()
-    _run_until_committed(h, 3)
+    h = _big_second_result(monkeypatch)
     assert h.runner._fatal is None and h.committed() == 3
     assert sum(1 for p in h.p.produced if p.topic == "out" and len(p.value or b"") > 1500) == 1  # not retried as is
     results = {r["source"]["offset"]: r for r in h.p.results()}
@@ -548,14 +554,7 @@ def test_exactly_once_a_result_the_broker_refuses_as_too_large_is_redone_as_an_e
         monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.unit.test_runner_eos import check_transactions
 
-    model = FakeModel(output=lambda x: {"echo": "y" * 2000} if x == 1 else {"echo": x})
-    cfg = make_config(delivery={"mode": "exactly_once", "transactional_id": "t"})
-    h = Harness(monkeypatch, cfg, model=model).start()
-    _refusing(h, "out", 1500)
-    h.c.assign(("in", 0))
-    h.send(3)
-    h.process()
-    _run_until_committed(h, 3)
+    h = _big_second_result(monkeypatch, delivery={"mode": "exactly_once", "transactional_id": "t"})
     assert h.runner._fatal is None and h.committed() == 3
     assert h.p.aborted_txns  # the refusal aborted a transaction; the records were read again
     results = {r["source"]["offset"]: r for r in h.p.results()}

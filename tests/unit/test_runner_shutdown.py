@@ -58,6 +58,19 @@ def test_stop_pauses_flushes_windows_finishes_in_flight_work_and_commits(monkeyp
     assert h.runner._fatal is None
 
 
+class GaugeMetrics:
+    """Metrics that keep the last value of each gauge (name, sorted labels) in ``gauges`` and ignore the rest."""
+
+    def __init__(self, gauges: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> None:
+        self.gauges = gauges
+
+    def __getattr__(self, name: str) -> object:
+        return lambda *a, **kw: None
+
+    def gauge(self, name: str, value: float, **labels: str) -> None:
+        self.gauges[(name, tuple(sorted(labels.items())))] = value
+
+
 def _stuck(monkeypatch: pytest.MonkeyPatch, **cfg: Any) -> Harness:
     """Four records in in[0], batches of 2, partition assigned at the first poll: what the tests below start
     from before one batch gets stuck on the device (``_one_done_one_stuck``)."""
@@ -161,15 +174,7 @@ def test_messages_of_unassigned_partitions_in_a_fetch_are_ignored(monkeypatch: p
 
 def test_lag_report_reads_watermarks_of_assigned_partitions(monkeypatch: pytest.MonkeyPatch) -> None:
     gauges: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-
-    class Metrics:
-        def __getattr__(self, name: str) -> object:
-            return lambda *a, **kw: None
-
-        def gauge(self, name: str, value: float, **labels: str) -> None:
-            gauges[(name, tuple(sorted(labels.items())))] = value
-
-    h = Harness(monkeypatch, metrics=Metrics()).start()
+    h = Harness(monkeypatch, metrics=GaugeMetrics(gauges)).start()
     h.c.assign(("in", 0))
     h.send(5)
     h.iterate()  # the first turn reports (lag_interval_s counts from the start)
@@ -446,15 +451,7 @@ def test_the_lag_of_a_paused_partition_follows_the_broker(monkeypatch: pytest.Mo
     the lag it had when it was paused, and kiw_consumer_lag / kiw_drain_seconds (the HPA's metric) stayed low
     under exactly the overload that should scale the worker out."""
     gauges: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-
-    class Metrics:
-        def __getattr__(self, name: str) -> object:
-            return lambda *a, **kw: None
-
-        def gauge(self, name: str, value: float, **labels: str) -> None:
-            gauges[(name, tuple(sorted(labels.items())))] = value
-
-    h = Harness(monkeypatch, metrics=Metrics()).start()
+    h = Harness(monkeypatch, metrics=GaugeMetrics(gauges)).start()
     h.c.assign(("in", 0), ("in", 1))
     h.send(5)
     h.send(5, partition=1)
