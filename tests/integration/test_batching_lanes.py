@@ -28,10 +28,11 @@ def test_high_lane_first_low_lane_keeps_its_share(kafka, topic_names, tmp_path):
     cfg = worker_config(bs, topic_names,
                         kafka={"input_topics": []},
                         model={"name": "synthetic", "options": {"a_ms": 4, "b_ms": 0.2}},
+                        # The low lane is listed first: priority, not the config order, must put high first.
                         batching={"lanes": [
-                            {"name": "high", "topics": [hi], "priority": 10, "weight": 3, "max_batch_size": 16,
-                             "max_wait_ms": 5},
                             {"name": "low", "topics": [lo], "priority": 0, "weight": 1, "max_batch_size": 16,
+                             "max_wait_ms": 5},
+                            {"name": "high", "topics": [hi], "priority": 10, "weight": 3, "max_batch_size": 16,
                              "max_wait_ms": 5}],
                             "default_lane": "low"})
     w = WorkerProcess(cfg, tmp_path).start()

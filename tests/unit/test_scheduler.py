@@ -14,10 +14,12 @@ from worker.core.scheduler import PriorityScheduler
 
 
 def two_lanes(policy: str = "fixed", hi_weight: float = 1.0, lo_weight: float = 1.0, batch: int = 4,
-              wait_ms: float = 10.0, **kw: object) -> PriorityScheduler:
-    cfg = lanes({"name": "hi", "priority": 10, "weight": hi_weight, "max_batch_size": batch, "max_wait_ms": wait_ms},
-                {"name": "lo", "priority": 0, "weight": lo_weight, "max_batch_size": batch, "max_wait_ms": wait_ms},
-                {"name": "default", "max_batch_size": batch, "max_wait_ms": wait_ms})
+              wait_ms: float = 10.0, lo_first: bool = False, **kw: object) -> PriorityScheduler:
+    """``lo_first`` lists the low lane before the high one: priority, not config order, must decide."""
+    hi = {"name": "hi", "priority": 10, "weight": hi_weight, "max_batch_size": batch, "max_wait_ms": wait_ms}
+    lo = {"name": "lo", "priority": 0, "weight": lo_weight, "max_batch_size": batch, "max_wait_ms": wait_ms}
+    cfg = lanes(*((lo, hi) if lo_first else (hi, lo)), {"name": "default", "max_batch_size": batch,
+                                                       "max_wait_ms": wait_ms})
     return PriorityScheduler(cfg, "default", policy, **kw)  # type: ignore[arg-type]
 
 
@@ -125,16 +127,18 @@ def test_batches_never_mix_lanes_and_keep_arrival_order() -> None:
 # ---------------------------------------------------------------- priorities and fairness
 
 
-def test_high_lane_served_first_when_both_backlogged() -> None:
-    s = two_lanes(batch=4)
+@pytest.mark.parametrize("lo_first", [False, True], ids=["hi-listed-first", "lo-listed-first"])
+def test_high_lane_served_first_when_both_backlogged(lo_first: bool) -> None:
+    s = two_lanes(batch=4, lo_first=lo_first)
     feed(s, recs(8, "lo"), 0.0)  # the low lane was there first
     feed(s, recs(8, "hi"), 0.001)
     out = drain(s, 0.001)
     assert [b.lane for b in out] == ["hi", "lo", "hi", "lo"]  # equal weights: then they alternate
 
 
-def test_higher_weight_gets_proportionally_more() -> None:
-    s = two_lanes(hi_weight=3.0, lo_weight=1.0, batch=4)
+@pytest.mark.parametrize("lo_first", [False, True], ids=["hi-listed-first", "lo-listed-first"])
+def test_higher_weight_gets_proportionally_more(lo_first: bool) -> None:
+    s = two_lanes(hi_weight=3.0, lo_weight=1.0, batch=4, lo_first=lo_first)
     feed(s, recs(400, "lo") + recs(400, "hi"), 0.0)
     first = [b.lane for b in (s.next_batch(0.0) for _ in range(40)) if b is not None]
     assert first[0] == "hi"
