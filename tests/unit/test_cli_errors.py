@@ -224,11 +224,16 @@ def test_ctrl_c_after_the_model_load_is_a_graceful_stop(tmp_path: Path, monkeypa
     assert not any("finishing the model load first" in r.getMessage() for r in caplog.records)
 
 
-def test_profile_refuses_an_unwritable_json_path_before_profiling(capsys: pytest.CaptureFixture[str]) -> None:
+def test_profile_refuses_an_unwritable_json_path_before_profiling(capsys: pytest.CaptureFixture[str],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The path is checked before the model is loaded or profiled (minutes on a real model), not at the end."""
+    def too_late(*a: object, **kw: object) -> None:
+        pytest.fail("profile loaded or profiled the model before refusing the unwritable --json path")
+
+    monkeypatch.setattr("worker.models.registry.load_model", too_late)
+    monkeypatch.setattr("worker.profile.profile_engine", too_late)
     missing = os.path.join(os.sep, "nonexistent-kiw", "x.json")
-    t0 = time.monotonic()
     assert main(["profile", "--model", "tiny", "--batch-sizes", "1", "--json", missing]) == 2
-    assert time.monotonic() - t0 < 10
     err = capsys.readouterr().err
     assert f"error: --json {missing}: folder" in err and "does not exist" in err
 
