@@ -254,16 +254,22 @@ def _field_type(parts: list[str]) -> Any:
     """The type the config declares at a key path (``["kafka", "group_id"]``), None where it declares none."""
     t: Any = msgspec.inspect.type_info(Config)
     for part in parts:
-        if isinstance(t, msgspec.inspect.StructType):
-            t = next((f.type for f in t.fields if f.name == part), None)
-        elif isinstance(t, msgspec.inspect.ListType):
-            t = t.item_type
-        elif isinstance(t, msgspec.inspect.DictType):
-            t = t.value_type
-        else:
-            return None
-        while isinstance(t, msgspec.inspect.Metadata):
-            t = t.type
+        t = _child_type(t, part)
+    return t
+
+
+def _child_type(t: Any, part: str) -> Any:
+    """The type declared one key below ``t`` (a field, a list item, a dict value); None where none is."""
+    if isinstance(t, msgspec.inspect.StructType):
+        t = next((f.type for f in t.fields if f.name == part), None)
+    elif isinstance(t, msgspec.inspect.ListType):
+        t = t.item_type
+    elif isinstance(t, msgspec.inspect.DictType):
+        t = t.value_type
+    else:
+        return None
+    while isinstance(t, msgspec.inspect.Metadata):
+        t = t.type
     return t
 
 
@@ -586,16 +592,7 @@ def _env_path(parts: list[str]) -> str:
             path += f"[{int(part)}]"
         else:
             path += "." + (part.replace("_", ".") if tuple(parts[:i]) in _PASSTHROUGH else part)
-        if isinstance(t, msgspec.inspect.StructType):
-            t = next((f.type for f in t.fields if f.name == part), None)
-        elif isinstance(t, msgspec.inspect.ListType):
-            t = t.item_type
-        elif isinstance(t, msgspec.inspect.DictType):
-            t = t.value_type
-        else:
-            t = None
-        while isinstance(t, msgspec.inspect.Metadata):
-            t = t.type
+        t = _child_type(t, part)
     return path
 
 
