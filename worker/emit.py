@@ -256,7 +256,8 @@ class Emitter:
         caller counts in its metrics)."""
         rec = o.record
         refused = self.too_large.get((rec.tp, rec.offset)) if self.too_large else None
-        if refused is not None:
+        if refused is not None and (refused == self.output_topic or o.dlq_stage is not None):
+            # (A refused dead letter matters only if the record owes one again: processed again, it may not.)
             return self._emit_smaller(o, refused, now, now_wall_ms)
         if o.dlq_stage is None and rec.id is not None and result_bytes is None:
             # Hot path: one result message, no dead letter.
@@ -463,7 +464,7 @@ class Emitter:
         p = _Pending(rec, self)
         if rec.id is not None and not (topic == self.output_topic and owed_dead_letter):
             p.messages.append((self.output_topic, rec.key, self.result_bytes(o, now, now_wall_ms), None))
-        stage = o.dlq_stage or "output"
+        stage = o.dlq_stage or "output"  # (always set here: see emit())
         p.messages.append((self.dlq_topic, *self._dead_letter_message(
             rec, stage, o.error or stage, refused if topic == self.dlq_topic else None)))
         rec.failed = True

@@ -563,3 +563,15 @@ def test_exactly_once_a_result_the_broker_refuses_as_too_large_is_redone_as_an_e
     assert dead.header("x-error-stage") == "output" and dead.header("x-source-offset") == "1"
     assert h.runner.emitter.too_large == {}
     check_transactions(h)
+
+
+def test_a_record_whose_dead_letter_was_refused_gets_none_when_it_no_longer_owes_one(clock: FakeTime) -> None:
+    # Exactly-once: a refused dead letter aborts the transaction and the record is processed again. Should it now
+    # come out ok (an inference error that does not come back), it owes no dead letter, and gets none.
+    p, calls = FakeProducer(), Calls()
+    em = emitter(p, calls)
+    r = rec(5, id="r")
+    em.too_large[(r.tp, r.offset)] = "dlq"
+    em.emit(Outcome(r, "ok", output=[1], batch_size=1), 10.0, 0.0)
+    em.flush(1.0)
+    assert [m.topic for m in p.produced] == ["out"] and not r.failed
