@@ -19,6 +19,7 @@ import pytest
 
 import worker.local.kafka_broker as kb
 import worker.local.redis_server as rs
+from tests.support import needs
 from worker.local.process import die_with_parent, free_ports
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux")
@@ -281,7 +282,7 @@ def test_the_cached_jars_bind_slf4j_to_log4j() -> None:
     (log4j-slf4j2-impl); with the wrong one the broker logs nothing."""
     libs = kb.jar_dir() / "libs"
     if not (libs / ".complete").exists():
-        pytest.skip(f"Kafka jars not fetched yet ({libs}); make setup fetches them")
+        needs.missing(f"Kafka jars not fetched yet ({libs}); make setup fetches them")
     names = [p.name for p in libs.iterdir()]
     api = [n for n in names if n.startswith("slf4j-api-")]
     assert len(api) == 1, api
@@ -293,7 +294,7 @@ def test_kafka_writes_its_log_file(tmp_path: Path) -> None:
     """The storage tool (as start() runs it, ~2 s of Java) logs its config through SLF4J into server.log."""
     libs = kb.jar_dir() / "libs"
     if not (libs / ".complete").exists():
-        pytest.skip(f"Kafka jars not fetched yet ({libs}); make setup fetches them")
+        needs.missing(f"Kafka jars not fetched yet ({libs}); make setup fetches them")
     broker = kb.LocalKafka(workdir=tmp_path)
     (tmp_path / "server.properties").write_text(broker._props())
     (tmp_path / "log4j2.xml").write_text(kb._LOG4J2.format(log=broker.log_path))

@@ -10,6 +10,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support import needs
 from worker.adapters.health import HealthServer, HealthState
 from worker.adapters.metrics import DrainEstimator, PrometheusMetrics
 
@@ -295,9 +296,10 @@ def test_the_health_server_binds_ipv6_and_serves_ipv4_too_on_the_any_address() -
     # metrics.host "::" (what the chart accepts for dual-stack and IPv6 clusters) made the worker exit at start:
     # the server was IPv4 only ("address family for hostname not supported").
     try:
-        socket.socket(socket.AF_INET6).close()
-    except OSError:
-        pytest.skip("this machine has no IPv6 (a container without it, say)")
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError as e:
+        needs.missing(f"this machine has no IPv6 loopback (a container without it, say): {e}")
     with HealthServer(PrometheusMetrics(), "::", 0, HealthState(), heartbeat_timeout_s=30) as hs:
         assert hs.url == f"http://[::1]:{hs.port}"
         assert get(f"{hs.url}/healthz")[0] == 200
