@@ -34,10 +34,16 @@ def test_profile_synthetic_prints_table_recommends_plots(tmp_path: Path, capsys:
     assert "batch" in out and "p99 ms" in out and "items/s" in out and "peak MB" in out
     data = json.loads(js.read_text())
     assert [r["batch_size"] for r in data["rows"]] == [1, 2, 4, 8, 16]
-    assert data["recommended"] in (4, 8)  # 16 (18 ms) never fits 14 ms; 8 fits unless the box is very busy
-    assert f"recommended max_batch_size: {data['recommended']}" in out
-    assert png.read_bytes()[:4] == b"\x89PNG"
     rows = data["rows"]
+    # The recommendation follows profile.recommend's rule on the rows measured (sleep-based timings vary with
+    # the machine's load, so which size wins is not fixed): the highest throughput among the sizes that ran
+    # and whose p99 fits the budget, ties to the smaller size. 16 (>= 18 ms of sleep) can never fit 14 ms.
+    fitting = [r for r in rows if r["status"] == "ok" and r["p99_ms"] <= 14.0]
+    assert fitting and 16 not in [r["batch_size"] for r in fitting]
+    best = max(fitting, key=lambda r: (r["throughput"], -r["batch_size"]))
+    assert data["recommended"] == best["batch_size"], (data["recommended"], rows)
+    assert f"recommended max_batch_size: {best['batch_size']} (p99 {best['p99_ms']:.2f} ms <= 14 ms budget" in out
+    assert png.read_bytes()[:4] == b"\x89PNG"
     assert rows[-1]["throughput"] > rows[0]["throughput"]
     assert all(r["peak_mem_mb"] > 0 for r in rows)
 
