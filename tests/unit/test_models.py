@@ -122,7 +122,7 @@ def test_synthetic_host_ms_is_cpu_time_spent_in_collate() -> None:
     t = time.thread_time()
     m.forward([m.decode(1), m.decode(2)])
     assert time.thread_time() - t < 0.020  # the device part stays a sleep
-    with pytest.raises(ValueError, match="host_ms must be >= 0"):
+    with pytest.raises(ConfigError, match=r"\$\.model\.options\.host_ms: Expected `float` >= 0"):
         load_model(ModelConfig(name="synthetic", options={"host_ms": -1}))
 
 
@@ -566,3 +566,15 @@ def test_a_factory_module_that_fails_to_import_is_a_config_error(source: str, wa
     monkeypatch.delitem(sys.modules, "broken_mod", raising=False)
     with pytest.raises(ConfigError, match=r"^\$\.model\.name: " + wanted):
         load_model(ModelConfig(name="broken_mod:f"))
+
+
+@pytest.mark.parametrize(("name", "options", "key"), [
+    ("synthetic", {"a_ms": -1}, "a_ms"), ("synthetic", {"b_ms": float("inf")}, "b_ms"),
+    ("synthetic", {"host_ms": float("nan")}, "host_ms"), ("synthetic", {"oom_above": 0}, "oom_above"),
+    ("tiny", {"hidden": 0}, "hidden"), ("tiny", {"hidden": -3}, "hidden"),
+])
+def test_a_built_in_option_out_of_range_is_a_config_error_naming_it(name: str, options: dict[str, Any], key: str) -> None:
+    # They raised ValueError, ZeroDivisionError or a torch RuntimeError (exit 1, a traceback), or passed (inf,
+    # NaN) and failed every forward; README promises exit 2 naming the key.
+    with pytest.raises(ConfigError, match=rf"^\$\.model\.options\.{key}: "):
+        load_model(ModelConfig(name=name, options=options))

@@ -17,20 +17,23 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from typing import Any, ClassVar, NamedTuple
+from typing import Annotated, Any, ClassVar, NamedTuple
 
 import msgspec
 
 from worker.models.base import Options, parse_options
 from worker.models.inputs import SyntheticInput
 
+# Milliseconds, finite (an hour at most): inf or NaN passed the check and failed every forward (time.sleep).
+Millis = Annotated[float, msgspec.Meta(ge=0, le=3_600_000)]
+
 
 class SyntheticOptions(Options):
-    a_ms: float = 2.0
-    b_ms: float = 0.1
-    host_ms: float = 0.0
+    a_ms: Millis = 2.0
+    b_ms: Millis = 0.1
+    host_ms: Millis = 0.0
     fail_on: str | None = None
-    oom_above: int | None = None
+    oom_above: Annotated[int, msgspec.Meta(ge=1)] | None = None
     crash_on: str | None = None
 
 
@@ -66,8 +69,6 @@ class SyntheticModel:
 
     def __init__(self, **options: Any) -> None:
         self.opts = parse_options(options, SyntheticOptions, self.name)
-        if self.opts.a_ms < 0 or self.opts.b_ms < 0 or self.opts.host_ms < 0:
-            raise ValueError("$.model.options: a_ms, b_ms and host_ms must be >= 0")
         self.version = f"a{self.opts.a_ms:g}-b{self.opts.b_ms:g}" + (f"-h{self.opts.host_ms:g}" if self.opts.host_ms else "")
         self.calls = 0  # forward calls, for tests
         self.sizes: list[int] = []  # batch size of every forward call, for tests

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
+import msgspec
 import torch
 
 from worker.models.base import Options, parse_options, split_rows
@@ -14,7 +15,7 @@ _F32_MAX = 3.4028234663852886e38  # the largest finite float32
 
 
 class TinyOptions(Options):
-    hidden: int = 64
+    hidden: Annotated[int, msgspec.Meta(ge=1, le=65_536)] = 64  # 0 divided by zero, a negative one raised in torch
     seed: int = 0
 
 
