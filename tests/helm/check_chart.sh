@@ -23,7 +23,7 @@ HELM_VERSION=${HELM_VERSION:-v3.19.0}
 # chart's kubeVersion floor and the newest schema set kubernetes-validate bundles.
 KUBE_VERSION=${KUBE_VERSION:-1.30.0}
 VALIDATE_VERSIONS=${VALIDATE_VERSIONS:-1.25.0 1.37.0}
-tools=${KIW_TOOLS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kafka-inference-worker/tools}
+tools=${KIW_TOOLS_DIR:-${KIW_CACHE:-$HOME/.cache/kafka-inference-worker}/tools}  # the cache setup_env.sh uses
 
 failures=0
 checks=0
