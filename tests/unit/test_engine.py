@@ -1091,3 +1091,64 @@ def test_off_cuda_an_error_that_reads_like_a_cuda_one_is_the_records() -> None:
 
     out = Engine(Quoting(), "cpu", warmup=False).infer([1, 13, 2])
     assert out[0] == 10 and isinstance(out[1], ValueError) and out[2] == 20
+
+
+def test_a_prefetched_batch_over_its_lowered_limit_is_not_one_observation_of_the_latency_model() -> None:
+    """A batch taken before an OOM lowered its lane's limit runs in chunks on the device thread. Its timings had
+    no "recovered" mark, and "infer" ran from when it was taken (its wait behind the previous batch included):
+    the runner fed 2 forwards and a wait to the adaptive policy's latency model as one clean batch of 4."""
+
+    class Slow:
+        name = "slow"
+        uses_torch = False
+
+        def setup(self, device: Any) -> None:
+            pass
+
+        def decode(self, x: Any) -> Any:
+            return x
+
+        def collate(self, items: Sequence[Any]) -> Any:
+            return list(items)
+
+        def forward(self, b: Any) -> Any:
+            time.sleep(0.05)
+            return list(b)
+
+        def split(self, out: Any, n: int) -> list[Any]:
+            return list(out)
+
+    def batch(n: int, off: int) -> Batch:
+        recs = [Record(TopicPartition("t", 0), off + i, b"", None, [], 0.0, None, 0) for i in range(n)]
+        for r in recs:
+            r.item = r.offset
+        return Batch("default", recs, 0.0, 0.0, "count", n)
+
+    eng = Engine(Slow(), "cpu", warmup=False, max_batch_sizes={"default": 4})
+    eng.setup()
+    todo = [batch(2, 0), batch(4, 10)]
+    got: dict[int, dict[str, float]] = {}
+    both = threading.Event()
+    lock = threading.Lock()
+
+    def take(timeout: float) -> Batch | None:
+        with lock:
+            if todo:
+                b = todo.pop(0)
+                if b.records[0].offset == 10:
+                    eng._set_limit("default", 2, grow=False)  # an OOM lowered it after this one was taken
+                return b
+        time.sleep(timeout)
+        return None
+
+    def done(b: Batch, results: list[Any], timings: dict[str, float]) -> None:
+        got[b.records[0].offset] = timings
+        if len(got) == 2:
+            both.set()
+
+    w = DeviceWorker(eng, take, done, poll_s=0.01)
+    w.start()
+    assert both.wait(10)
+    w.stop(2)
+    assert "recovered" not in got[0]
+    assert got[10]["recovered"] == 1.0 and got[10]["infer"] <= got[10]["pipeline"]

@@ -1002,10 +1002,11 @@ class DeviceWorker:
                     results = self._safe(eng.infer, items, lane)
                 else:
                     results = self._safe(eng.recover, items, lane, err)
-                took = time.perf_counter() - job.t_take
-                timings = {"infer": took, "pipeline": took}
-                if err is not None:
-                    timings["recovered"] = 1.0
+                took = time.perf_counter() - t
+                # Chunks of a batch over its lane's lowered limit, or a recovery: several forwards, not one
+                # observation for the latency model (and timed from now, not from when the batch was taken:
+                # that included its wait for the device).
+                timings = {"infer": took, "pipeline": time.perf_counter() - job.t_take, "recovered": 1.0}
                 self._finishing.put(_Done(batch, results, None, timings))
                 continue
             try:
