@@ -570,7 +570,7 @@ def test_a_factory_module_that_fails_to_import_is_a_config_error(source: str, wa
 
 @pytest.mark.parametrize(("name", "options", "key"), [
     ("synthetic", {"a_ms": -1}, "a_ms"), ("synthetic", {"b_ms": float("inf")}, "b_ms"),
-    ("synthetic", {"host_ms": float("nan")}, "host_ms"), ("synthetic", {"oom_above": 0}, "oom_above"),
+    ("synthetic", {"host_ms": float("nan")}, "host_ms"), ("synthetic", {"oom_above": -1}, "oom_above"),
     ("tiny", {"hidden": 0}, "hidden"), ("tiny", {"hidden": -3}, "hidden"),
 ])
 def test_a_built_in_option_out_of_range_is_a_config_error_naming_it(name: str, options: dict[str, Any], key: str) -> None:

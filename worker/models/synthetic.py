@@ -33,7 +33,7 @@ class SyntheticOptions(Options):
     b_ms: Millis = 0.1
     host_ms: Millis = 0.0
     fail_on: str | None = None
-    oom_above: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    oom_above: Annotated[int, msgspec.Meta(ge=0)] | None = None  # 0: not even one record fits
     crash_on: str | None = None
 
 
