@@ -282,7 +282,9 @@ class Runner:
                     return batch
                 if now >= deadline or self._stop_devices:
                     return None
-                wake = self.scheduler.next_wakeup(now)
+                # While a suspect waits or runs, no batch is taken, so no window is closed: the scheduler's
+                # wake-up stays overdue, and waiting for it spun every 0.2 ms. _done's notify is the wake-up.
+                wake = None if self._suspects or self._isolated else self.scheduler.next_wakeup(now)
                 until = deadline if wake is None else min(deadline, wake)
                 self.cv.wait(max(until - now, 0.0002))
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from tests.unit.fakes_kafka import Harness, make_config
@@ -163,3 +165,25 @@ def test_a_model_object_is_not_spread_over_several_devices() -> None:
     r = Runner(make_config(model={"name": "identity", "devices": ["cpu", "cpu"]}), FakeModel())
     with pytest.raises(ValueError, match="runs one device, but the config lists 2"):
         r._build_models()
+
+
+def test_no_busy_wait_while_a_suspect_runs_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a suspect runs alone no batch is taken, so no window is closed: the scheduler's next wake-up stayed
+    overdue, and the collate stage waited 0.2 ms at a time on the lock for as long as the suspect ran."""
+    h = Harness(monkeypatch, make_config(batching={"lanes": [{"name": "default", "max_wait_ms": 5}]})).start()
+    h.c.assign(("in", 0))
+    h.send(1)
+    h.iterate()  # a record in a window
+    h.clock.advance(0.01)  # the window is overdue
+    waits: list[float] = []
+
+    class Counting(threading.Condition):
+        def wait(self, timeout: float | None = None) -> bool:
+            waits.append(timeout or 0.0)
+            h.clock.advance(timeout or 0.0)  # nothing notifies: the whole timeout passes
+            return False
+
+    h.runner.cv = Counting()
+    h.runner._isolated = 1  # a suspect is on the device
+    assert h.runner._next_batch(0.05) is None
+    assert len(waits) == 1 and waits[0] == pytest.approx(0.05)  # one wait for a notify (or the timeout)
