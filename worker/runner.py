@@ -14,6 +14,7 @@ Exactly-once: the same prefix goes into the producer's transaction with the resu
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import queue
@@ -130,6 +131,9 @@ class Runner:
         self._rewound: dict[TopicPartition, int | None] = {}
         self.committed: dict[TopicPartition, int] = {}
         self._device_busy = 0
+        # Per device (by its index in workers): the batches it took and has not handed back. A device is free
+        # when its own count is 0; with several, the total said a busy device was free while another was idle.
+        self._busy_on: list[int] = []
         self._last_commit = time.monotonic()
         self.consumer: Any = None
         # A consumer out of its group too long is replaced (worker/core/membership.py); the replaced ones close
@@ -186,8 +190,11 @@ class Runner:
                             max_batch_sizes={lane.name: lane.max_batch_size for lane in self.cfg.batching.lanes})
             engine.setup()
             self._models.append(model)
-            self.workers.append(DeviceWorker(engine, take=self._take, done=self._done, swap=self._swap,
+            i = len(self.workers)
+            self.workers.append(DeviceWorker(engine, take=functools.partial(self._take, worker=i),
+                                             done=functools.partial(self._done, worker=i), swap=self._swap,
                                              name=f"device-{dev}"))
+        self._busy_on = [0] * len(self.workers)
         self.model = self._models[0]
         self.models_loaded = True
         self.metrics.gauge("model_loaded", 1)
@@ -209,8 +216,8 @@ class Runner:
         log.info("batch limit of lane %s now %d", lane, new_max, extra={"lane": lane, "max_batch_size": new_max})
 
     # ------------------------------------------------------------------ device side (device threads)
-    def _take(self, timeout: float) -> Batch | None:
-        batch = self._next_batch(timeout)
+    def _take(self, timeout: float, worker: int | None = None) -> Batch | None:
+        batch = self._next_batch(timeout, worker)
         if batch is not None:
             self.gate.count_dispatch(batch)
         return batch
@@ -252,8 +259,10 @@ class Runner:
         self.gate.count_dispatch(better)  # only its records not counted yet
         return better
 
-    def _next_batch(self, timeout: float) -> Batch | None:
+    def _next_batch(self, timeout: float, worker: int | None = None) -> Batch | None:
+        """``worker``: the index of the device asking (None: the devices' total decides whether one is free)."""
         deadline = time.monotonic() + timeout
+        own = worker if worker is not None and worker < len(self._busy_on) else None
         with self.cv:
             while True:
                 now = time.monotonic()
@@ -267,6 +276,8 @@ class Runner:
                     if self._device_busy == 0:
                         rec = self._suspects.popleft()
                         self._device_busy += 1
+                        if own is not None:
+                            self._busy_on[own] += 1
                         self._isolated += 1
                         return Batch(lane=rec.lane, records=[rec], opened_at=now, closed_at=now,
                                      reason="isolate", max_batch_size=1)
@@ -274,10 +285,12 @@ class Runner:
                     # The collate stage asks for batch n+1 while batch n is on the device: then the device is
                     # busy and open windows must be left to fill (only closed ones go). A free device takes
                     # an open window at once (work-conserving).
-                    idle = self._device_busy < len(self.workers)
+                    idle = self._busy_on[own] == 0 if own is not None else self._device_busy < len(self.workers)
                     batch = self.scheduler.next_batch(now, idle=idle, full_only=not idle)
                 if batch is not None:
                     self._device_busy += 1
+                    if own is not None:
+                        self._busy_on[own] += 1
                     batch.closed_at = now  # dispatch time: queue wait is measured up to here
                     return batch
                 if now >= deadline or self._stop_devices:
@@ -288,11 +301,13 @@ class Runner:
                 until = deadline if wake is None else min(deadline, wake)
                 self.cv.wait(max(until - now, 0.0002))
 
-    def _done(self, batch: Batch, outputs: list[Any], timings: dict[str, float]) -> None:
+    def _done(self, batch: Batch, outputs: list[Any], timings: dict[str, float], worker: int | None = None) -> None:
         if batch.reason == "isolate":
             self.gate.came_back(batch)
         with self.cv:
             self._device_busy -= 1
+            if worker is not None and worker < len(self._busy_on):
+                self._busy_on[worker] -= 1
             if batch.reason == "isolate":
                 self._isolated -= 1
             if not timings.get("recovered"):

@@ -806,10 +806,11 @@ class FakeDevice:
     collate thread does), ``finish(batch)`` runs the model and calls the runner's ``done`` (what the
     finish thread does). Nothing runs by itself, so the test chooses completion order."""
 
-    def __init__(self, runner: Any, model: FakeModel, name: str = "fake-device") -> None:
+    def __init__(self, runner: Any, model: FakeModel, name: str = "fake-device", index: int = 0) -> None:
         self.runner = runner
         self.model = model
         self.name = name
+        self.index = index  # its place in runner.workers: take/done count per device, as DeviceWorker's do
         self.started = False
         self.stopped = False
         self.auto = False  # when True, every consumer/producer poll runs all ready batches
@@ -831,12 +832,12 @@ class FakeDevice:
         return True
 
     def take(self) -> Batch | None:
-        return self.runner._take(0.0)
+        return self.runner._take(0.0, worker=self.index)
 
     def finish(self, batch: Batch, outputs: list[Any] | None = None, infer_s: float = 0.001) -> None:
         if outputs is None:
             outputs = self.model.run([r.item for r in batch.records])
-        self.runner._done(batch, outputs, {"infer": infer_s, "pipeline": infer_s})
+        self.runner._done(batch, outputs, {"infer": infer_s, "pipeline": infer_s}, worker=self.index)
 
     def run_all(self) -> int:
         """Take and finish batches until none is ready. Returns the number of records run."""
@@ -923,7 +924,7 @@ class Harness:
         self.model = model or FakeModel()
         self.runner = wr.Runner(self.cfg, self.model, store=store, metrics=metrics, spare_producer=spare,
                                 **runner_kw)
-        self.devices = [FakeDevice(self.runner, self.model, name=f"fake-{i}") for i in range(devices)]
+        self.devices = [FakeDevice(self.runner, self.model, name=f"fake-{i}", index=i) for i in range(devices)]
         self.runner._build_models = self._build_models  # no torch, no engine, no threads
 
     @property
@@ -935,6 +936,7 @@ class Harness:
         r._models = [self.model]
         r.model = self.model
         r.workers = list(self.devices)
+        r._busy_on = [0] * len(self.devices)
 
     def start(self) -> Harness:
         """Set up exactly as ``Runner.run`` does (models, intake, clients, transactions, emitter, devices,

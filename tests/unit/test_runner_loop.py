@@ -167,6 +167,24 @@ def test_a_model_object_is_not_spread_over_several_devices() -> None:
         r._build_models()
 
 
+def test_a_busy_device_leaves_an_open_window_to_a_free_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each device's collate stage asks for its next batch while its device runs one. With two devices the
+    runner counted busy batches across both: device 0, busy, was taken for free and took the open window,
+    which then waited behind its running batch while device 1 sat idle."""
+    h = Harness(monkeypatch, make_config(batching={"lanes": [{"name": "default", "max_wait_ms": 60_000}]}),
+                devices=2).start()
+    h.c.assign(("in", 0))
+    h.send(1)
+    h.iterate()
+    first = h.devices[0].take()
+    assert first is not None  # device 0 was free: it took the open window at once
+    h.send(1)
+    h.iterate()
+    assert h.devices[0].take() is None  # busy: an open window is left to fill ...
+    second = h.devices[1].take()  # ... and the free device takes it
+    assert second is not None and [r.offset for r in second.records] == [1]
+
+
 def test_no_busy_wait_while_a_suspect_runs_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     """While a suspect runs alone no batch is taken, so no window is closed: the scheduler's next wake-up stayed
     overdue, and the collate stage waited 0.2 ms at a time on the lock for as long as the suspect ran."""
@@ -185,5 +203,5 @@ def test_no_busy_wait_while_a_suspect_runs_alone(monkeypatch: pytest.MonkeyPatch
 
     h.runner.cv = Counting()
     h.runner._isolated = 1  # a suspect is on the device
-    assert h.runner._next_batch(0.05) is None
+    assert h.runner._next_batch(0.05, worker=0) is None
     assert len(waits) == 1 and waits[0] == pytest.approx(0.05)  # one wait for a notify (or the timeout)
