@@ -36,8 +36,10 @@ def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_
         # No dead letter carries it: every one would be skipped, and committed past.
         raise ValueError(f"unknown error stage {stage!r}; expected one of {', '.join(get_args(ErrorStage))}")
     topic = cfg.kafka.dlq_topic
+    # A partition the replay group never committed starts at its first dead letter, whatever the config's
+    # auto.offset.reset says: with "latest" a first run started at the end, replayed nothing and exited 0.
     consumer = make_consumer(cfg, **{"group.id": replay_group(cfg, stage), "enable.partition.eof": True,
-                                     "partition.assignment.strategy": "range"})
+                                     "partition.assignment.strategy": "range", "auto.offset.reset": "earliest"})
     producer = Producer(producer_config(cfg))
     from worker.cli import unreachable_broker_is_an_error
 
@@ -122,7 +124,8 @@ def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_
                     gave_up = True
                     return 1
                 consumer.commit(offsets=[KTP(topic, p, o) for p, o in to_commit.items()], asynchronous=False)
-            if time.monotonic() - last_activity > timeout_s:
+                last_activity = time.monotonic()  # a slow delivery is progress, not a silent broker
+            if len(done_parts) < len(parts) and time.monotonic() - last_activity > timeout_s:
                 # Broker or partition leader gone, or every read failing: not "done", whatever was replayed.
                 left = sorted(set(parts) - done_parts)
                 print(f"dlq replay: nothing read for {timeout_s:.0f} s with dead letters left on partitions {left}; "

@@ -10,6 +10,7 @@ from confluent_kafka import KafkaError
 import worker.dlq
 from schemas import DeadLetter
 from tests.unit.fakes_kafka import FakeMessage, make_config
+from worker.adapters.kafka_clients import consumer_config
 
 
 class _Meta:
@@ -156,3 +157,40 @@ def test_dead_letters_without_their_original_bytes_are_skipped_and_listed(
     assert f"dlq replay: {verb} 1 dead letters, skipped 3 (3 without the original request bytes" in out
     if not dry_run:
         assert [(o.partition, o.offset) for o in consumer.commits[-1]] == [(0, 4)]  # not to be seen again
+
+
+def test_a_first_replay_starts_at_the_earliest_dead_letter_whatever_auto_offset_reset_says(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replay consumer took the config's auto.offset.reset: with "latest", a first run (or a new
+    --filter-stage group) started at the end, replayed nothing, committed nothing and exited 0, every time."""
+    seen: dict[str, Any] = {}
+
+    def make(cfg: Any, **extra: Any) -> ReplayConsumer:
+        seen.update(consumer_config(cfg, **extra))
+        return ReplayConsumer()
+
+    monkeypatch.setattr(worker.dlq, "make_consumer", make)
+    monkeypatch.setattr(worker.dlq, "Producer", OkProducer)
+    assert worker.dlq.replay(make_config(kafka={"consumer": {"auto.offset.reset": "latest"}})) == 0
+    assert seen["auto.offset.reset"] == "earliest"
+
+
+def test_a_slow_delivery_that_succeeds_is_progress(monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The idle timer ran through a flush that took 35 s and succeeded: everything was delivered and committed,
+    and the replay still exited 1 with "nothing read for 30 s with dead letters left on partitions []"."""
+    clock = [1000.0]
+
+    class SlowFlush(OkProducer):
+        def flush(self, timeout: float = -1) -> int:
+            if self.produced:
+                clock[0] += 35.0  # acknowledged after 35 s (60 s are allowed)
+            return super().flush(timeout)
+
+    consumer = ReplayConsumer()
+    monkeypatch.setattr(worker.dlq.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(worker.dlq, "make_consumer", lambda cfg, **kw: consumer)
+    monkeypatch.setattr(worker.dlq, "Producer", SlowFlush)
+    assert worker.dlq.replay(make_config()) == 0
+    assert [(o.partition, o.offset) for o in consumer.commits[-1]] == [(0, 2)]
+    assert "replayed 2 dead letters" in capsys.readouterr().out
