@@ -263,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="built-in model whose input shape the requests get (default tiny)")
     ld.add_argument("--id-prefix", default="load", help="request ids and keys are PREFIX-N (default load)")
     ld.add_argument("--deadline-ms", type=int, default=None, metavar="MS", help=(
-        "give each request a deadline MS milliseconds after it is generated (its deadline_ms field, an "
+        "give each request a deadline MS milliseconds after it is sent (its deadline_ms field, an "
         "absolute Unix time in ms); the worker expires what it cannot answer by then (default: no deadline)"))
     ld.set_defaults(func=cmd_load)
 

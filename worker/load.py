@@ -108,11 +108,20 @@ def produce(bootstrap: str, topic: str, items: Iterator[tuple[bytes, bytes]], ra
             delivered += 1
 
     start = time.monotonic()
-    for n, (key, value) in enumerate(items):
+    it = iter(items)
+    n = 0
+    while True:
+        # Paced before the next request is made, not after: a deadline it carries counts from its send (made
+        # first, a request waited up to 1/rate before it was sent, and at low rates was past its deadline).
         if rate > 0:
             ahead = start + n / rate - time.monotonic()
             if ahead > 0:
                 time.sleep(ahead)
+        try:
+            key, value = next(it)
+        except StopIteration:
+            break
+        n += 1
         while True:
             try:
                 p.produce(topic, value=value, key=key, on_delivery=cb)
@@ -138,6 +147,10 @@ def load_main(args: argparse.Namespace) -> int:
         return 2
     if args.count < 0 or args.rate < 0:
         print("usage error: --count and --rate must be >= 0", file=sys.stderr)
+        return 2
+    if args.deadline_ms is not None and not -(2**53) <= int(time.time() * 1000) + args.deadline_ms <= 2**53:
+        # The request schema's deadline_ms is an integer within +-2^53: every record would be dead-lettered.
+        print(f"usage error: --deadline-ms {args.deadline_ms} puts deadlines outside +-2^53 ms", file=sys.stderr)
         return 2
     t0 = time.monotonic()
     try:

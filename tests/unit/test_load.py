@@ -83,3 +83,43 @@ def test_a_non_finite_number_is_a_usage_error(argv, capsys, monkeypatch):
         main(argv)
     assert e.value.code == 2
     assert f"argument {argv[-2]}: expected a finite number, got '{argv[-1]}'" in capsys.readouterr().err
+
+
+def test_a_deadline_outside_the_schema_range_is_a_usage_error(capsys, monkeypatch):
+    """Every record got a deadline_ms past +-2^53, which the worker refuses (a validate dead letter each), and
+    load said "produced N records" with exit 0."""
+    import worker.load
+
+    monkeypatch.setattr(worker.load, "produce", lambda *a, **kw: pytest.fail("started"))
+    assert main(["load", "--topic", "t", "--count", "1", "--deadline-ms", str(2**60)]) == 2
+    assert "--deadline-ms" in capsys.readouterr().err
+
+
+def test_a_paced_request_gets_its_deadline_when_it_is_sent(monkeypatch):
+    """The next request was made before the pacing sleep, so its deadline counted from up to 1/rate before it
+    was sent: at --rate 2 --deadline-ms 200, records were produced 300 ms past their deadline."""
+    import worker.load
+
+    clock = [1000.0]
+    monkeypatch.setattr(worker.load.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(worker.load.time, "time", lambda: clock[0])
+    monkeypatch.setattr(worker.load.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    sent: list[tuple[float, int]] = []
+
+    class Producer:
+        def list_topics(self, timeout: float) -> None:
+            return None
+
+        def produce(self, topic: str, value: bytes, key: bytes, on_delivery) -> None:
+            sent.append((clock[0], msgspec.json.decode(value)["deadline_ms"]))
+            on_delivery(None, None)
+
+        def poll(self, timeout: float) -> int:
+            return 0
+
+        def flush(self, timeout: float) -> int:
+            return 0
+
+    n = worker.load.produce("b", "t", worker.load.requests(3, deadline_ms=200), rate=2, producer=Producer())
+    assert n == 3
+    assert all(deadline - at * 1000 == pytest.approx(200) for at, deadline in sent), sent
