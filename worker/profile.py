@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import resource
 import statistics
 import sys
@@ -238,8 +239,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         sizes = parse_sizes(str(getattr(args, "batch_sizes", DEFAULT_SIZES)))
         options = parse_options(list(getattr(args, "option", None) or []))
-        if budget is not None and budget <= 0:
-            raise ValueError(f"--latency-budget-ms must be > 0, got {budget}")
+        if budget is not None and not (budget > 0 and math.isfinite(budget)):  # (nan passed a <= 0 check)
+            raise ValueError(f"--latency-budget-ms must be a finite number > 0, got {budget}")
         iters = int(getattr(args, "iters", 20))
         if iters < 1:
             raise ValueError(f"--iters must be >= 1, got {iters}")

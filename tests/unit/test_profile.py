@@ -140,3 +140,13 @@ def test_the_gpu_check_of_a_real_oom_compares_rows_with_the_uncapped_run() -> No
     assert "shape (7, 4)" in str(gpu_check.same_rows(ref[:7], ref))
     (skip,) = gpu_check.check_real_oom("cpu", quick=True)
     assert skip["status"] == "SKIP"
+
+
+@pytest.mark.parametrize("budget", [float("nan"), float("inf"), 0.0, -1.0])
+def test_a_latency_budget_that_is_not_a_finite_positive_number_is_a_usage_error(
+        budget: float, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # nan passed the "> 0" check, and profile then found no size within a budget of nan ms (exit 0).
+    monkeypatch.setattr(profile, "profile_engine", lambda *a, **kw: pytest.fail("profiled"))
+    assert profile.run(args(model="synthetic", option=["a_ms=0", "b_ms=0"], batch_sizes="1,2", device="cpu",
+                            latency_budget_ms=budget, iters=1, warmup=0)) == 2
+    assert "--latency-budget-ms must be a finite number > 0" in capsys.readouterr().err
