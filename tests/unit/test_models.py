@@ -407,18 +407,25 @@ def test_onnx_file(tmp_path: Path) -> None:
 
 
 
+def _onnx_identity(path: Path, elem_type: int, width: int, input_name: str = "ids") -> None:
+    """An ONNX file whose one input (``[batch, width]`` of ``elem_type``) is its output."""
+    import onnx
+    from onnx import helper
+
+    graph = helper.make_graph([helper.make_node("Identity", [input_name], ["out"])], "id",
+                              [helper.make_tensor_value_info(input_name, elem_type, ["batch", width])],
+                              [helper.make_tensor_value_info("out", elem_type, ["batch", width])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+
+
 def test_an_onnx_integer_input_refuses_fractions_instead_of_truncating(tmp_path: Path) -> None:
     """np.asarray([1.7, 2.9], dtype=int64) is [1, 2]: such records ran, silently truncated (TensorModel refuses them)."""
     needs.module("onnxruntime")
-    import onnx
-    from onnx import TensorProto, helper
+    from onnx import TensorProto
 
-    graph = helper.make_graph([helper.make_node("Identity", ["ids"], ["out"])], "id",
-                              [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", 3])],
-                              [helper.make_tensor_value_info("out", TensorProto.INT64, ["batch", 3])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.save(model, str(tmp_path / "ids.onnx"))
+    _onnx_identity(tmp_path / "ids.onnx", TensorProto.INT64, 3)
     m: Any = load_model(ModelConfig(name=str(tmp_path / "ids.onnx")))
     m.setup("cpu")
     assert run(m, [[1, 2, 3], [4.0, 5.0, -6.0]]) == [[1, 2, 3], [4, 5, -6]]
@@ -499,15 +506,9 @@ def test_an_onnx_file_with_a_fixed_batch_axis(tmp_path: Path) -> None:
 
 def test_an_onnx_input_type_the_loader_does_not_map_is_refused_at_load(tmp_path: Path) -> None:
     needs.module("onnxruntime")
-    import onnx
-    from onnx import TensorProto, helper
+    from onnx import TensorProto
 
-    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "id",
-                              [helper.make_tensor_value_info("x", TensorProto.INT16, ["batch", 2])],
-                              [helper.make_tensor_value_info("y", TensorProto.INT16, ["batch", 2])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.save(model, str(tmp_path / "i16.onnx"))
+    _onnx_identity(tmp_path / "i16.onnx", TensorProto.INT16, 2, input_name="x")
     with pytest.raises(ConfigError, match=r"input 'x' has type tensor\(int16\), which the ONNX loader does not map"):
         load_model(ModelConfig(name=str(tmp_path / "i16.onnx")))
 
