@@ -67,7 +67,9 @@ def record_bytes(n: int = 5000) -> float:
     keep: list[Any] = []
     now = time.monotonic()
     for i, v in enumerate(values):
-        rec = Record(tp=TopicPartition("in", i % 4), offset=i, value=bytes(v), key=f"m-{i}".encode(),
+        # A fresh copy, as the consumer's own bytes (bytes(v) is v itself, made before tracing started: the
+        # value was not counted, 42 B short per record at aeaeaf7).
+        rec = Record(tp=TopicPartition("in", i % 4), offset=i, value=bytes(bytearray(v)), key=f"m-{i}".encode(),
                      received_at=now, produced_at_ms=int(time.time() * 1000))
         intake.admit(rec, now)
         out = Outcome(rec, "ok", output=rec.item.inputs, batch_size=32, timings={"queue": 0.01, "infer": 0.05})
