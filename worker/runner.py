@@ -30,7 +30,7 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KTP
 
-from worker.adapters.kafka_clients import make_consumer, make_producer, retry_transient
+from worker.adapters.kafka_clients import make_consumer, make_producer, retry_transient, transactional_extra
 from worker.config import Config
 from worker.core.backpressure import partitions_to_pause
 from worker.core.membership import RejoinWatch
@@ -335,11 +335,7 @@ class Runner:
         self.txn: TransactionalCommitter | None = None
         if self.cfg.delivery.mode == "exactly_once":
             tid = self.cfg.delivery.transactional_id or f"{self.group_id}-{socket.gethostname()}"
-            extra: dict[str, Any] = {"transactional.id": tid}
-            if "message.timeout.ms" not in self.cfg.kafka.producer:
-                # librdkafka requires message.timeout.ms <= transaction.timeout.ms (default 60 s).
-                extra["message.timeout.ms"] = int(self.cfg.kafka.producer.get("transaction.timeout.ms", 60000))
-            self.producer = make_producer(self.cfg, **extra)
+            self.producer = make_producer(self.cfg, **transactional_extra(self.cfg, tid))
             self.txn = TransactionalCommitter(self.producer, self.consumer)
             self.txn.init()
             log.info("exactly-once mode", extra={"transactional_id": tid})

@@ -113,14 +113,20 @@ def config_problem(cfg: Config, files_elsewhere: bool = False) -> tuple[str, str
         return path, f"no such file on this machine: {file}"
     skip = {path.split(".", 3)[3] for path, _ in absent}  # "$.kafka.consumer.ssl.ca.location" -> the property
     consumer = _offline({k: v for k, v in consumer_config(cfg).items() if k not in skip})
-    producer = {k: v for k, v in producer_config(cfg).items() if k not in skip}
-    if cfg.delivery.mode == "exactly_once":
-        # As runner.Runner.run makes it (its transactional.id is per instance, any one does here).
-        producer = {"transactional.id": "config-check", **producer}
-        if "message.timeout.ms" not in cfg.kafka.producer:
-            producer["message.timeout.ms"] = cfg.kafka.producer.get("transaction.timeout.ms", 60000)
+    # As runner.Runner.run makes it (its transactional.id is per instance, any one does here).
+    extra = transactional_extra(cfg, "config-check") if cfg.delivery.mode == "exactly_once" else {}
+    producer = {k: v for k, v in producer_config(cfg, **extra).items() if k not in skip}
     return _problem(tuple(consumer.items()), tuple(_offline(producer).items()),
                     frozenset(cfg.kafka.consumer), frozenset(cfg.kafka.producer))
+
+
+def transactional_extra(cfg: Config, transactional_id: str) -> dict[str, Any]:
+    """The producer properties exactly-once mode adds: its transactional.id, and, unless the config sets one, a
+    message.timeout.ms no longer than transaction.timeout.ms (librdkafka requires it; 60 s by default)."""
+    extra: dict[str, Any] = {"transactional.id": transactional_id}
+    if "message.timeout.ms" not in cfg.kafka.producer:
+        extra["message.timeout.ms"] = cfg.kafka.producer.get("transaction.timeout.ms", 60000)
+    return extra
 
 
 def _offline(conf: dict[str, Any]) -> dict[str, Any]:
