@@ -130,9 +130,9 @@ class Runner:
         # Exactly-once: partitions a rewind served inside consume() sought back, with the offset (None: no seek).
         self._rewound: dict[TopicPartition, int | None] = {}
         self.committed: dict[TopicPartition, int] = {}
-        self._device_busy = 0
         # Per device (by its index in workers): the batches it took and has not handed back. A device is free
-        # when its own count is 0; with several, the total said a busy device was free while another was idle.
+        # when its own count is 0 (with several, the total said a busy device was free while another was idle);
+        # all are when the sum is (a suspect runs only then).
         self._busy_on: list[int] = []
         self._last_commit = time.monotonic()
         self.consumer: Any = None
@@ -216,7 +216,7 @@ class Runner:
         log.info("batch limit of lane %s now %d", lane, new_max, extra={"lane": lane, "max_batch_size": new_max})
 
     # ------------------------------------------------------------------ device side (device threads)
-    def _take(self, timeout: float, worker: int | None = None) -> Batch | None:
+    def _take(self, timeout: float, worker: int) -> Batch | None:
         batch = self._next_batch(timeout, worker)
         if batch is not None:
             self.gate.count_dispatch(batch)
@@ -259,10 +259,9 @@ class Runner:
         self.gate.count_dispatch(better)  # only its records not counted yet
         return better
 
-    def _next_batch(self, timeout: float, worker: int | None = None) -> Batch | None:
-        """``worker``: the index of the device asking (None: the devices' total decides whether one is free)."""
+    def _next_batch(self, timeout: float, worker: int) -> Batch | None:
+        """``worker``: the index in ``workers`` of the device asking."""
         deadline = time.monotonic() + timeout
-        own = worker if worker is not None and worker < len(self._busy_on) else None
         with self.cv:
             while True:
                 now = time.monotonic()
@@ -273,11 +272,9 @@ class Runner:
                     # A suspect runs alone on an otherwise idle device (all devices), and the next batch is
                     # only taken after _done cleared its counter: so a count reaches 2 only for a record that
                     # was alone on the device when the process died.
-                    if self._device_busy == 0:
+                    if not any(self._busy_on):
                         rec = self._suspects.popleft()
-                        self._device_busy += 1
-                        if own is not None:
-                            self._busy_on[own] += 1
+                        self._busy_on[worker] += 1
                         self._isolated += 1
                         return Batch(lane=rec.lane, records=[rec], opened_at=now, closed_at=now,
                                      reason="isolate", max_batch_size=1)
@@ -285,12 +282,10 @@ class Runner:
                     # The collate stage asks for batch n+1 while batch n is on the device: then the device is
                     # busy and open windows must be left to fill (only closed ones go). A free device takes
                     # an open window at once (work-conserving).
-                    idle = self._busy_on[own] == 0 if own is not None else self._device_busy < len(self.workers)
+                    idle = self._busy_on[worker] == 0
                     batch = self.scheduler.next_batch(now, idle=idle, full_only=not idle)
                 if batch is not None:
-                    self._device_busy += 1
-                    if own is not None:
-                        self._busy_on[own] += 1
+                    self._busy_on[worker] += 1
                     batch.closed_at = now  # dispatch time: queue wait is measured up to here
                     return batch
                 if now >= deadline or self._stop_devices:
@@ -301,13 +296,11 @@ class Runner:
                 until = deadline if wake is None else min(deadline, wake)
                 self.cv.wait(max(until - now, 0.0002))
 
-    def _done(self, batch: Batch, outputs: list[Any], timings: dict[str, float], worker: int | None = None) -> None:
+    def _done(self, batch: Batch, outputs: list[Any], timings: dict[str, float], worker: int) -> None:
         if batch.reason == "isolate":
             self.gate.came_back(batch)
         with self.cv:
-            self._device_busy -= 1
-            if worker is not None and worker < len(self._busy_on):
-                self._busy_on[worker] -= 1
+            self._busy_on[worker] -= 1
             if batch.reason == "isolate":
                 self._isolated -= 1
             if not timings.get("recovered"):
