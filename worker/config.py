@@ -144,6 +144,10 @@ class DeliveryConfig(_Strict):
     # A record that crashed the process this many times goes to the DLQ at its next delivery.
     max_attempts: PosInt = 3
     format: Literal["json", "msgpack"] = "json"
+    # At-least-once: a producer that holds results undelivered this long is replaced, and what it held is sent
+    # again on the new one (librdkafka can leave a partition without a leader for good after a broker pause).
+    # 0: never. Each replacement counts as one of a record's delivery attempts.
+    producer_stall_s: NonNegFloat = 30.0
 
 
 class RedisConfig(_Strict):

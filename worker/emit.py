@@ -12,11 +12,17 @@ failure report served) and none of its messages failed. A success report per mes
 thread 4-6 us per record (the client builds a Message object and calls into Python for each), about a
 fifth of its time with a cheap model. To settle without stopping the loop while results keep flowing,
 the emitter alternates between two producers: it sends on one while the other drains (``Emitter.settle``).
+
+A producer that holds results undelivered for ``stall_s`` is replaced (``Emitter._replace``): librdkafka can
+lose a partition's leader for good after the broker was briefly unreachable (confluentinc/librdkafka#5430: a
+leader of -1 in a produce response leaves the partition without one, and its messages wait until they time
+out, at every retry too). What it held is purged and sent again on a new producer.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -128,13 +134,35 @@ class _Slot:
 # every loop turn, so that each producer still gets batches of a linger.ms (5 ms) worth of results.
 SWITCH_AFTER_S = 0.005
 
+# Replacements one after the other with nothing confirmed in between (a broker that is down, not a stuck
+# producer) wait longer each time: the stall threshold doubles, up to this many times the configured one.
+STALL_BACKOFF_MAX = 8
+
+_PURGED = KafkaError(KafkaError._PURGE_QUEUE, "purged from a producer replaced after holding it for "
+                                               "delivery.producer_stall_s")
+_PURGE_CODES = (KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT)
+
+
+def _live(cb: _Pending | _Retry) -> _Pending | None:
+    """The record a slot entry stands for, while that entry is its record's current send round (a failure
+    moved the record on to another round, whose entry is elsewhere)."""
+    if isinstance(cb, _Pending):
+        return cb if cb.round == 1 else None
+    return cb.p if cb.round == cb.p.round else None
+
+
+def _dispose(producer: Any) -> None:
+    """Drops the last reference on this thread: librdkafka's destroy waits for its broker threads to stop."""
+    del producer
+
 
 class Emitter:
     def __init__(self, producer: Any, output_topic: str, dlq_topic: str, model_name: str, model_version: str | None,
                  fmt: str, on_done: Callable[[Record], None], on_failed: Callable[[Record, str], None],
                  max_retries: int = 5, is_stale: Callable[[Record], bool] | None = None,
                  max_message_bytes: int = 1_000_000, spare_producer: Any = None,
-                 on_wait: Callable[[], None] | None = None) -> None:
+                 on_wait: Callable[[], None] | None = None, new_producer: Callable[[], Any] | None = None,
+                 stall_s: float = 0.0, on_replace: Callable[[], None] | None = None) -> None:
         # With a spare, records are confirmed while results keep flowing: one producer takes new messages
         # while the other drains. Without one (the transactional producer, which flushes at every checkpoint
         # anyway), records are confirmed whenever the producer is idle or flushed.
@@ -160,6 +188,17 @@ class Emitter:
         # Called while produce() waits for room in a full local queue (a slow or unreachable broker): that
         # wait is bounded by message.timeout.ms, and the loop is alive in it (the runner's liveness heartbeat).
         self.on_wait = on_wait
+        # A producer holding results undelivered for stall_s is replaced by new_producer() (0 or no factory:
+        # never; the transactional producer is not: an abort, and at worst a restart, covers it).
+        self.new_producer = new_producer if stall_s > 0 else None
+        self.stall_s = stall_s
+        self._stall_after = stall_s
+        # When a delivery last ended a time of replacements with nothing delivered (the broker is back): a slot
+        # held since before then gets stall_s from then, time for its producer to reconnect.
+        self._back_at = 0.0
+        self.on_replace = on_replace
+        self.replacements = 0
+        self._purging = False  # serving the reports of a stalled producer's purge (_replace)
         self.produced = 0
         self.topic_keys = {output_topic: "kafka.output_topic", dlq_topic: "kafka.dlq_topic"}  # for messages
 
@@ -403,8 +442,12 @@ class Emitter:
     def _failed(self, p: _Pending, err: Any, msg: Any = None) -> None:
         p.attempts += 1
         rec = p.record
-        log.warning("delivery failed (attempt %d): %s", p.attempts, err,
-                    extra={"id": rec.id, "topic": rec.tp.topic, "offset": rec.offset})
+        # A purge is the worker's own doing (an abort, a producer replaced), logged once where it is decided.
+        quiet = isinstance(err, KafkaError) and err.code() in _PURGE_CODES
+        if quiet and self._purging:
+            err = _PURGED  # librdkafka's "Local: Purged in queue" does not say why
+        (log.debug if quiet else log.warning)("delivery failed (attempt %d): %s", p.attempts, err,
+                                              extra={"id": rec.id, "topic": rec.tp.topic, "offset": rec.offset})
         if (isinstance(err, KafkaError) and err.code() in _TOO_LARGE and msg is not None
                 and (rec.tp, rec.offset) not in self.too_large):
             # The topic takes smaller messages than this producer may write: the same bytes would be refused at
@@ -485,6 +528,9 @@ class Emitter:
             # so far is on the broker or its failure was reported.
             if slot.sent and len(slot.producer) == 0:
                 self._confirm(slot)
+            elif (slot.sent and self.new_producer is not None
+                  and now - max(slot.since, self._back_at) >= self._stall_after):
+                self._replace(slot, now)
         cur = self.cur
         if cur.sent and now - cur.since >= SWITCH_AFTER_S:
             for slot in self.slots:
@@ -504,28 +550,79 @@ class Emitter:
             left += n
         return left
 
+    def _replace(self, slot: _Slot, now: float) -> None:
+        """``slot``'s producer has held records unconfirmed for ``stall_s``: a slot drains within a broker round
+        trip once sending moves off it, so it is stuck (a partition left without a leader) or the broker is
+        down. What it holds is purged, the failures go the usual way (a retry, with backoff, on the current
+        producer; each purge is one of a record's attempts), and a new producer takes the slot. The old one is
+        dropped on a thread of its own, never polled again: a report it still serves is of a round that is over."""
+        old, after, delivered = slot.producer, self._stall_after, 0
+        log.error("a producer has held the results of %d records undelivered for %.0f s (delivery.producer_stall_s="
+                  "%g): replacing it and sending them again on a new one", len(slot.sent), now - slot.since,
+                  self.stall_s)
+        self._purging = True  # its reports say "Local: Purged in queue"; the records' failures say why
+        try:
+            old.purge(in_queue=True, in_flight=True)
+            old.poll(0)  # the purge reports: each purged record fails (and is retried) through _failed
+        except Exception:
+            log.exception("purging the stalled producer")
+        finally:
+            self._purging = False
+        if len(old) == 0:
+            delivered = self._confirm(slot)  # the records whose messages were all acknowledged before the purge
+        for cb in slot.sent:  # anything still unsettled fails now; its late reports are of an earlier round
+            p = _live(cb)
+            if p is not None:
+                self._failed(p, _PURGED)
+        slot.sent = []
+        # Something it held was delivered: the broker is up and this producer was stuck; the next one gets the
+        # same time. Nothing was: maybe the broker is down, and the next replacement waits twice as long.
+        if not delivered:
+            self._stall_after = min(after * 2, self.stall_s * STALL_BACKOFF_MAX)
+        assert self.new_producer is not None  # settle() replaces only with a factory
+        try:
+            slot.producer = self.new_producer()
+        except Exception:
+            log.exception("making a producer to replace the stalled one: the old one is kept")
+            return
+        self.replacements += 1
+        if self.on_replace is not None:
+            self.on_replace()
+        threading.Thread(target=_dispose, args=(old,), name="kiw-producer-dispose", daemon=True).start()
+
     @property
     def unconfirmed(self) -> int:
         return sum(len(slot.sent) for slot in self.slots)
 
-    def _confirm(self, slot: _Slot) -> None:
+    def _confirm(self, slot: _Slot) -> int:
+        """Every record of ``slot`` whose current round went on it is done; returns how many."""
         sent, slot.sent = slot.sent, []
         on_done = self.on_done
         # A record the broker refused as too large, now delivered smaller: forgotten. (An entry whose partition
         # went elsewhere before that stays: one per such refusal, rare.)
         forget = self.too_large
+        n = 0
         for cb in sent:
             # A failure bumped its record's round, so the entry of a failed round no longer matches; the
-            # re-sent round is an entry of its own, confirmed with the producer it went on.
+            # re-sent round is an entry of its own, confirmed with the producer it went on. (_live, inlined:
+            # this runs once per record.)
             if isinstance(cb, _Pending):
                 if cb.round == 1:
                     on_done(cb.record)
+                    n += 1
                     if forget:
                         forget.pop((cb.record.tp, cb.record.offset), None)
             elif cb.round == cb.p.round:
                 on_done(cb.p.record)
+                n += 1
                 if forget:
                     forget.pop((cb.p.record.tp, cb.p.record.offset), None)
+        if n and self._stall_after != self.stall_s:
+            # Delivered after replacements that delivered nothing: the broker is back, and a stall is a
+            # producer's again.
+            self._stall_after = self.stall_s
+            self._back_at = time.monotonic()
+        return n
 
     def retry_failed(self) -> None:
         """Re-send the failed records whose backoff has passed. Never sleeps: it runs on the loop thread,

@@ -343,6 +343,9 @@ class Runner:
                                is_stale=lambda r: self.epochs[r.tp] != r.epoch,
                                max_message_bytes=int(self.cfg.kafka.producer.get("message.max.bytes", 1_000_000)),
                                spare_producer=self.spare_producer, on_wait=self._beat,
+                               new_producer=(lambda: make_producer(self.cfg)) if self.txn is None else None,
+                               stall_s=self.cfg.delivery.producer_stall_s,
+                               on_replace=lambda: self.metrics.event("producer_replacements"),
                                # A delivery that failed inside a transaction cannot be retried in it (librdkafka
                                # puts the transaction in an abortable state): _record_failed aborts instead.
                                **({"max_retries": 0} if self.txn is not None else {}))
@@ -1303,9 +1306,12 @@ class Runner:
         # Both producers share one 5 s budget: with the broker gone each flush would wait it out in turn, and a
         # stop must fit in the pod's grace period (shutdown_timeout_s + a 15 s margin in the chart).
         flush_by = time.monotonic() + 5.0
-        if self.producer is not None:
-            if self.txn is not None:
-                self.txn.close()
-            self.producer.flush(max(0.0, flush_by - time.monotonic()))
-        if self.spare_producer is not None:
-            self.spare_producer.flush(max(0.0, flush_by - time.monotonic()))
+        if self.producer is not None and self.txn is not None:
+            self.txn.close()
+        # The emitter's producers: one may have replaced a stalled one (whose purge left nothing to flush). No
+        # emitter when run() stopped before making it.
+        emitter = getattr(self, "emitter", None)
+        producers = [s.producer for s in emitter.slots] if emitter is not None else [self.producer, self.spare_producer]
+        for producer in producers:
+            if producer is not None:
+                producer.flush(max(0.0, flush_by - time.monotonic()))

@@ -556,6 +556,7 @@ class FakeProducer:
         self.aborted_txns: set[int] = set()
         self.flush_calls = 0
         self.poll_calls = 0
+        self.purge_calls = 0
 
     # ---- failure injection
     def fail_next(self, n: int | None = 1, topic: str | None = None,
@@ -673,6 +674,12 @@ class FakeProducer:
 
     def __len__(self) -> int:
         return len(self.pending)
+
+    def purge(self, in_queue: bool = True, in_flight: bool = True, blocking: bool = True) -> None:
+        """librdkafka's purge: every message not yet reported fails with _PURGE_QUEUE at the next poll."""
+        self.purge_calls += 1
+        self.purged.extend(self.pending)
+        self.pending.clear()
 
     # ---- transactions
     def _txn(self, name: str, *args: Any) -> None:
@@ -899,6 +906,7 @@ class Harness:
         # so a test asks for the spare explicitly.
         self.spare: FakeProducer | None = FakeProducer(self.clock) if spare else None
         made: list[FakeProducer] = []
+        self.replacements: list[FakeProducer] = []  # producers made to replace a stalled one, in order
         self.consumers: list[FakeConsumer] = []  # every consumer the runner made; ``consumer`` is the last
 
         def make_consumer(cfg: Any, **extra: Any) -> FakeConsumer:
@@ -911,10 +919,16 @@ class Harness:
             return c if wrap_consumer is None else wrap_consumer(c)
 
         def make_producer(cfg: Any, **extra: Any) -> FakeProducer:
-            # The first call makes the producer, a second one the spare (Harness(spare=True)).
-            p = self.producer if not made else self.spare
+            # The first call makes the producer, a second one the spare (Harness(spare=True)); later ones replace
+            # a stalled producer (worker.emit), listed in ``replacements``.
+            if not made:
+                p = self.producer
+            elif len(made) == 1 and self.spare is not None:
+                p = self.spare
+            else:
+                p = FakeProducer(self.clock)
+                self.replacements.append(p)
             made.append(p)
-            assert p is not None and len(made) <= 2, "the runner asked for more producers than the fakes have"
             p.config = {**PRODUCER_DEFAULTS, **cfg.kafka.producer, **extra}
             p.transactional = "transactional.id" in extra
             return p

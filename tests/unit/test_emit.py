@@ -575,3 +575,158 @@ def test_a_record_whose_dead_letter_was_refused_gets_none_when_it_no_longer_owes
     em.emit(Outcome(r, "ok", output=[1], batch_size=1), 10.0, 0.0)
     em.flush(1.0)
     assert [m.topic for m in p.produced] == ["out"] and not r.failed
+
+
+# ----------------------------------------------------------------------------- a stalled producer is replaced
+class Stalled:
+    """An emitter on producers ``a`` (and spare ``b``) with a factory for replacements (``made``)."""
+
+    def __init__(self, *, stall_s: float = 30.0, spare: bool = True, max_retries: int = 5,
+                 new_held: bool = False, factory: bool = True) -> None:
+        self.calls = Calls()
+        self.a, self.b = FakeProducer(), FakeProducer()
+        self.made: list[FakeProducer] = []
+        self.replaced = 0
+
+        def new() -> FakeProducer:
+            p = FakeProducer()
+            p.hold = new_held  # a broker that is down holds the new producer's messages too
+            self.made.append(p)
+            return p
+
+        def counted() -> None:
+            self.replaced += 1
+
+        self.em = Emitter(self.a, "out", "dlq", "m", "v1", "json",
+                          on_done=lambda r: self.calls.done.append(r.offset),
+                          on_failed=lambda r, e: self.calls.failed.append((r.offset, e)),
+                          max_retries=max_retries, spare_producer=self.b if spare else None,
+                          new_producer=new if factory else None, stall_s=stall_s, on_replace=counted)
+
+    def turn(self, clock: FakeTime, advance: float = 0.0) -> None:
+        clock.advance(advance)
+        self.em.retry_failed()
+        self.em.poll()
+        self.em.settle(clock.t)
+
+
+def test_a_producer_holding_results_past_the_stall_is_replaced_and_they_are_sent_again(clock: FakeTime) -> None:
+    """librdkafka#5430: after a broker pause a producer may keep a partition's messages queued for good. Past
+    delivery.producer_stall_s its records are purged and re-sent on the current producer, a new producer
+    takes its slot, and the old one is never polled again."""
+    s = Stalled()
+    s.a.hold = True  # what a holds never leaves
+    ok(s.em, [0, 1], clock.t)
+    s.turn(clock, 0.01)  # a has not drained: sending moves to b
+    ok(s.em, [2], clock.t)
+    s.turn(clock, 0.001)
+    assert s.calls.done == [2]
+    s.turn(clock, 29.9)
+    assert (s.a.purge_calls, s.made, s.replaced) == (0, [], 0)  # not yet: 29.9 s
+    s.turn(clock, 0.1)
+    assert (s.a.purge_calls, len(s.made), s.replaced) == (1, 1, 1)
+    assert s.em.slots[0].producer is s.made[0] and s.em.replacements == 1
+    assert [r.error.code() for r in s.a.failed] == [KafkaError._PURGE_QUEUE] * 2  # type: ignore[union-attr]
+    polls = s.a.poll_calls
+    s.turn(clock, 1.0)  # past the retry backoff: re-sent on the current producer, b, and delivered
+    s.turn(clock, 0.001)
+    assert sorted(s.calls.done) == [0, 1, 2] and s.calls.failed == []
+    assert [src(m) for m in s.b.produced] == [2, 0, 1]
+    assert s.a.poll_calls == polls  # never polled again: its late reports cannot reach the emitter
+    s.b.hold = True
+    ok(s.em, [3], clock.t)  # the new producer takes its turns like the old one did
+    s.turn(clock, 0.01)
+    ok(s.em, [4], clock.t)
+    s.b.hold = False
+    s.turn(clock, 0.01)
+    assert [src(m) for m in s.made[0].produced] == [4] and sorted(s.calls.done) == [0, 1, 2, 3, 4]
+
+
+def src(m: Produced) -> int:
+    return int(m.json()["source"]["offset"])
+
+
+def test_what_a_stalled_producer_delivered_before_the_purge_is_confirmed_not_sent_again(clock: FakeTime) -> None:
+    s = Stalled(spare=False)
+    s.a.hold = True
+    ok(s.em, [0, 1], clock.t)
+    s.a.deliver(lambda m: src(m) == 0)  # 0 reached the broker; 1 is stuck
+    s.turn(clock, 30.0)
+    assert s.a.purge_calls == 1 and s.calls.done == [0] and [p.record.offset for p in s.em.retry_queue] == [1]
+    s.turn(clock, 1.0)
+    assert s.calls.done == [0, 1] and [src(m) for m in s.made[0].produced] == [1]
+
+
+def test_replacements_with_nothing_delivered_between_them_wait_twice_as_long_each_time(clock: FakeTime) -> None:
+    """A broker that is down holds every producer's messages: replacing them every stall_s would only churn
+    connections. The wait doubles up to 8 x stall_s, and the first delivery brings it back to stall_s."""
+    s = Stalled(spare=False, new_held=True, max_retries=20)
+    s.a.hold = True
+    ok(s.em, [0], clock.t)
+    at: list[float] = []
+    start = clock.t
+    while len(at) < 6:
+        s.turn(clock, 1.0)  # the purged record is re-sent a moment later on the new producer, and stalls again
+        if s.replaced > len(at):
+            at.append(clock.t)
+    gaps = [round(b - a) for a, b in zip([start, *at], at, strict=False)]
+    assert gaps[0] == 30 and gaps[1:] == [61, 121, 241, 241, 241]  # +1 s: the re-send after each purge
+    s.made[-1].hold = False
+    s.turn(clock, 1.0)
+    assert s.calls.done == [0] and s.calls.failed == []
+    ok(s.em, [1], clock.t)
+    s.made[-1].hold = True
+    s.turn(clock, 29.0)
+    assert s.replaced == 6
+    s.turn(clock, 1.0)
+    assert s.replaced == 7  # back to 30 s after a delivery
+
+
+def test_each_purge_is_one_delivery_attempt(clock: FakeTime) -> None:
+    s = Stalled(spare=False, new_held=True, max_retries=1)
+    s.a.hold = True
+    ok(s.em, [0], clock.t)
+    for _ in range(200):
+        s.turn(clock, 1.0)
+        if s.calls.failed:
+            break
+    assert s.replaced == 2 and [o for o, _ in s.calls.failed] == [0]  # attempt 1 retried, attempt 2 gives up
+    assert s.calls.failed[0][1] == "purged from a producer replaced after holding it for delivery.producer_stall_s"
+
+
+def test_no_replacement_without_a_factory_or_with_the_stall_off(clock: FakeTime) -> None:
+    """Exactly-once has no factory (its transactional producer is not replaced); 0 turns the check off."""
+    for kw in ({"factory": False}, {"stall_s": 0.0}):
+        s = Stalled(spare=False, **kw)  # type: ignore[arg-type]
+        s.a.hold = True
+        ok(s.em, [0], clock.t)
+        s.turn(clock, 3600.0)
+        assert (s.a.purge_calls, s.replaced, s.calls.done) == (0, 0, [])
+        s.a.hold = False
+        s.turn(clock, 0.0)
+        assert s.calls.done == [0]
+
+
+def test_once_the_broker_is_back_a_held_producer_gets_the_stall_time_from_then(clock: FakeTime) -> None:
+    """After replacements that delivered nothing (a broker down), the first delivery says the broker is back: a
+    producer held since before then is given stall_s from then to reconnect and deliver, not replaced at once
+    for the time it was held while the broker was down."""
+    s = Stalled()
+    s.a.hold = s.b.hold = True  # the broker is down
+    t0 = clock.t
+    ok(s.em, [0], clock.t)  # on a
+    s.turn(clock, 0.01)
+    ok(s.em, [1], clock.t)  # on b
+    while s.replaced == 0:
+        s.turn(clock, 1.0)
+    assert round(clock.t - t0) == 30 and s.em.slots[0].producer is s.made[0]  # a replaced; the wait is 60 s now
+    s.turn(clock, 1.0)  # 0 is re-sent on the new producer (sending moved to its empty slot)...
+    s.turn(clock, 0.01)  # ... which delivers it: the broker is back
+    assert s.calls.done == [0]
+    back = clock.t
+    while s.replaced == 1 and clock.t - back < 60:
+        s.turn(clock, 1.0)
+    assert round(clock.t - back) == 30  # not at once, though b has held 1 since t0 (over 30 s ago)
+    s.turn(clock, 1.0)
+    s.turn(clock, 0.01)
+    assert sorted(s.calls.done) == [0, 1] and s.calls.failed == []

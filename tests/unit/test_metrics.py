@@ -40,6 +40,7 @@ EXPECTED = {
     "kiw_unknown_lane": ("counter", {"topic"}),
     "kiw_suspects_isolated": ("counter", set()),
     "kiw_ledger_skips": ("counter", set()),
+    "kiw_producer_replacements": ("counter", set()),
 }
 
 

@@ -90,6 +90,9 @@ class PrometheusMetrics:
         self.model_loaded = Gauge("kiw_model_loaded", "1 once the model is loaded and warmed up", registry=r)
         self.rebalances_total = Counter("kiw_rebalances", "Consumer group rebalances, by kind (assign|revoke|lost|replace)",
                                         ["kind"], registry=r)
+        self.producer_replacements_total = Counter(
+            "kiw_producer_replacements", "Producers replaced after holding results undelivered for "
+            "delivery.producer_stall_s (what they held is sent again)", registry=r)
         self.preemptions_total = Counter("kiw_preemptions", "Prefetched batches put back for a higher-priority "
                                          "lane's batch, by the lane put back", ["lane"], registry=r)
         self.batches_total = Counter("kiw_batches", "Batches closed, by lane and reason (count|time|idle|flush|adaptive)",
@@ -117,6 +120,7 @@ class PrometheusMetrics:
             "commit_failures": self.commit_failures_total, "dlq": self.dlq_total,
             "oom_splits": self.oom_splits_total, "redis_errors": self.redis_errors_total,
             "rebalances": self.rebalances_total, "batches": self.batches_total,
+            "producer_replacements": self.producer_replacements_total,
             "preemptions": self.preemptions_total, "unknown_lane": self.unknown_lane_total,
             "suspects_isolated": self.suspects_isolated_total, "ledger_skips": self.ledger_skips_total,
         }
