@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 import threading
 import time
 import urllib.request
@@ -21,12 +22,17 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from confluent_kafka import Consumer, KafkaException
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from tests.support.kafka_io import WorkerProcess, committed_offsets, end_offsets, read_all, wait_for
 
 _dec = msgspec.json.Decoder()
+
+# The watcher reads with a new consumer when nothing new came for this long while the topic has more: a client
+# that was connected while the broker was frozen can stay stuck after it resumes (an admin client did in one
+# CI run, see broker_healthy), and a stuck watcher fails the test for want of progress the worker made.
+REOPEN_AFTER_S = 15.0
 
 
 class OutputWatcher:
@@ -37,14 +43,18 @@ class OutputWatcher:
         self.ids: Counter[str] = Counter()
         self.records = 0
         self.max_source: dict[int, int] = {}  # input partition -> highest source offset with a visible result
+        self.reopened = 0  # times it went on with a new consumer (REOPEN_AFTER_S)
+        self.bootstrap, self.topic = bootstrap, topic
+        self._next: dict[int, int] = {}  # output partition -> the offset after the last record read
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._consumer = Consumer({
+        self._conf = {
             "bootstrap.servers": bootstrap, "group.id": f"watch-{uuid.uuid4().hex[:8]}",
             "auto.offset.reset": "earliest", "enable.auto.commit": False,
             "isolation.level": "read_committed" if read_committed else "read_uncommitted",
             "log_level": 0,
-        })
+        }
+        self._consumer = Consumer(self._conf)
         self._consumer.subscribe([topic])
         self._thread = threading.Thread(target=self._loop, name=f"watch-{topic}", daemon=True)
 
@@ -56,6 +66,7 @@ class OutputWatcher:
         self.close()
 
     def _loop(self) -> None:
+        idle_since = time.monotonic()
         while not self._stop.is_set():
             msgs = self._consumer.consume(2000, 0.2)
             got = []
@@ -63,6 +74,7 @@ class OutputWatcher:
             for m in msgs:
                 if m.error() is not None:
                     continue
+                self._next[m.partition()] = m.offset() + 1
                 try:
                     v = _dec.decode(m.value())
                     got.append(v["id"])
@@ -72,12 +84,40 @@ class OutputWatcher:
                 except Exception:  # noqa: BLE001 - not a result: counted, not an id
                     got.append(None)
             if got:
+                idle_since = time.monotonic()
                 with self._lock:
                     self.records += len(got)
                     self.ids.update(i for i in got if i is not None)
                     for p, o in sources:
                         if o > self.max_source.get(p, -1):
                             self.max_source[p] = o
+            elif time.monotonic() - idle_since > REOPEN_AFTER_S:
+                idle_since = time.monotonic()
+                self._reopen_if_behind()
+
+    def _reopen_if_behind(self) -> None:
+        """Nothing new for REOPEN_AFTER_S: if the topic holds records past what was read (asked with a new
+        client), go on from there with a new consumer; the old one closes on a thread (its close may hang too).
+        With read_committed, an aborted transaction at a partition's end looks the same: a harmless re-read."""
+        try:
+            ends = end_offsets(self.bootstrap, self.topic)
+        except Exception:  # noqa: BLE001 - the broker may be down: try again later
+            return
+        behind = {p: e for p, e in ends.items() if e > self._next.get(p, 0)}
+        if not behind:
+            return
+        print(f"[watch] nothing new from {self.topic} for {REOPEN_AFTER_S:.0f} s while it has more ({behind}, read "
+              f"up to {self._next}): reading on with a new consumer", file=sys.stderr, flush=True)
+        old, self._consumer = self._consumer, Consumer(self._conf)
+        self._consumer.assign([TopicPartition(self.topic, p, self._next.get(p, OFFSET_BEGINNING)) for p in ends])
+        threading.Thread(target=old.close, name="watch-close", daemon=True).start()
+        self.reopened += 1
+
+    def describe(self) -> str:
+        """For a test's failure message: what it read, how far, how often it reopened."""
+        with self._lock:
+            return (f"watcher: {self.records} records, {len(self.ids)} ids, read up to {dict(sorted(self._next.items()))} "
+                    f"of {self.topic}, reopened {self.reopened}x")
 
     def visible_ends(self) -> dict[int, int]:
         """Per input partition: one past the highest source offset that has a visible result."""
@@ -143,7 +183,8 @@ class Supervision:
 def supervise(make_worker: Callable[[int], WorkerProcess], progress: Callable[[], int], target: int, *,
               kill_at: Iterable[int] = (), deadline_s: float = 150.0, restart_exits: bool = True,
               max_exits: int = 10, tick: Callable[[Supervision], None] | None = None,
-              on_kill: Callable[[Incident], None] | None = None, poll_s: float = 0.05) -> Supervision:
+              on_kill: Callable[[Incident], None] | None = None, poll_s: float = 0.05,
+              diagnose: Callable[[], str] | None = None) -> Supervision:
     """Runs worker incarnations ``make_worker(0), make_worker(1), ...`` until ``progress() >= target``.
 
     - Each time ``progress()`` passes the next value of ``kill_at``, the live worker is SIGKILLed (kill -9),
@@ -151,7 +192,8 @@ def supervise(make_worker: Callable[[int], WorkerProcess], progress: Callable[[]
       started.
     - A worker that exits by itself is recorded (return code, log tail) and, with ``restart_exits``,
       restarted, up to ``max_exits`` times.
-    - Past ``deadline_s`` the last worker is killed and AssertionError raised with the incidents and logs.
+    - Past ``deadline_s`` the last worker is killed and AssertionError raised with the incidents, what
+      ``diagnose()`` says (where the group's commits and the topics stand, say) and the logs.
 
     The last worker is left running (the caller checks it is healthy and stops it).
     """
@@ -189,7 +231,8 @@ def supervise(make_worker: Callable[[int], WorkerProcess], progress: Callable[[]
                 w.kill()
                 raise AssertionError(
                     f"deadline {deadline_s:.0f}s: progress {done}/{target} after "
-                    f"{[(i.kind, i.worker, i.returncode, i.progress) for i in sup.incidents]}\n{sup.logs()}")
+                    f"{[(i.kind, i.worker, i.returncode, i.progress) for i in sup.incidents]}\n"
+                    f"{_diagnosis(diagnose)}{sup.logs()}")
             if tick is not None:
                 tick(sup)
             time.sleep(poll_s)
@@ -202,6 +245,26 @@ def supervise(make_worker: Callable[[int], WorkerProcess], progress: Callable[[]
     finally:
         sup.elapsed_s = time.monotonic() - t0
     return sup
+
+
+def _diagnosis(diagnose: Callable[[], str] | None) -> str:
+    if diagnose is None:
+        return ""
+    try:
+        return f"{diagnose()}\n"
+    except Exception as e:  # noqa: BLE001 - a failure message must not fail to be built
+        return f"(diagnosis failed: {type(e).__name__}: {e})\n"
+
+
+def where_things_stand(bootstrap: str, group: str, in_topic: str, out_topic: str,
+                       watch: OutputWatcher | None = None) -> str:
+    """The group's commits against the input's end offsets, the output's end offsets, and the watcher: whether
+    the worker stopped short, its results did not reach the broker, or the reader fell behind."""
+    parts = [f"input {in_topic}: committed {committed_offsets(bootstrap, group, in_topic, stable=False)} "
+             f"of ends {end_offsets(bootstrap, in_topic)}", f"output {out_topic}: ends {end_offsets(bootstrap, out_topic)}"]
+    if watch is not None:
+        parts.append(watch.describe())
+    return "; ".join(parts)
 
 
 @dataclass

@@ -15,7 +15,15 @@ import time
 
 import pytest
 
-from tests.chaos.support import OutputWatcher, broker_healthy, report, supervise, tally, wait_committed_to_end
+from tests.chaos.support import (
+    OutputWatcher,
+    broker_healthy,
+    report,
+    supervise,
+    tally,
+    wait_committed_to_end,
+    where_things_stand,
+)
 from tests.support.kafka_io import (
     WorkerProcess,
     create_topics,
@@ -46,8 +54,11 @@ def local_broker(kafka):  # type: ignore[no-untyped-def]
 
 def one_worker_through(cfg, tmp_path, name, watch, expected, tick):  # type: ignore[no-untyped-def]
     """One worker process until every expected id has a result (170 s at most); an exit fails the test."""
+    kafka = cfg["kafka"]
     return supervise(lambda i: WorkerProcess(cfg, tmp_path, name=f"{name}-{i}"), lambda: watch.seen(expected),
-                     len(expected), deadline_s=170, restart_exits=False, tick=tick)
+                     len(expected), deadline_s=170, restart_exits=False, tick=tick,
+                     diagnose=lambda: where_things_stand(kafka["bootstrap_servers"], kafka["group_id"],
+                                                         kafka["input_topics"][0], kafka["output_topic"], watch))
 
 
 def test_broker_stop_start_mid_run(kafka, topic_names, tmp_path):

@@ -21,6 +21,7 @@ from tests.chaos.support import (
     supervise,
     tally,
     wait_committed_to_end,
+    where_things_stand,
 )
 from tests.support.kafka_io import (
     WorkerProcess,
@@ -76,7 +77,8 @@ def test_kill9_five_times(kafka, topic_names, tmp_path, mode):
 
         sup = supervise(lambda i: WorkerProcess(cfg, tmp_path, name=f"{mode}-{i}"),
                         lambda: watch.seen(expected), N, kill_at=points, deadline_s=170, restart_exits=False,
-                        on_kill=after_kill)
+                        on_kill=after_kill, diagnose=lambda: where_things_stand(
+                            bs, cfg["kafka"]["group_id"], topic_names["in"], topic_names["out"], watch))
     last = sup.current
     try:
         assert len(sup.kills) == 5, [(i.kind, i.progress) for i in sup.incidents]

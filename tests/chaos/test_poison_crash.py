@@ -12,7 +12,14 @@ import msgspec
 import pytest
 import redis
 
-from tests.chaos.support import OutputWatcher, report, supervise, tally, wait_committed_to_end
+from tests.chaos.support import (
+    OutputWatcher,
+    report,
+    supervise,
+    tally,
+    wait_committed_to_end,
+    where_things_stand,
+)
 from tests.support.kafka_io import (
     WorkerProcess,
     create_topics,
@@ -52,7 +59,8 @@ def test_crashing_record_is_quarantined_after_max_attempts(kafka, redis_url, top
     with OutputWatcher(bs, topic_names["out"]) as watch:
         sup = supervise(lambda i: WorkerProcess(cfg, tmp_path, name=f"crashloop-{i}"),
                         lambda: watch.seen(valid), len(valid), deadline_s=170, restart_exits=True,
-                        max_exits=MAX_ATTEMPTS + 2)
+                        max_exits=MAX_ATTEMPTS + 2, diagnose=lambda: where_things_stand(
+                            bs, cfg["kafka"]["group_id"], topic_names["in"], topic_names["out"], watch))
     last = sup.current
     raw = redis.Redis.from_url(redis_url)
     try:

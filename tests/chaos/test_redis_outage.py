@@ -17,6 +17,7 @@ from tests.chaos.support import (
     supervise,
     tally,
     wait_committed_to_end,
+    where_things_stand,
 )
 from tests.support.kafka_io import (
     WorkerProcess,
@@ -67,7 +68,9 @@ def test_redis_down_for_10s_mid_run(kafka, local_redis, topic_names, tmp_path):
 
     with OutputWatcher(bs, topic_names["out"]) as watch:
         sup = supervise(lambda i: WorkerProcess(cfg, tmp_path, name=f"redis-outage-{i}"),
-                        lambda: watch.seen(expected), N, deadline_s=170, restart_exits=False, tick=chaos)
+                        lambda: watch.seen(expected), N, deadline_s=170, restart_exits=False, tick=chaos,
+                        diagnose=lambda: where_things_stand(bs, cfg["kafka"]["group_id"], topic_names["in"],
+                                                            topic_names["out"], watch))
     last = sup.current
     try:
         assert "stopped_at" in outage, "the outage never happened"
