@@ -39,6 +39,7 @@ N_BEFORE = 12_000
 N_AFTER = 8_000
 OUTAGE_S = 5.0
 REPLACED = "replacing it with a new one"  # the worker's log line when it replaces its consumer
+PRODUCER_REPLACED = "replacing it and sending them again"  # ... and a producer (delivery.producer_stall_s)
 
 
 def local_broker(kafka):  # type: ignore[no-untyped-def]
@@ -114,7 +115,7 @@ def test_broker_stop_start_mid_run(kafka, topic_names, tmp_path):
     report("broker-restart", t, outage_s=OUTAGE_S, broker_restart_s=round(outage.get("restart_s", 0), 1),
            stopped_at=outage.get("progress_at_stop"), back_at=outage.get("progress_after_start"),
            commit_failures=log.count("commit failed"), delivery_failures=log.count("delivery failed"),
-           consumer_replacements=log.count(REPLACED))
+           consumer_replacements=log.count(REPLACED), producer_replacements=log.count(PRODUCER_REPLACED))
     assert len(sup.workers) == 1, "the worker had to be restarted"
     assert t.lost == 0, f"{t.lost} ids without a result"
     assert t.dlq == 0
@@ -180,7 +181,8 @@ def test_broker_frozen_past_the_session_timeout(kafka, topic_names, tmp_path):
     t = tally(bs, topic_names["out"], topic_names["dlq"], expected, len(expected))
     log = last.log()
     report("broker-frozen", t, frozen_s=FROZEN_S, frozen_at=frozen.get("at"),
-           consumer_replacements=log.count(REPLACED), replaced_consumers_closed=log.count("replaced consumer closed"))
+           consumer_replacements=log.count(REPLACED), replaced_consumers_closed=log.count("replaced consumer closed"),
+           producer_replacements=log.count(PRODUCER_REPLACED))
     assert frozen["replaced_while_frozen"] >= 1, log[-4000:]
     assert len(sup.workers) == 1, "the worker had to be restarted"
     assert t.lost == 0, f"{t.lost} ids without a result"
