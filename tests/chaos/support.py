@@ -71,10 +71,11 @@ class OutputWatcher:
             msgs = self._consumer.consume(2000, 0.2)
             got = []
             sources: list[tuple[int, int]] = []
+            nxt: dict[int, int] = {}
             for m in msgs:
                 if m.error() is not None:
                     continue
-                self._next[m.partition()] = m.offset() + 1
+                nxt[m.partition()] = m.offset() + 1
                 try:
                     v = _dec.decode(m.value())
                     got.append(v["id"])
@@ -85,7 +86,8 @@ class OutputWatcher:
                     got.append(None)
             if got:
                 idle_since = time.monotonic()
-                with self._lock:
+                with self._lock:  # describe() reads _next from the test's thread
+                    self._next.update(nxt)
                     self.records += len(got)
                     self.ids.update(i for i in got if i is not None)
                     for p, o in sources:
