@@ -108,6 +108,49 @@ def test_revoke_drops_partitions_and_in_flight() -> None:
     assert t.committable() == {A: 2}
 
 
+def test_a_detached_partition_keeps_what_was_delivered_and_takes_late_acks() -> None:
+    t = OffsetTracker()
+    for o in range(10, 16):
+        t.track(A, o)
+    t.track(B, 0)
+    t.ack(A, 10)
+    t.ack(A, 11)
+    t.ack(A, 13)  # 12 in flight
+    t.detach([A])
+    assert t.in_flight() == 1 and t.committable() == {} and t.lost() == [A]  # only B's record is live
+    assert not t.ack(A, 12)  # the live path knows nothing of it any more
+    assert t.ack_lost(A, 12)  # a result delivered after the loss
+    assert not t.ack_lost(A, 12) and not t.ack_lost(B, 0)
+    t.ack_lost(A, 15)  # beyond 14, which never finishes (dropped at the loss)
+    assert t.in_flight() == 1
+    assert t.take_lost(A) == (10, 14)  # [10, 14) delivered; 14 blocks
+    assert t.take_lost(A) is None and t.lost() == []  # taken once
+
+
+def test_take_lost_is_none_when_nothing_was_delivered_or_nothing_kept() -> None:
+    t = OffsetTracker()
+    t.track(A, 5)
+    t.track(A, 6)
+    t.ack(A, 6)  # 5 blocks the prefix
+    t.detach([A, B])  # B was never tracked: nothing kept for it
+    assert t.lost() == [A]
+    assert t.take_lost(A) is None and t.take_lost(B) is None
+
+
+def test_a_partition_back_after_a_loss_is_tracked_afresh_and_a_new_loss_replaces_the_old() -> None:
+    t = OffsetTracker()
+    t.track(A, 0)
+    t.ack(A, 0)
+    t.detach([A])
+    t.track(A, 1)  # assigned again: a new assignment's state, whatever was kept
+    assert t.in_flight() == 1 and t.committable() == {}
+    t.ack(A, 1)
+    assert t.committable() == {A: 2}
+    t.track(A, 2)
+    t.detach([A])
+    assert t.take_lost(A) == (1, 2)  # the second loss's span: first offset 1, record 2 not done
+
+
 def test_assign_resets_state() -> None:
     t = OffsetTracker()
     t.track(A, 0)

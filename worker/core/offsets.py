@@ -15,6 +15,12 @@ Model, per partition:
 - ``committable()``: for each partition whose position advanced past the last ``mark_committed``, the
   offset *after* the done prefix, i.e. the first tracked offset not yet done, or the last tracked offset
   + 1 when all are done. That is the value Kafka expects in a commit (the next offset to consume).
+- ``detach(tps)`` instead of ``revoke`` when partitions are *lost* (a session expired: nothing could be
+  committed): their state is kept aside, ``ack_lost`` goes on marking records done as their results are
+  delivered late, and ``take_lost(tp)`` says, when the partition comes back, which offsets it covers and
+  how far its done prefix reaches. Every record below that was delivered by this worker, so a consumer
+  that finds the group's commit inside that range may go on from there (the runner's
+  ``_resume_lost``) instead of processing those records a second time.
 
 Guarantees (checked by property tests): the committable offset never passes a tracked record that is not
 done, never goes backwards, and reaches ``last tracked + 1`` once every tracked record is done.
@@ -32,7 +38,7 @@ from worker.core.records import TopicPartition
 
 
 class _Partition:
-    __slots__ = ("order", "pending", "failed", "started", "last", "committed")
+    __slots__ = ("order", "pending", "failed", "started", "last", "committed", "first")
 
     def __init__(self) -> None:
         self.order: deque[int] = deque()  # tracked offsets not yet popped, increasing; the front is not done
@@ -43,6 +49,7 @@ class _Partition:
         self.started = False
         self.last = -1  # highest offset tracked
         self.committed: int | None = None  # last value given to mark_committed
+        self.first = -1  # first offset tracked: the done prefix covers [first, position())
 
     def advance(self) -> None:
         order, pending = self.order, self.pending
@@ -59,11 +66,12 @@ class _Partition:
 
 
 class OffsetTracker:
-    __slots__ = ("_parts", "_in_flight")
+    __slots__ = ("_parts", "_in_flight", "_lost")
 
     def __init__(self) -> None:
         self._parts: dict[TopicPartition, _Partition] = {}
         self._in_flight = 0
+        self._lost: dict[TopicPartition, _Partition] = {}  # detached: lost partitions, until they come back
 
     # ------------------------------------------------------------------ hot path
     def track(self, tp: TopicPartition, offset: int) -> bool:
@@ -72,6 +80,8 @@ class OffsetTracker:
         p = self._parts.get(tp)
         if p is None:
             p = self._parts[tp] = _Partition()
+        if p.first < 0:
+            p.first = offset
         if offset <= p.last:
             return False
         p.order.append(offset)
@@ -135,6 +145,43 @@ class OffsetTracker:
             p = self._parts.pop(tp, None)
             if p is not None:
                 self._in_flight -= len(p.pending)
+
+    def detach(self, tps: Iterable[TopicPartition]) -> None:
+        """Lost partitions: they leave the live state (in flight, commits) like ``revoke``, but what was tracked
+        is kept for ``ack_lost`` and ``take_lost`` (replacing what an earlier loss of the same partition left)."""
+        for tp in tps:
+            p = self._parts.pop(tp, None)
+            if p is not None:
+                self._in_flight -= len(p.pending)
+                if p.first >= 0:
+                    self._lost[tp] = p
+
+    def ack_lost(self, tp: TopicPartition, offset: int) -> bool:
+        """A result delivered after its partition was lost: the record is done all the same. Returns whether a
+        detached partition was waiting for it."""
+        p = self._lost.get(tp)
+        if p is None or offset not in p.pending:
+            return False
+        p.pending.remove(offset)
+        p.failed.discard(offset)
+        if p.order[0] == offset:
+            p.advance()
+        return True
+
+    def take_lost(self, tp: TopicPartition) -> tuple[int, int] | None:
+        """Forget what a loss of ``tp`` left and return ``(first, done)``: every record tracked in
+        ``[first, done)`` was done (delivered) by this worker. None when nothing was kept, or nothing done."""
+        p = self._lost.pop(tp, None)
+        if p is None:
+            return None
+        done = p.position()
+        if done is None or done <= p.first:
+            return None
+        return p.first, done
+
+    def lost(self) -> list[TopicPartition]:
+        """Partitions detached and not taken back yet."""
+        return list(self._lost)
 
     # ------------------------------------------------------------------ introspection
     def in_flight(self) -> int:
