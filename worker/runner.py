@@ -54,6 +54,9 @@ DELIVERY_ABORTS_MAX = 5
 # Paused partitions whose high watermark one lag report asks the broker for, and how long each answer may take.
 LAG_QUERIES = 4
 LAG_QUERY_TIMEOUT_S = 0.5
+# Reading the group's commits of partitions lost earlier, inside the assign callback (it holds the loop): at
+# worst those records are processed again, as without the read.
+RESUME_QUERY_TIMEOUT_S = 5.0
 
 
 def _by_lane(records: list[Record]) -> Iterable[tuple[str, list[Record]]]:
@@ -714,6 +717,8 @@ class Runner:
     def _record_done(self, rec: Record) -> None:
         if self.epochs[rec.tp] == rec.epoch:
             self.tracker.ack(rec.tp, rec.offset)
+        else:
+            self.tracker.ack_lost(rec.tp, rec.offset)  # its partition was lost: see _resume_lost
         self.gate.delivered(rec)
 
     def _record_failed(self, rec: Record, err: str) -> None:
@@ -1124,6 +1129,11 @@ class Runner:
             if self.health is not None:
                 self.health.assigned = bool(self.assigned)
             log.info("partitions assigned", extra={"partitions": [f"{p.topic}[{p.partition}]" for p in partitions]})
+            if self.tracker.lost():
+                try:
+                    self._resume_lost(consumer, partitions)
+                except Exception:  # the hook, pause and resume below must still happen
+                    log.exception("error in on_assign (resuming lost partitions)")
             if self._on_assign_offsets is not None:
                 try:
                     self._on_assign_offsets(consumer, partitions)
@@ -1142,6 +1152,77 @@ class Runner:
                 consumer.resume(partitions)
         except Exception:  # never let an exception escape a rebalance callback raw
             log.exception("error in on_assign")
+
+    def _resume_lost(self, consumer: Any, partitions: list[KTP]) -> None:
+        """At-least-once: partitions this worker lost (its session expired, or it replaced its consumer) come back
+        to it. What it delivered of them since its last commit was never committed: read from the group's
+        commit, all of it would be processed and produced a second time (after a broker restart: thousands of
+        records, device time spent on answers the output topic already has). Where the group's commit is still
+        inside what this worker tracked of the partition and short of the offset up to which it delivered every
+        record (results delivered after the loss count too), that offset is committed now, before librdkafka
+        fetches the commit to start from, and reading goes on there.
+
+        Safe: every record below it has a result on the output topic, which is the guarantee (per record, not per
+        consumer). A commit outside that range is left alone: another member committed further; the offsets
+        were reset below what this worker read (an operator's rewind is honoured); the partition has no commit
+        (a recreated topic). Exactly-once never gets here: a lost partition's transaction is aborted, so nothing
+        it produced is visible."""
+        held: dict[TopicPartition, tuple[int, int]] = {}
+        for p in partitions:
+            tp = TopicPartition(p.topic, p.partition)
+            span = self.tracker.take_lost(tp)
+            if span is not None:
+                held[tp] = span
+        if not held or self.txn is not None or self._shutdown_deadline is not None:
+            return
+        try:
+            group = consumer.committed([KTP(tp.topic, tp.partition) for tp in held], timeout=RESUME_QUERY_TIMEOUT_S)
+        except KafkaException as e:
+            log.warning("partitions lost earlier are back, but their commits could not be read (%s): reading on "
+                        "from the commits, so what was delivered since them is processed again", e)
+            return
+        moves: dict[TopicPartition, int] = {}
+        skipped: dict[str, int] = {}
+        for k in group:
+            tp = TopicPartition(k.topic, k.partition)
+            first, done = held.get(tp, (0, -1))
+            if k.error is not None:
+                continue
+            if k.offset < 0 and self._still_holds(consumer, k, first, done):
+                # No commit yet (lost before the first one, the usual case when it is lost early on): reading
+                # would start where auto.offset.reset says, and this worker read from ``first``.
+                moves[tp] = done
+                skipped[f"{tp.topic}[{tp.partition}]"] = done - first
+            elif first <= k.offset < done:
+                moves[tp] = done
+                skipped[f"{tp.topic}[{tp.partition}]"] = done - k.offset
+        if not moves:
+            return
+        try:
+            consumer.commit(offsets=[KTP(tp.topic, tp.partition, off) for tp, off in moves.items()],
+                            asynchronous=False)
+        except KafkaException as e:
+            log.warning("partitions lost earlier are back, but committing what this worker delivered of them failed "
+                        "(%s): reading on from the commits, so that is processed again", e)
+            return
+        self.committed.update(moves)
+        self.metrics.event("lost_records_skipped", n=sum(skipped.values()))
+        log.info("partitions lost earlier are back: going on after the records this worker already delivered",
+                 extra={"skipped": skipped, "resume_at": {f"{tp.topic}[{tp.partition}]": off
+                                                          for tp, off in moves.items()}})
+
+    @staticmethod
+    def _still_holds(consumer: Any, k: KTP, first: int, done: int) -> bool:
+        """A partition without a commit still holds the offsets ``[first, done)`` this worker read. Why: without
+        a commit nothing tells a partition whose topic was deleted and created again (its offsets now other
+        records) from the one this worker read; a new log short of ``done``, or not reaching back to
+        ``first``, is not taken for it."""
+        try:
+            lo, hi = consumer.get_watermark_offsets(KTP(k.topic, k.partition), timeout=RESUME_QUERY_TIMEOUT_S,
+                                                    cached=False)
+        except KafkaException:
+            return False
+        return lo is not None and hi is not None and 0 <= lo <= first and done <= hi
 
     def _on_revoke(self, consumer: Any, partitions: list[KTP]) -> None:
         tps = {TopicPartition(p.topic, p.partition) for p in partitions}
@@ -1222,7 +1303,12 @@ class Runner:
                 self.emitter.flush(max(0.0, deadline - time.monotonic()))
             self._commit(only=tps, flush_s=max(1.0, deadline - time.monotonic()))
             self.gate.flush()  # the results that flush confirmed: the new owner's ledger skips them
-        self.tracker.revoke(tps)
+        if graceful or self.txn is not None:
+            self.tracker.revoke(tps)
+        else:
+            # Lost (nothing could be committed): what this worker delivered of them is kept, and the results still
+            # on their way go on marking records done, for when the partitions come back (_resume_lost).
+            self.tracker.detach(tps)
         if self.txn is not None:
             self.txn.drop(tps)
         for tp in tps:

@@ -274,7 +274,12 @@ class FakeConsumer:
             self.app_positions.pop(tp, None)
         cb = self.callbacks.get("on_assign")
         if cb is not None:
+            before = {tp: self.committed_offsets.get(tp) for tp in parts}
             cb(self, ktps(parts))
+            # librdkafka fetches the commit to start from after the callback: one made inside it counts.
+            for tp in parts:
+                if self.committed_offsets.get(tp) != before[tp]:
+                    self.positions[tp] = self.committed_offsets[tp]
 
     def revoke(self, *tps: tuple[str, int]) -> None:
         parts = [TopicPartition(*t) for t in tps] or list(self.assignment_set)

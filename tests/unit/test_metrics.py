@@ -41,6 +41,7 @@ EXPECTED = {
     "kiw_suspects_isolated": ("counter", set()),
     "kiw_ledger_skips": ("counter", set()),
     "kiw_producer_replacements": ("counter", set()),
+    "kiw_lost_records_skipped": ("counter", set()),
 }
 
 

@@ -13,6 +13,7 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException
 
 from tests.unit.fakes_kafka import Harness, make_config
+from worker.adapters.metrics import PrometheusMetrics
 from worker.core.records import TopicPartition
 
 IN0, IN1 = TopicPartition("in", 0), TopicPartition("in", 1)
@@ -348,3 +349,163 @@ def test_an_assign_hook_that_raises_still_leaves_the_partitions_resumed(monkeypa
     assert h.c.paused == set()
     process_all(h)
     assert offsets_out(h) == [0, 1, 2, 3, 4, 5]
+
+
+# ---------------------------------------------------------------------------- a lost partition comes back
+def lose_delivered(h: Harness, delivered: int, held: int = 0) -> None:
+    """in/0: record 0 processed and committed; then ``delivered`` more processed and delivered (not committed),
+    then ``held`` more processed whose results the broker has not acknowledged yet; then the partition is lost."""
+    h.c.assign(("in", 0))
+    h.send(1)
+    h.process()
+    h.commit()
+    h.send(delivered)
+    h.process()
+    if held:
+        h.send(held)
+        h.iterate()
+        h.device.run_all()
+        h.p.hold = True
+        h.iterate()  # produced; not acknowledged
+    assert h.c.commit_calls == [{IN0: 1}]
+    h.c.lose(("in", 0))
+    h.c.commit_calls.clear()
+
+
+def test_a_lost_partition_that_comes_back_goes_on_after_what_was_delivered(monkeypatch: pytest.MonkeyPatch) -> None:
+    metrics = PrometheusMetrics()
+    h = Harness(monkeypatch, metrics=metrics).start()
+    lose_delivered(h, 4)
+    h.send(2)  # 5 and 6: new since
+    h.c.assign(("in", 0))  # the group's commit is still 1: reading would start there
+    assert h.c.commit_calls == [{IN0: 5}]  # committed inside the callback, before the fetch starts
+    assert metrics.lost_records_skipped_total._value.get() == 4
+    h.process()
+    h.commit()
+    assert offsets_out(h) == [0, 1, 2, 3, 4, 5, 6]  # nothing processed twice
+    assert h.committed() == 7
+
+
+def test_results_delivered_after_the_loss_count_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    h = Harness(monkeypatch).start()
+    lose_delivered(h, 2, held=3)
+    h.p.hold = False
+    h.iterate()  # the broker answers: 3..5 are delivered, their partition gone meanwhile
+    h.c.assign(("in", 0))
+    assert h.c.commit_calls == [{IN0: 6}]
+    h.process()
+    assert offsets_out(h) == [0, 1, 2, 3, 4, 5]
+
+
+def test_lost_before_the_first_commit_it_goes_on_after_what_was_delivered(monkeypatch: pytest.MonkeyPatch) -> None:
+    h = Harness(monkeypatch).start()
+    h.c.assign(("in", 0))
+    h.send(3)
+    h.process()
+    h.c.lose(("in", 0))
+    h.send(1)
+    h.c.assign(("in", 0))  # the group has no commit: reading would start at auto.offset.reset (earliest)
+    assert h.c.commit_calls == [{IN0: 3}]
+    h.process()
+    assert offsets_out(h) == [0, 1, 2, 3]
+
+
+def test_without_a_commit_a_partition_that_no_longer_holds_what_was_read_is_read_from_the_start(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The topic deleted and created again while the partition was away: its offsets are other records now.
+    h = Harness(monkeypatch).start()
+    h.c.assign(("in", 0))
+    h.send(3)
+    h.process()
+    h.c.lose(("in", 0))
+    h.c.logs[IN0].clear()
+    h.send(2)  # the new topic's records 0 and 1; this worker delivered up to 3 of the old one
+    h.c.assign(("in", 0))
+    assert h.c.commit_calls == []
+    h.process()
+    assert h.result_ids() == ["in-0-0", "in-0-1", "in-0-2", "in-0-0", "in-0-1"]
+
+
+def test_a_commit_outside_what_this_worker_delivered_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    h = Harness(monkeypatch).start()
+    lose_delivered(h, 4)
+    h.c.committed_offsets[IN0] = 7  # another member processed past it meanwhile
+    h.send(4)
+    h.c.assign(("in", 0))
+    assert h.c.commit_calls == []
+    h.process()
+    assert offsets_out(h) == [0, 1, 2, 3, 4, 7, 8]
+
+
+def test_an_offset_reset_below_what_this_worker_read_is_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
+    h = Harness(monkeypatch).start()
+    lose_delivered(h, 4)  # this assignment read from 0
+    h.c.lose(("in", 0))
+    h.c.assign(("in", 0))  # back at 1: 1..4 skipped
+    h.send(2)
+    h.process()  # 5, 6
+    h.c.lose(("in", 0))  # this assignment read from 5
+    h.c.committed_offsets[IN0] = 2  # an operator rewound the group to 2, below that
+    h.c.commit_calls.clear()
+    h.c.assign(("in", 0))
+    assert h.c.commit_calls == []
+    h.process()
+    assert offsets_out(h) == [0, 1, 2, 3, 4, 5, 6, 2, 3, 4, 5, 6]
+
+
+def test_a_revoked_partition_keeps_nothing_and_a_lost_one_waits_for_its_own_assign(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    h = Harness(monkeypatch).start()
+    h.c.assign(("in", 0), ("in", 1))
+    h.send(2, partition=0)
+    h.send(2, partition=1)
+    h.process()
+    h.c.revoke(("in", 0))  # committed in the callback; nothing kept
+    h.c.lose(("in", 1))
+    assert h.runner.tracker.lost() == [IN1]
+    h.c.assign(("in", 0))  # not in/1: it stays kept for when it comes back
+    assert h.c.commit_calls == [{IN0: 2}] and h.runner.tracker.lost() == [IN1]
+
+
+def test_reading_the_commits_fails_then_the_partition_is_read_from_its_commit(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    h = Harness(monkeypatch).start()
+    lose_delivered(h, 3)
+
+    def no_broker(*a: Any, **kw: Any) -> Any:
+        raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "timed out"))
+
+    monkeypatch.setattr(h.c, "committed", no_broker)
+    with caplog.at_level(logging.WARNING, logger="worker.runner"):
+        h.c.assign(("in", 0))
+    assert "their commits could not be read" in caplog.text
+    assert h.c.commit_calls == [] and h.runner.tracker.lost() == []
+    assert h.runner.assigned == {IN0}
+    h.process()
+    assert offsets_out(h) == [0, 1, 2, 3, 1, 2, 3]  # at-least-once as before: processed again
+
+
+def test_a_replaced_consumer_goes_on_after_what_was_delivered(monkeypatch: pytest.MonkeyPatch) -> None:
+    h = Harness(monkeypatch).start()
+    h.c.assign(("in", 0))
+    h.send(1)
+    h.process()
+    h.commit()
+    h.send(3)
+    h.process()
+    h.runner._replace_consumer(h.clock.t)  # out of the group too long: released without a commit
+    assert h.c is not h.consumers[0] and h.runner.tracker.lost() == [IN0]
+    h.c.assign(("in", 0))
+    assert h.c.commit_calls[-1] == {IN0: 4}
+    h.send(1)
+    h.process()
+    assert offsets_out(h) == [0, 1, 2, 3, 4]
+
+
+def test_exactly_once_keeps_nothing_of_a_lost_partition(monkeypatch: pytest.MonkeyPatch) -> None:
+    h = Harness(monkeypatch, make_config(delivery={"mode": "exactly_once", "transactional_id": "t"})).start()
+    h.c.assign(("in", 0))
+    h.send(3)
+    h.process()
+    h.c.lose(("in", 0))  # the transaction holding 0..2 is aborted
+    assert h.runner.tracker.lost() == []

@@ -10,7 +10,7 @@ suffix are accepted too):
 - ``event(name, n, **labels)``: ``commit_failures``, ``dlq`` {stage}, ``oom_splits`` {lane},
   ``redis_errors`` {op}, ``rebalances`` {kind}, ``batches`` {lane, reason}, ``records_in`` {lane},
   ``records_out`` {lane, status}, ``preemptions`` {lane}, ``unknown_lane`` {topic}, ``suspects_isolated``,
-  ``ledger_skips``.
+  ``ledger_skips``, ``producer_replacements``, ``lost_records_skipped``.
 
 Unknown names are ignored with a debug log line; missing labels become ``""`` and extra labels are dropped.
 An observation hook never raises into the pipeline.
@@ -93,6 +93,9 @@ class PrometheusMetrics:
         self.producer_replacements_total = Counter(
             "kiw_producer_replacements", "Producers replaced after holding results undelivered for "
             "delivery.producer_stall_s (what they held is sent again)", registry=r)
+        self.lost_records_skipped_total = Counter(
+            "kiw_lost_records_skipped", "Records not read again when a partition this worker lost came back to it: "
+            "it had delivered their results (at-least-once)", registry=r)
         self.preemptions_total = Counter("kiw_preemptions", "Prefetched batches put back for a higher-priority "
                                          "lane's batch, by the lane put back", ["lane"], registry=r)
         self.batches_total = Counter("kiw_batches", "Batches closed, by lane and reason (count|time|idle|flush|adaptive)",
@@ -121,6 +124,7 @@ class PrometheusMetrics:
             "oom_splits": self.oom_splits_total, "redis_errors": self.redis_errors_total,
             "rebalances": self.rebalances_total, "batches": self.batches_total,
             "producer_replacements": self.producer_replacements_total,
+            "lost_records_skipped": self.lost_records_skipped_total,
             "preemptions": self.preemptions_total, "unknown_lane": self.unknown_lane_total,
             "suspects_isolated": self.suspects_isolated_total, "ledger_skips": self.ledger_skips_total,
         }
