@@ -1157,7 +1157,8 @@ class Runner:
         """At-least-once: partitions this worker lost (its session expired, or it replaced its consumer) come back
         to it. What it delivered of them since its last commit was never committed: read from the group's
         commit, all of it would be processed and produced a second time (after a broker restart: thousands of
-        records, device time spent on answers the output topic already has). Where the group's commit is still
+        records, device time spent on answers the output topic already has). In the first assignment after the
+        loss (the rejoin's; what other partitions left is dropped then), where the group's commit is still
         inside what this worker tracked of the partition and short of the offset up to which it delivered every
         record (results delivered after the loss count too), that offset is committed now, before librdkafka
         fetches the commit to start from, and reading goes on there.
@@ -1173,6 +1174,10 @@ class Runner:
             span = self.tracker.take_lost(tp)
             if span is not None:
                 held[tp] = span
+        # Only the assignment that follows the loss (the rejoin's) may use what it left. A partition that went to
+        # another member comes back, if ever, after that member committed what it did; meanwhile its offsets
+        # may have been reset or its topic recreated, and what this worker read then says nothing of them.
+        self.tracker.forget_lost()
         if not held or self.txn is not None or self._shutdown_deadline is not None:
             return
         try:

@@ -135,6 +135,11 @@ def test_take_lost_is_none_when_nothing_was_delivered_or_nothing_kept() -> None:
     t.detach([A, B])  # B was never tracked: nothing kept for it
     assert t.lost() == [A]
     assert t.take_lost(A) is None and t.take_lost(B) is None
+    t.track(B, 0)
+    t.ack(B, 0)
+    t.detach([B])
+    t.forget_lost()
+    assert t.lost() == [] and t.take_lost(B) is None
 
 
 def test_a_partition_back_after_a_loss_is_tracked_afresh_and_a_new_loss_replaces_the_old() -> None:

@@ -179,6 +179,10 @@ class OffsetTracker:
             return None
         return p.first, done
 
+    def forget_lost(self) -> None:
+        """Drop what every detached partition left (the partitions that did not come back with the rejoin)."""
+        self._lost.clear()
+
     def lost(self) -> list[TopicPartition]:
         """Partitions detached and not taken back yet."""
         return list(self._lost)
