@@ -1166,7 +1166,7 @@ class Runner:
         Safe: every record below it has a result on the output topic, which is the guarantee (per record, not per
         consumer). A commit outside that range is left alone: another member committed further; the offsets
         were reset below what this worker read (an operator's rewind is honoured); the partition has no commit
-        (a recreated topic). Exactly-once never gets here: a lost partition's transaction is aborted, so nothing
+        and its log no longer spans what this worker read (a recreated topic). Exactly-once never gets here: a lost partition's transaction is aborted, so nothing
         it produced is visible."""
         held: dict[TopicPartition, tuple[int, int]] = {}
         for p in partitions:
@@ -1180,6 +1180,7 @@ class Runner:
         self.tracker.forget_lost()
         if not held or self.txn is not None or self._shutdown_deadline is not None:
             return
+        deadline = time.monotonic() + RESUME_QUERY_TIMEOUT_S  # for all the reads together
         try:
             group = consumer.committed([KTP(tp.topic, tp.partition) for tp in held], timeout=RESUME_QUERY_TIMEOUT_S)
         except KafkaException as e:
@@ -1193,7 +1194,7 @@ class Runner:
             first, done = held.get(tp, (0, -1))
             if k.error is not None:
                 continue
-            if k.offset < 0 and self._still_holds(consumer, k, first, done):
+            if k.offset < 0 and self._still_holds(consumer, k, first, done, deadline - time.monotonic()):
                 # No commit yet (lost before the first one, the usual case when it is lost early on): reading
                 # would start where auto.offset.reset says, and this worker read from ``first``.
                 moves[tp] = done
@@ -1217,14 +1218,15 @@ class Runner:
                                                           for tp, off in moves.items()}})
 
     @staticmethod
-    def _still_holds(consumer: Any, k: KTP, first: int, done: int) -> bool:
+    def _still_holds(consumer: Any, k: KTP, first: int, done: int, timeout: float) -> bool:
         """A partition without a commit still holds the offsets ``[first, done)`` this worker read. Why: without
         a commit nothing tells a partition whose topic was deleted and created again (its offsets now other
         records) from the one this worker read; a new log short of ``done``, or not reaching back to
-        ``first``, is not taken for it."""
+        ``first``, is not taken for it. No answer within ``timeout`` (what is left of the reads' 5 s): not taken."""
+        if timeout <= 0:
+            return False
         try:
-            lo, hi = consumer.get_watermark_offsets(KTP(k.topic, k.partition), timeout=RESUME_QUERY_TIMEOUT_S,
-                                                    cached=False)
+            lo, hi = consumer.get_watermark_offsets(KTP(k.topic, k.partition), timeout=timeout, cached=False)
         except KafkaException:
             return False
         return lo is not None and hi is not None and 0 <= lo <= first and done <= hi

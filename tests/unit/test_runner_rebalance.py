@@ -517,3 +517,22 @@ def test_exactly_once_keeps_nothing_of_a_lost_partition(monkeypatch: pytest.Monk
     h.process()
     h.c.lose(("in", 0))  # the transaction holding 0..2 is aborted
     assert h.runner.tracker.lost() == []
+
+
+def test_the_reads_of_a_lost_partition_share_one_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Inside the assign callback the loop stands still: a slow broker must not hold it 5 s per partition.
+    h = Harness(monkeypatch).start()
+    h.c.assign(("in", 0))
+    h.send(3)
+    h.process()
+    h.c.lose(("in", 0))
+    real = h.c.committed
+
+    def slow(partitions: list[Any], timeout: float | None = None) -> Any:
+        h.clock.t += 5.0  # the whole allowance spent on the first read
+        return real(partitions, timeout)
+
+    monkeypatch.setattr(h.c, "committed", slow)
+    h.c.watermark_queries.clear()
+    h.c.assign(("in", 0))  # no commit: the log would have to be read too, and there is no time left
+    assert h.c.commit_calls == [] and h.c.watermark_queries == []
