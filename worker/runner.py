@@ -1166,8 +1166,8 @@ class Runner:
         Safe: every record below it has a result on the output topic, which is the guarantee (per record, not per
         consumer). A commit outside that range is left alone: another member committed further; the offsets
         were reset below what this worker read (an operator's rewind is honoured); the partition has no commit
-        and its log no longer spans what this worker read (a recreated topic). Exactly-once never gets here: a lost partition's transaction is aborted, so nothing
-        it produced is visible."""
+        and its log no longer spans what this worker read (a recreated topic). Exactly-once never gets here: a
+        lost partition's transaction is aborted, so nothing it produced is visible."""
         held: dict[TopicPartition, tuple[int, int]] = {}
         for p in partitions:
             tp = TopicPartition(p.topic, p.partition)
