@@ -19,7 +19,7 @@ import time
 import pytest
 
 from tests.chaos.support import broker_healthy, report, scrape, tally, wait_committed_to_end
-from tests.chaos.test_broker_restart import local_broker
+from tests.chaos.test_broker_restart import PRODUCER_REPLACED, local_broker
 from tests.support.kafka_io import (
     WorkerProcess,
     committed_offsets,
@@ -34,7 +34,6 @@ pytestmark = pytest.mark.chaos
 
 PAUSE_S = 8.0
 STALL_S = 2.0
-REPLACED = "replacing it and sending them again on a new one"
 
 
 def test_producers_held_by_a_paused_broker_are_replaced_and_nothing_is_lost(kafka, topic_names, tmp_path):
@@ -58,7 +57,7 @@ def test_producers_held_by_a_paused_broker_are_replaced_and_nothing_is_lost(kafk
         os.kill(broker.proc.pid, signal.SIGSTOP)
         try:
             time.sleep(PAUSE_S)
-            during = w.log().count(REPLACED)
+            during = w.log().count(PRODUCER_REPLACED)
         finally:
             os.kill(broker.proc.pid, signal.SIGCONT)
         broker_healthy(bs)
@@ -74,10 +73,10 @@ def test_producers_held_by_a_paused_broker_are_replaced_and_nothing_is_lost(kafk
     t = tally(bs, topic_names["out"], topic_names["dlq"], {k.decode() for k, _ in sent}, n)
     log = w.log()
     report("producer-stall", t, pause_s=PAUSE_S, producer_stall_s=STALL_S, paused_at_committed=paused_at,
-           replacements_during_pause=during, producer_replacements=log.count(REPLACED))
+           replacements_during_pause=during, producer_replacements=log.count(PRODUCER_REPLACED))
     # Held from the pause on: replaced at 2 s, then 4 s later (nothing delivered between: the wait doubles).
     assert during >= 2, log[-4000:]
-    assert counted == log.count(REPLACED)
+    assert counted == log.count(PRODUCER_REPLACED)
     assert t.lost == 0, f"{t.lost} ids without a result"
     assert t.dlq == 0
     assert "giving up delivering" not in log and "Traceback" not in log, log[-3000:]
