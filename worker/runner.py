@@ -1178,7 +1178,7 @@ class Runner:
         # another member comes back, if ever, after that member committed what it did; meanwhile its offsets
         # may have been reset or its topic recreated, and what this worker read then says nothing of them.
         self.tracker.forget_lost()
-        if not held or self.txn is not None or self._shutdown_deadline is not None:
+        if not held or self._shutdown_deadline is not None:
             return
         deadline = time.monotonic() + RESUME_QUERY_TIMEOUT_S  # for all the reads together
         try:
