@@ -10,7 +10,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.support import props
+
 pytest_plugins = ["tests.conftest_redis"]
+HYPOTHESIS_PROFILE = props.load()  # before any test module builds its @settings
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # KIW_TEST_SERVERS=local (set by .ci/run): always the local broker and redis-server processes, never one named
@@ -99,4 +102,6 @@ def topic_names() -> dict[str, str]:
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    return [f"CI={'true' if IN_CI else 'false'} (true: missing Kafka/Redis fail the run, never skip)"]
+    return [f"CI={'true' if IN_CI else 'false'} (true: missing Kafka/Redis fail the run, never skip)",
+            f"hypothesis profile: {HYPOTHESIS_PROFILE} ({props.PROFILE_ENV}; {props.SCALE[HYPOTHESIS_PROFILE]}x each "
+            "property test's examples)"]

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.support.props import examples
 from tests.unit.fakes import ids, rec, recs
 from worker.core.batcher import MicroBatcher
 from worker.core.records import Batch, Record, TopicPartition
@@ -174,7 +175,7 @@ def _on_partition(p: int) -> Callable[[Record], bool]:
     return lambda r: r.tp.partition == p
 
 
-@settings(max_examples=250, deadline=None)
+@settings(max_examples=examples(250), deadline=None)
 @given(ops=ops, max_batch=st.integers(1, 8), max_wait=st.sampled_from([0.0, 0.005, 0.02]),
        bucket=st.sampled_from([0, 10]))
 def test_every_record_out_exactly_once_batches_valid(ops: list[tuple[str, int, float]], max_batch: int,

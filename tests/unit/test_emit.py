@@ -8,10 +8,11 @@ from typing import Any
 import msgspec
 import pytest
 from confluent_kafka import KafkaError
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from schemas import DeadLetter, Result
+from tests.support.props import examples
 from tests.unit.fakes_kafka import FakeModel, FakeProducer, FakeTime, Harness, Produced, make_config, request
 from worker.core.records import Outcome, Record, TopicPartition
 from worker.emit import SWITCH_AFTER_S, Emitter, _Pending
@@ -322,26 +323,42 @@ def test_a_retry_that_fails_again_is_not_confirmed(clock: FakeTime) -> None:
     assert calls.done == [0] and [m.error is None for m in p.produced] == [False, False, True]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
+@example(ops=[("ok", 0, 1), ("fail", 1, 1), ("hold", 0, 1), ("retry", 0, 1), ("settle", 0, 1), ("ok", 0, 1),
+              ("ok", 0, 1), ("deliver", 0, 1), ("deliver", 1, 1), ("hold", 1, 1), ("retry", 0, 1),
+              ("settle", 0, 1)])
+@example(ops=[("ok", 0, 1), ("fail", 0, 1), ("deliver", 0, 1), ("fail", 0, 1), ("retry", 0, 2), ("settle", 0, 1)])
 @given(st.lists(st.tuples(st.sampled_from(["ok", "dlq", "deliver", "fail", "hold", "release", "settle", "retry"]),
                           st.integers(0, 3), st.integers(1, 5)), max_size=60))
 def test_a_record_is_done_only_when_every_message_of_its_last_round_is_delivered(
         ops: list[tuple[str, int, int]]) -> None:
     """Random sends (one or two messages per record), acknowledgements in any order, failures and settling on
     two producers: no record is done before each message of its last send round is delivered, none twice, and
-    once the broker takes everything, every record ends done or failed."""
+    once the broker takes everything, every record ends done or failed.
+
+    A record's last round is its last messages in the order they were sent across both producers: a retry
+    goes on whichever producer is current, so its round can sit on the first producer while the failed round
+    sits on the second (the first example: record 1 fails on P1 and is retried, and delivered, on P0). The
+    second: a retried round that fails again leaves its entry on the producer it went on, which then settles
+    with nothing outstanding; that entry confirms nothing."""
     with pytest.MonkeyPatch.context() as mp:
         import worker.emit
 
         clock = FakeTime()
         mp.setattr(worker.emit, "time", clock)
         prods = [FakeProducer(config={"delivery.report.only.error": True}) for _ in range(2)]
+        journal: list[Produced] = []  # every message of both producers, in the order it was sent
+        for prod in prods:
+            def produce(*args: Any, _prod: FakeProducer = prod, _produce: Any = prod.produce, **kw: Any) -> None:
+                _produce(*args, **kw)
+                journal.append(_prod.produced[-1])
+            prod.produce = produce  # type: ignore[method-assign]
         calls = Calls()
         em = emitter(prods[0], calls, spare=prods[1], max_retries=3)
         offset = 0
 
         def sent(off: int) -> list[Produced]:
-            return [m for p in prods for m in p.produced
+            return [m for m in journal
                     if (int(m.header("x-source-offset") or -1) if m.topic == "dlq" else m.json()["source"]["offset"]) == off]
 
         def check() -> None:

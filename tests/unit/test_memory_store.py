@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.support.props import examples
 from worker.adapters.memory_store import MemoryStore, as_time_fn, cache_key, make_store
 from worker.config import RedisConfig
 
@@ -142,7 +143,7 @@ def test_make_store_without_url_is_memory_with_config_ttls() -> None:
     assert make_store(RedisConfig()).get_cached("k") is None  # cache is off by default
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["get", "put"]), st.integers(0, 6)), max_size=60))
 def test_lru_matches_a_reference_model(ops: list[tuple[str, int]]) -> None:
     s, _ = store(max_cache_entries=3)
@@ -199,7 +200,7 @@ def test_incr_attempts_many_matches_per_key_calls() -> None:
     assert s.incr_attempts_many(["t:0:2", "t:0:3"]) == [1, 1]
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(st.lists(st.lists(st.sampled_from(["a", "b", "c"]), max_size=5), max_size=8))
 def test_incr_attempts_many_equals_sequential_incr(batches: list[list[str]]) -> None:
     many, _ = store()

@@ -6,6 +6,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from tests.support.props import examples
 from worker.core.offsets import OffsetTracker
 from worker.core.records import TopicPartition
 
@@ -257,7 +258,7 @@ class TrackerMachine(RuleBasedStateMachine):
                 assert offered.get(tp, self.committed.get(tp)) == want
 
 
-TrackerMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+TrackerMachine.TestCase.settings = settings(max_examples=examples(100), stateful_step_count=30, deadline=None)
 test_tracker_state_machine = TrackerMachine.TestCase
 
 
@@ -327,5 +328,5 @@ class LossMachine(RuleBasedStateMachine):
         assert set(self.t.lost()) == set(self.lost)
 
 
-LossMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+LossMachine.TestCase.settings = settings(max_examples=examples(100), stateful_step_count=40, deadline=None)
 test_loss_state_machine = LossMachine.TestCase

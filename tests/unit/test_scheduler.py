@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.support.props import examples
 from tests.unit.fakes import FakeClock, ids, lanes, rec, recs
 from worker.core import scheduler as scheduler_module
 from worker.core.records import Batch, Record, TopicPartition
@@ -348,7 +349,7 @@ def test_adaptive_keeps_as_many_tight_records_as_fit() -> None:
     assert ids(s.expire(1.0)) == ids(tight[:2])
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(budgets=st.lists(st.one_of(st.none(), st.floats(0.005, 0.03)), min_size=1, max_size=8))
 def test_adaptive_dispatch_keeps_a_largest_set_that_meets_its_deadlines(budgets: list[float | None]) -> None:
     s = trained(a=0.010, b=0.001, batch=8, wait_ms=100)
@@ -469,7 +470,7 @@ op_st = st.one_of(
 PRIORITY = {"hi": 5, "lo": 1, "default": 0}
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(ops=st.lists(op_st, min_size=10, max_size=80), policy=st.sampled_from(["fixed", "adaptive"]),
        bucket=st.sampled_from([0, 2]), weights=st.tuples(st.integers(1, 4), st.integers(1, 4)),
        fixed_cost=st.sampled_from([None, 0.002, 0.020]), fill=st.booleans())
@@ -576,7 +577,7 @@ def test_every_record_comes_out_exactly_once(ops: list[tuple[str, object, int, f
 _arrivals = st.lists(st.tuples(st.integers(0, 2), st.sampled_from([None, 0.004, 0.03])), max_size=9)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(cycles=st.lists(st.tuples(_arrivals, st.integers(0, 25), st.integers(0, 6)), min_size=5, max_size=40),
        policy=st.sampled_from(["fixed", "adaptive"]), bucket=st.sampled_from([0, 0, 2]), fill=st.booleans())
 def test_the_device_pipeline_with_top_ups_runs_every_record_exactly_once(
