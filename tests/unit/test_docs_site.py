@@ -91,6 +91,13 @@ def test_readme_is_short_and_its_links_resolve() -> None:
     assert broken == []
 
 
+def test_readme_model_example_is_the_one_the_models_page_runs() -> None:
+    # test_models.py runs the Models page's example; README shows the same code, so it cannot drift.
+    readme = re.search(r"```python\n(.*?)```", README.read_text(), re.S)
+    page = re.search(r"```python\n(.*?)```", (DOCS / "models.md").read_text(), re.S)
+    assert readme and page and readme.group(1) == page.group(1)
+
+
 def test_readme_keeps_the_test_command_ci_runs() -> None:
     # .ci/run runs `make test`; README says so, next to the command.
     assert "make test" in (ROOT / ".ci" / "run").read_text().splitlines()[-1]
