@@ -26,6 +26,7 @@ test:
 	  $$PY -m ruff check worker schemas tests && \
 	  $$PY -m mypy && \
 	  PYTHONPATH=$(CURDIR) $$PY -m schemas.export --check && \
+	  NO_MKDOCS_2_WARNING=1 $$PY -m mkdocs build --strict --quiet --site-dir $(DOCS_SITE) && \
 	  PYTHONPATH=$(CURDIR) $$PY -m pytest tests -p no:cacheprovider $(PYTEST_ARGS)
 
 unit:
@@ -36,6 +37,13 @@ lint:
 
 schemas:
 	@$(GET_PY); PYTHONPATH=$(CURDIR) $$PY -m schemas.export
+
+# The documentation site from docs/ (mkdocs.yml), strict: a broken link or anchor fails it. make test builds
+# it too. DOCS_SITE: where it goes (site/ is ignored by git).
+DOCS_SITE ?= $(CURDIR)/site
+.PHONY: docs
+docs:
+	@$(GET_PY); cd $(CURDIR) && NO_MKDOCS_2_WARNING=1 $$PY -m mkdocs build --strict --site-dir $(DOCS_SITE)
 
 bench:
 	@$(GET_PY); PYTHONPATH=$(CURDIR) $$PY -m tests.bench.run_all

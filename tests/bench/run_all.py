@@ -4,8 +4,9 @@ Runs the benchmark scenarios against one Kafka broker ($KAFKA_BOOTSTRAP_SERVERS,
 prints one table (scenario, figure, baseline, ratio, target, verdict) and writes ``results.json`` and PNG plots
 to ``docs/bench/``. Only a full run writes there: ``--quick`` (smaller counts) and ``--only`` write to
 /tmp/kiw-bench-quick and /tmp/kiw-bench-only unless --out is given, so the published table is always one run
-of every scenario, never rows picked from several. A full run also rewrites ``docs/fragments/benchmarks.md``
-and README's "Benchmarks" section from it (keeping whatever follows the fragment's ``<!-- notes -->`` marker).
+of every scenario, never rows picked from several. A full run also rewrites the results section of
+``docs/benchmarks.md`` (between its ``<!-- results: begin -->`` and ``<!-- results: end -->`` markers; the
+rest of the page is written by hand).
 Every figure is a ratio against a baseline measured in the same run; nothing here asserts on time. The exit
 status is 1 when a scenario or a plot failed, or a figure with a target could not be measured (verdict FAIL).
 
@@ -19,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -31,13 +33,15 @@ from tests.bench.common import ROOT, Broker, Ctx, log, percentile, workdir
 
 SCENARIOS = {"pipeline": pipeline, "batching": batching, "realmodel": realmodel, "latency": latency,
              "scaleout": scaleout, "memory": memory}
-# Describes the machine in README's summary; e.g. KIW_BENCH_MACHINE="2-core shared VM, CPU only".
+# Describes the machine in the results section; e.g. KIW_BENCH_MACHINE="2-core shared VM, CPU only".
 MACHINE = os.environ.get("KIW_BENCH_MACHINE") or f"{os.cpu_count()}-core machine, CPU only"
-FRAGMENT = ROOT / "docs" / "fragments" / "benchmarks.md"
-README = ROOT / "README.md"
-NOTES_MARK = "<!-- notes -->"
-# README's section is everything between these two headings (the GPU part is written by hand).
-README_START, README_END = "## Benchmarks\n\n", "\n### GPU\n"
+PAGE = ROOT / "docs" / "benchmarks.md"
+# The generated part of the page lies between these two markers.
+BEGIN, END = "<!-- results: begin (written by python -m tests.bench.run_all) -->\n", "<!-- results: end -->"
+# The scenarios' row labels carry the numbers of the performance goals they check ("7.1", "3 / 7.2"); the
+# published table names what a row measures instead.
+_GOAL_NUMBERS = re.compile(r"^(?:\d+(?:\.\d+)?\s*/\s*)*\d+(?:\.\d+)?\s+")
+_LABEL_WORDS = (("batching vs seeds", "batching vs other batchers"), ("seed 000 ", ""), ("seed 003 ", ""))
 
 
 def git_commit() -> str:
@@ -46,7 +50,7 @@ def git_commit() -> str:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()
         changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                  ":!docs/bench", ":!docs/fragments", ":!README.md"], cwd=ROOT,
+                                  ":!docs/bench", ":!docs/benchmarks.md"], cwd=ROOT,
                                  capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -61,11 +65,20 @@ def _fmt(x: Any) -> str:
     return str(x)
 
 
+def label(text: str) -> str:
+    """A row label as published: what it measures, without the goal numbers ("7.2 batching vs seeds")."""
+    text = _GOAL_NUMBERS.sub("", text)
+    for old, new in _LABEL_WORDS:
+        text = text.replace(old, new)
+    return text
+
+
 def table(rows: list[dict[str, Any]]) -> list[str]:
     head = ["scenario", "figure", "value", "baseline", "baseline value", "ratio", "target", "verdict"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        out.append("| " + " | ".join([r["scenario"], r["figure"], _fmt(r["value"]), r["baseline"],
+        out.append("| " + " | ".join([label(r["scenario"]), r["figure"], _fmt(r["value"]),
+                                      label(r["baseline"]),
                                       _fmt(r["baseline_value"]), f"{r['ratio']:.2f}" if r["ratio"] == r["ratio"]
                                       else "n/a", r["target"], r["verdict"]]) + " |")
     return out
@@ -111,15 +124,10 @@ def _runs_line(results: dict[str, Any]) -> str:
     return ", then ".join(parts)
 
 
-def write_fragment(results: dict[str, Any]) -> None:
-    notes = ""
-    if FRAGMENT.exists():
-        text = FRAGMENT.read_text()
-        if NOTES_MARK in text:
-            notes = text.split(NOTES_MARK, 1)[1]
+def write_page(results: dict[str, Any]) -> None:
     sc = results["scenarios"]
     lines = [
-        "### Results",
+        "## Results",
         "",
         f"Measured {results['date']} on a {results['machine']} (figures are noisy, so every one is a ratio against",
         f"a baseline measured in the same run), with a local single-node Kafka broker "
@@ -128,12 +136,13 @@ def write_fragment(results: dict[str, Any]) -> None:
         "",
         *table(results["table"]),
         "",
-        "Targets are from the performance issues; `info` rows have none. Synthetic model: `a + b*n` per batch with",
-        "a = 20 ms, b = 1 ms (it sleeps, releasing the GIL as a GPU wait does), so the ideal saturated rate at",
-        "max batch 32 is 32 / 52 ms = 615 records/s. End-to-end latency is the result's `timings.e2e_ms` (result",
-        "time - request Kafka timestamp). \"Ideal\" latency figures come from simulating a perfect work-conserving",
-        "batcher (one queue, lanes mixed, takes up to 32 queued records whenever it is free, service a + b*n, no",
-        "Kafka) on the very same arrival times: what batching alone allows at that load.",
+        "Targets are the project's performance goals; `info` rows have none. Synthetic model: `a + b*n`",
+        "per batch with a = 20 ms, b = 1 ms (it sleeps, releasing the GIL as a GPU wait does), so the ideal",
+        "saturated rate at max batch 32 is 32 / 52 ms = 615 records/s. End-to-end latency is the result's",
+        "`timings.e2e_ms` (result time - request Kafka timestamp). \"Ideal\" latency figures come from",
+        "simulating a perfect work-conserving batcher (one queue, lanes mixed, takes up to 32 queued records",
+        "whenever it is free, service a + b*n, no Kafka) on the very same arrival times: what batching alone",
+        "allows at that load.",
         "",
     ]
     if "latency" in sc and "steps" in sc["latency"]:
@@ -143,54 +152,23 @@ def write_fragment(results: dict[str, Any]) -> None:
                   "p99 then counts only what the ideal batcher would have finished by the worker's last result:", "",
                   *lane_table(sc["latency"]), ""]
     lines += [
-        "Plots: [throughput and latency vs batch size](docs/bench/batch_size.png),",
-        "[latency CDF per lane](docs/bench/latency_cdf.png),",
-        "[overload timeline](docs/bench/overload_timeline.png) (in-flight records, consumer lag, paused partitions,",
-        "results/s and RSS under 10x overload); every figure in `docs/bench/results.json`.",
+        "Plots: [throughput and latency vs batch size](bench/batch_size.png),",
+        "[latency CDF per lane](bench/latency_cdf.png),",
+        "[overload timeline](bench/overload_timeline.png) (in-flight records, consumer lag, paused",
+        "partitions, results/s and RSS under 10x overload); every figure in",
+        "[`bench/results.json`](bench/results.json).",
         "",
-        "### Running the benchmarks",
-        "",
-        "```bash",
-        "make bench                                            # everything, 13-16 min on 2 cores",
-        "PYTHONPATH=. python -m tests.bench.run_all --quick    # smaller counts, ~5 min (output in /tmp)",
-        "PYTHONPATH=. python -m tests.bench.run_all --only latency,memory",
-        "PYTHONPATH=. python -m tests.bench.run_all --rerender # table, plots, this section from results.json",
-        "PYTHONPATH=. python -m tests.bench.profile_worker --tool pyinstrument   # where the loop thread's time goes",
-        "PYTHONPATH=. python -m tests.bench.profile_worker --tool none --metrics # CPU per record, split by thread",
-        "PYTHONPATH=. python -m tests.bench.stage_costs       # CPU per record of each loop-thread step",
-        "PYTHONPATH=. python -m tests.bench.overload_sim      # the 2x-overload step replayed on the scheduler, no Kafka",
-        "                                                      # (--load 0.5,0.9,2 --fill --high-max-batch 24: other loads and lane settings)",
-        "PYTHONPATH=. python -m tests.bench.resume_fetch      # first record after a resume, with and without the wake-up",
-        "PYTHONPATH=. python -m tests.bench.light_load        # e2e latency of one worker at 100-2000 records/s, warm broker",
-        "```",
-        "",
-        "They start their own Kafka broker unless `KAFKA_BOOTSTRAP_SERVERS` is set, with its data on tmpfs",
-        "(`/dev/shm`) when that has 4 GB free (`KIW_BENCH_BROKER_DISK=1` keeps it on disk): on the development VM the",
-        "disk stalled the broker's appends and fetches for 100-200 ms a minute or two after the pipeline scenario",
-        "(a bare consumer's Kafka hop p99 40-90 ms instead of 2-3), in every run of that sequence on disk and in none",
-        "on tmpfs. Every system in a run uses the same broker. A run killed outright (SIGKILL) leaves its",
-        "`/dev/shm/kiw-kafka-*` directory behind, holding memory until it is removed. Baselines: a plain",
-        "confluent-kafka consume -> produce -> commit loop (`tests/bench/raw_loop.py`), a Quix Streams application",
-        "(`tests/bench/quix_app.py`), the batchers of the two design articles re-implemented as written",
-        "(`tests/bench/seed_batchers.py`), and the `minilm` handler run offline on the same texts",
-        "(`tests/bench/offline_minilm.py`).",
-        "",
-        NOTES_MARK,
     ]
-    FRAGMENT.parent.mkdir(parents=True, exist_ok=True)
-    text = "\n".join(lines) + (notes if notes else "\n")
-    FRAGMENT.write_text(text)
-    splice_readme(text)
+    splice_page("\n".join(lines))
 
 
-def splice_readme(fragment: str) -> None:
-    """README's "Benchmarks" section = the fragment without its notes marker, up to the "GPU" heading."""
-    readme = README.read_text()
-    start, end = readme.find(README_START), readme.find(README_END)
+def splice_page(section: str) -> None:
+    """The page's results section = ``section``, between the markers; the hand-written rest stays."""
+    page = PAGE.read_text()
+    start, end = page.find(BEGIN), page.find(END)
     if start < 0 or end < start:
-        raise RuntimeError(f"README.md has no {README_START.strip()!r} section followed by {README_END.strip()!r}")
-    body = fragment.replace(NOTES_MARK + "\n", "").rstrip("\n") + "\n"
-    README.write_text(readme[:start + len(README_START)] + body + readme[end:])
+        raise RuntimeError(f"{PAGE} has no {BEGIN.strip()!r} ... {END!r} markers")
+    PAGE.write_text(page[:start + len(BEGIN)] + section.rstrip("\n") + "\n" + page[end:])
 
 
 def draw(name: str, res: dict[str, Any], out: Path) -> str | None:
@@ -235,7 +213,7 @@ def failures(results: dict[str, Any], names: list[str]) -> list[str]:
     return out
 
 
-def rerender(out: Path, fragment: bool) -> int:
+def rerender(out: Path, page: bool) -> int:
     """Same measurements, summaries recomputed by the current code (scenarios with a ``summarize``)."""
     path = out / "results.json"
     results = json.loads(path.read_text())
@@ -252,8 +230,8 @@ def rerender(out: Path, fragment: bool) -> int:
     results["table"] = all_rows(results)
     path.write_text(json.dumps(results, indent=1, sort_keys=True, default=str))
     print("\n".join(table(results["table"])))
-    if fragment and out == ROOT / "docs" / "bench":
-        write_fragment(results)
+    if page and out == ROOT / "docs" / "bench":
+        write_page(results)
     bad = failures(results, list(results["scenarios"]))
     for line in bad:
         print(f"FAILED {line}")
@@ -268,12 +246,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None,
                     help="output folder (default: docs/bench for a full run, /tmp/kiw-bench-quick with --quick, "
                          "/tmp/kiw-bench-only with --only)")
-    ap.add_argument("--no-fragment", action="store_true", help="do not rewrite docs/fragments/benchmarks.md")
+    ap.add_argument("--no-page", action="store_true",
+                    help="do not rewrite the results section of docs/benchmarks.md")
     ap.add_argument("--rerender", action="store_true",
-                    help="measure nothing: rebuild the table, plots and README section from the stored results.json")
+                    help="measure nothing: rebuild the table, plots and the page's results section from the "
+                         "stored results.json")
     args = ap.parse_args(argv)
     if args.rerender:
-        return rerender(Path(args.out) if args.out else ROOT / "docs" / "bench", not args.no_fragment)
+        return rerender(Path(args.out) if args.out else ROOT / "docs" / "bench", not args.no_page)
     names = list(SCENARIOS) if not args.only else [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
@@ -316,9 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("\n".join(table(results["table"])))
     print(f"\ntotal {runtime / 60:.1f} min; results in {results_path} (commit {results['commit']})")
-    if not args.quick and not args.only and not args.no_fragment and out == ROOT / "docs" / "bench":
-        write_fragment(results)
-        print(f"README section written to {FRAGMENT} and README.md")
+    if not args.quick and not args.only and not args.no_page and out == ROOT / "docs" / "bench":
+        write_page(results)
+        print(f"results section written to {PAGE}")
     bad = failures(results, names)
     for line in bad:
         print(f"FAILED {line}")

@@ -164,10 +164,14 @@ def test_a_failed_scenario_keeps_a_row_and_fails_the_run(tmp_path: Any, monkeypa
     assert "only 10/20 results" in results["table"][1]["figure"]
     bad = run_all.failures(results, ["pipeline", "latency", "scaleout"])
     assert len(bad) == 3 and any("plot failed" in b for b in bad)
-    # The README's section is replaced between its heading and the GPU heading, the notes marker dropped.
-    readme = tmp_path / "README.md"
-    readme.write_text("# x\n\n## Benchmarks\n\nold table\n\n### GPU\n\nby hand\n\n## Development\n")
-    monkeypatch.setattr(run_all, "README", readme)
-    run_all.splice_readme("### Results\n\nnew table\n\n<!-- notes -->\nnotes\n")
-    assert readme.read_text() == ("# x\n\n## Benchmarks\n\n### Results\n\nnew table\n\nnotes\n\n### GPU\n\nby hand\n\n"
-                                  "## Development\n")
+    # The page's results section is replaced between its markers; the hand-written rest stays.
+    page = tmp_path / "benchmarks.md"
+    page.write_text(f"# x\n\n{run_all.BEGIN}old table\n{run_all.END}\n\n## GPU\n\nby hand\n")
+    monkeypatch.setattr(run_all, "PAGE", page)
+    run_all.splice_page("## Results\n\nnew table\n\n")
+    want = f"# x\n\n{run_all.BEGIN}## Results\n\nnew table\n{run_all.END}\n\n## GPU\n\nby hand\n"
+    assert page.read_text() == want
+    # Published row labels say what they measure, not which goal they check.
+    assert run_all.label("3 / 7.2 saturated throughput") == "saturated throughput"
+    assert run_all.label("7.2 batching vs seeds") == "batching vs other batchers"
+    assert run_all.label("seed 000 DynamicBatcher") == "DynamicBatcher"

@@ -281,12 +281,14 @@ def test_end_to_end_many_matches_observe_one_by_one() -> None:
 
 
 def test_readme_metrics_table_matches_what_is_exported() -> None:
-    """README's table is the operator's reference: same names (counters with ``_total``), types, labels."""
+    """The Operating page's table is the operator's reference: same names (counters with ``_total``), types,
+    labels."""
     import re
-    from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    table = readme[readme.index("### Metrics"):readme.index("### Local stack")]
+    from tests.support.readme import section
+
+    readme = section("operating")
+    table = readme[readme.index("## Metrics"):readme.index("## Queries")]
     documented = {}
     for name, kind, labels in re.findall(r"^\| `(kiw_[a-z_]+)` \| (\w+) \|([^|]*)\|", table, re.M):
         family = name.removesuffix("_total") if kind == "counter" else name
