@@ -92,7 +92,8 @@ class LimitMachine(RuleBasedStateMachine):
     snapshots = Bundle("snapshots")
 
     @initialize(grow_after=st.integers(1, 4), grow_factor=st.sampled_from([1.0, 1.25, 2.0]),
-                configured=st.one_of(st.none(), st.integers(1, 48)), cap=st.one_of(st.none(), st.integers(1, 48)))
+                configured=st.one_of(st.none(), st.integers(1, 48)),
+                cap=st.one_of(st.none(), st.integers(1, 48)))
     def setup(self, grow_after: int, grow_factor: float, configured: int | None, cap: int | None) -> None:
         self.policy = LimitPolicy(grow_after=grow_after, grow_factor=grow_factor)
         self.lim = BatchLimit(self.policy, configured)
@@ -138,7 +139,8 @@ class LimitMachine(RuleBasedStateMachine):
         self.note(self.lim.out_of_memory(n))
         self.ref.oom(n)
         self.largest = max(self.largest, n)
-        assert self.lim.limit is not None and self.lim.limit < n  # a size that ran out of memory is not retried
+        # A size that ran out of memory is not the limit (it would be retried as it is).
+        assert self.lim.limit is not None and self.lim.limit < n
         if before.limit is not None:
             assert self.lim.limit <= before.limit  # never raised by an out-of-memory error
         if before.probing:
@@ -265,7 +267,8 @@ def test_restore_puts_the_limit_back_and_keeps_what_ran() -> None:
     assert lim.limit is None and lim.good == 8 and lim.restore(before) is None
 
 
-@pytest.mark.parametrize(("kw", "match"), [({"grow_after": 0}, "grow_after"), ({"grow_factor": 0.5}, "grow_factor")])
+@pytest.mark.parametrize(("kw", "match"), [({"grow_after": 0}, "grow_after"),
+                                           ({"grow_factor": 0.5}, "grow_factor")])
 def test_a_bad_policy_is_refused_naming_the_field(kw: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         LimitPolicy(**kw)
