@@ -159,6 +159,22 @@ def test_limit_is_lifted_to_the_configured_lane_max() -> None:
     assert eng.effective_max("a") is None and limits[-1] == ("a", 64)
 
 
+def test_a_failing_on_limit_callback_is_logged_and_the_limit_still_changes(caplog: pytest.LogCaptureFixture) -> None:
+    m = synthetic(oom_above=4)
+    calls: list[int] = []
+
+    def on_limit(lane: str, n: int) -> None:
+        calls.append(n)
+        raise RuntimeError("the runner's side broke")
+
+    eng = Engine(m, "cpu", on_limit=on_limit, warmup=False, max_batch_sizes={"default": 8})
+    with caplog.at_level("WARNING", logger="worker.engine"):
+        out = eng.infer([m.decode(i) for i in range(8)])
+    assert out == list(range(8))  # not raised into the caller (a device thread)
+    assert calls == [4] and eng.effective_max("default") == 4 and eng.stats.limit_changes == 1
+    assert "on_limit callback failed" in caplog.text and "max batch size 8 -> 4" in caplog.text
+
+
 def test_oom_with_a_record_that_does_not_fit_alone() -> None:
     m = synthetic(oom_above=0)
     eng = Engine(m, "cpu", warmup=False, oom_retry_backoff_s=0)

@@ -60,9 +60,9 @@ class LaneLimits:
     configured max batch size (where a lowered limit is lifted to); other lanes get an object on first use,
     whose ceiling is the largest batch seen."""
 
-    def __init__(self, model_name: str, policy: LimitPolicy, configured: Mapping[str, int],
+    def __init__(self, model_name: Callable[[], str], policy: LimitPolicy, configured: Mapping[str, int],
                  stats: EngineStats, on_limit: LimitFn | None = None) -> None:
-        self._name = model_name
+        self._name = model_name  # (read when logging: a handler may name itself in setup())
         self._policy = policy
         self._stats = stats
         self._on_limit = on_limit
@@ -87,20 +87,14 @@ class LaneLimits:
 
     def cap(self, cap: int) -> None:
         """The model takes at most ``cap`` records at once: every configured lane's ceiling, for good."""
-        with self._lock:
-            changes = [(lane, state.cap(cap)) for lane, state in self._lanes.items()]
-        for lane, change in changes:
-            self._apply(lane, change)
+        for lane in list(self._lanes):
+            self._announce(lane, self._step(lane, lambda state: state.cap(cap)))
 
     def succeeded(self, lane: str, n: int) -> None:
-        with self._lock:
-            change = self._lane(lane).succeeded(n)
-        self._apply(lane, change)
+        self._announce(lane, self._step(lane, lambda state: state.succeeded(n)))
 
     def out_of_memory(self, lane: str, n: int) -> None:
-        with self._lock:
-            change = self._lane(lane).out_of_memory(n)
-        self._apply(lane, change)
+        self._announce(lane, self._step(lane, lambda state: state.out_of_memory(n)))
 
     def snapshot(self, lane: str) -> LimitState:
         with self._lock:
@@ -108,26 +102,22 @@ class LaneLimits:
 
     def restore(self, lane: str, state: LimitState) -> None:
         """Back to ``state``: a record, not the batch size, ran out of memory."""
-        with self._lock:
-            change = self._lane(lane).restore(state)
-        if change is not None:
-            self._count()
-            log.warning("model %s lane %s: a record runs out of memory even alone, so the batch size was not "
-                        "the cause: max batch size %s -> %s%s", self._name, lane, change.before, change.after,
-                        " (limit lifted)" if change.lifted else "")
-            self._notify(lane, change)
+        self._announce(lane, self._step(lane, lambda limit: limit.restore(state)),
+                       "a record runs out of memory even alone, so the batch size was not the cause: ")
 
-    def _apply(self, lane: str, change: LimitChange | None) -> None:
+    def _step(self, lane: str, step: Callable[[BatchLimit], LimitChange | None]) -> LimitChange | None:
+        with self._lock:
+            change = step(self._lane(lane))
+            if change is not None:
+                self._stats.limit_changes += 1
+        return change
+
+    def _announce(self, lane: str, change: LimitChange | None, why: str = "") -> None:
         if change is None:
             return
-        self._count()
-        log.warning("model %s lane %s: max batch size %s -> %s%s", self._name, lane, change.before,
+        log.warning("model %s lane %s: %smax batch size %s -> %s%s", self._name(), lane, why, change.before,
                     change.after, " (limit lifted)" if change.lifted else "")
         self._notify(lane, change)
-
-    def _count(self) -> None:
-        with self._lock:
-            self._stats.limit_changes += 1
 
     def _notify(self, lane: str, change: LimitChange) -> None:
         """Tells the runner (``on_limit``) the lane's new max batch size; a failing callback is logged, not
@@ -188,9 +178,9 @@ class Recovery:
         # raising site -> when its traceback was logged
         self._tb_logged: dict[tuple[str, str, int], float] = {}
 
-    def _count(self, what: str) -> None:
+    def _count_oom(self) -> None:
         with self._lock:
-            setattr(self._stats, what, getattr(self._stats, what) + 1)
+            self._stats.oom += 1
 
     def infer(self, items: Sequence[Any], lane: str) -> Results:
         """Outputs in input order; a record that fails (alone) gets its exception object instead. Batches
@@ -251,7 +241,8 @@ class Recovery:
         if n == 1:
             if oom:
                 return self._alone_out_of_memory(items, lane, exc)
-            self._count("poison")
+            with self._lock:
+                self._stats.poison += 1
             log.warning("model %s: record failed alone in lane %s: %r", eng.name, lane, exc)
             return [exc]
         del exc
@@ -268,7 +259,7 @@ class Recovery:
         if chain is None:
             chain = self._tl.chain = _OomChain(self._limits.snapshot(lane))
         chain.failed.append({id(x) for x in items})
-        self._count("oom")
+        self._count_oom()
         self._engine.release_memory()
         self._limits.out_of_memory(lane, len(items))
         try:
@@ -287,7 +278,7 @@ class Recovery:
         on the GPU, fragmentation, the tensors of the failed forward): free what can be and retry it a few
         times before it gets the error."""
         eng = self._engine
-        self._count("oom")
+        self._count_oom()
         for attempt in range(1, self.oom_retries + 1):
             eng.release_memory(collect=True)
             time.sleep(self.oom_retry_backoff_s * attempt)
@@ -299,7 +290,7 @@ class Recovery:
                 if not is_oom(e):
                     return self.recover(items, lane, e)  # poison or a device error after all
                 drop_frames(e)
-                self._count("oom")
+                self._count_oom()
                 exc = e
                 continue
             log.info("model %s lane %s: a record that ran out of memory alone ran on retry %d", eng.name,
