@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
+from worker.core.lane_settings import LaneSettings
 from worker.logs import is_secret_key
 from worker.logs import redact as redact_log
 
@@ -99,6 +100,10 @@ class LaneConfig(_Strict):
     # A partial batch of this lane takes the oldest records of lower-priority lanes into its free slots
     # (up to max_batch_size): full batches under overload, at b per added record to this lane's latency.
     fill_with_lower: bool = False
+
+    def settings(self) -> LaneSettings:
+        """The scheduler's frozen view of this lane (``worker.core.lane_settings``)."""
+        return LaneSettings.of(self)
 
 
 class BatchingConfig(_Strict):

@@ -159,6 +159,22 @@ def test_limit_is_lifted_to_the_configured_lane_max() -> None:
     assert eng.effective_max("a") is None and limits[-1] == ("a", 64)
 
 
+def test_a_failing_on_limit_callback_is_logged_and_the_limit_still_changes(caplog: pytest.LogCaptureFixture) -> None:
+    m = synthetic(oom_above=4)
+    calls: list[int] = []
+
+    def on_limit(lane: str, n: int) -> None:
+        calls.append(n)
+        raise RuntimeError("the runner's side broke")
+
+    eng = Engine(m, "cpu", on_limit=on_limit, warmup=False, max_batch_sizes={"default": 8})
+    with caplog.at_level("WARNING", logger="worker.engine"):
+        out = eng.infer([m.decode(i) for i in range(8)])
+    assert out == list(range(8))  # not raised into the caller (a device thread)
+    assert calls == [4] and eng.effective_max("default") == 4 and eng.stats.limit_changes == 1
+    assert "on_limit callback failed" in caplog.text and "max batch size 8 -> 4" in caplog.text
+
+
 def test_oom_with_a_record_that_does_not_fit_alone() -> None:
     m = synthetic(oom_above=0)
     eng = Engine(m, "cpu", warmup=False, oom_retry_backoff_s=0)
@@ -735,13 +751,13 @@ def test_forward_never_runs_on_two_threads_at_once() -> None:
 
 
 def test_a_mapping_batch_keeps_its_type_when_moved() -> None:
-    from worker.adapters.torch_engine import _map_tensors
+    from worker.adapters.torch_device import map_tensors
 
     class Encoding(dict):  # like transformers' BatchEncoding: a dict with attribute access
         def __getattr__(self, k: str) -> Any:
             return self[k]
 
-    moved = _map_tensors(Encoding(input_ids=torch.zeros(2, 3)), lambda t: t + 1)
+    moved = map_tensors(Encoding(input_ids=torch.zeros(2, 3)), lambda t: t + 1)
     assert type(moved) is Encoding and moved.input_ids.sum().item() == 6
 
 
@@ -750,14 +766,14 @@ def test_a_dataclass_batch_is_moved_too() -> None:
     CPU, and on a GPU every record failed."""
     import dataclasses as dc
 
-    from worker.adapters.torch_engine import _map_tensors
+    from worker.adapters.torch_device import map_tensors
 
     @dc.dataclass
     class Inputs:
         ids: torch.Tensor
         lengths: list[int]
 
-    moved = _map_tensors(Inputs(torch.zeros(2), [1, 2]), lambda t: t + 1)
+    moved = map_tensors(Inputs(torch.zeros(2), [1, 2]), lambda t: t + 1)
     assert isinstance(moved, Inputs) and moved.ids.tolist() == [1.0, 1.0] and moved.lengths == [1, 2]
 
 
@@ -768,17 +784,17 @@ def test_a_packed_sequence_batch_keeps_its_batch_sizes_on_the_cpu() -> None:
     stands in for one."""
     from torch.nn.utils.rnn import PackedSequence, pack_sequence
 
-    from worker.adapters.torch_engine import _map_tensors, _tensors
+    from worker.adapters.torch_device import map_tensors, tensors
 
     packed = pack_sequence([torch.ones(3, 2), torch.zeros(1, 2)], enforce_sorted=False)
-    moved = _map_tensors({"x": packed}, lambda t: t.to("meta"))["x"]
+    moved = map_tensors({"x": packed}, lambda t: t.to("meta"))["x"]
     assert isinstance(moved, PackedSequence)
     assert moved.data.device.type == "meta" and moved.batch_sizes.device.type == "cpu"
     assert moved.sorted_indices is not None and moved.sorted_indices.device.type == "meta"
     assert moved.batch_sizes.tolist() == packed.batch_sizes.tolist()
-    assert {t.device.type for t in _tensors(moved)} == {"meta", "cpu"}  # record_stream skips the CPU one
+    assert {t.device.type for t in tensors(moved)} == {"meta", "cpu"}  # record_stream skips the CPU one
     sorted_packed = pack_sequence([torch.ones(3, 2), torch.zeros(1, 2)])  # no indices
-    again = _map_tensors(sorted_packed, lambda t: t.to("meta"))
+    again = map_tensors(sorted_packed, lambda t: t.to("meta"))
     assert again.data.device.type == "meta" and again.sorted_indices is None
 
 # ------------------------------------------------------------------------------- device errors, OOM retries
@@ -1023,11 +1039,11 @@ def test_a_handler_exception_is_logged_with_its_traceback_once_per_site(caplog: 
 
 
 def test_tensors_finds_what_map_tensors_moves() -> None:
-    """record_stream (CUDA) runs on what ``_tensors`` yields: it skipped dataclass batches that ``_map_tensors``
+    """record_stream (CUDA) runs on what ``tensors`` yields: it skipped dataclass batches that ``map_tensors``
     had moved, so the copy stream's allocator could reuse their memory while forward still read it."""
     import dataclasses as dc
 
-    from worker.adapters.torch_engine import _map_tensors, _tensors
+    from worker.adapters.torch_device import map_tensors, tensors
 
     @dc.dataclass
     class Inputs:
@@ -1041,8 +1057,8 @@ def test_tensors_finds_what_map_tensors_moves() -> None:
         moved.append(t)
         return t
 
-    _map_tensors(batch, fn)
-    assert sorted(id(t) for t in _tensors(batch)) == sorted(id(t) for t in moved) and len(moved) == 3
+    map_tensors(batch, fn)
+    assert sorted(id(t) for t in tensors(batch)) == sorted(id(t) for t in moved) and len(moved) == 3
 
 
 def test_a_recovered_batch_is_marked_so_its_time_does_not_feed_the_latency_model() -> None:
@@ -1136,7 +1152,9 @@ def test_a_prefetched_batch_over_its_lowered_limit_is_not_one_observation_of_the
             if todo:
                 b = todo.pop(0)
                 if b.records[0].offset == 10:
-                    eng._set_limit("default", 2, grow=False)  # an OOM lowered it after this one was taken
+                    # An OOM (of a batch of 4, recovered here) lowers the limit to 2 after this one was taken.
+                    eng.recover(list(range(4)), "default", torch.cuda.OutOfMemoryError("CUDA out of memory"))
+                    assert eng.effective_max("default") == 2
                 return b
         time.sleep(timeout)
         return None

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from tests.support.props import examples
 from tests.unit.fakes import FakeClock, ids, lanes, rec, recs
-from worker.core import scheduler as scheduler_module
+from worker.core import lane as lane_module
 from worker.core.records import Batch, Record, TopicPartition
 from worker.core.scheduler import PriorityScheduler
 
@@ -891,7 +891,7 @@ def test_the_bucket_top_up_looks_only_so_far_down_the_ready_batches(monkeypatch:
                                                                       topped_up: bool) -> None:
     # The later record of the short batch's bucket is the third ready batch behind it: found when the scan
     # reaches that far, left for its own batch when not (the scan is bounded: a lane can hold thousands).
-    monkeypatch.setattr(scheduler_module, "TOP_UP_SCAN", scan)
+    monkeypatch.setattr(lane_module, "TOP_UP_SCAN", scan)
     s = PriorityScheduler(lanes({"name": "default", "max_batch_size": 4, "max_wait_ms": 10}), "default", "fixed",
                           bucket_width=8)
     early, mid, far, late = recs(1, size=3), recs(4, size=20), recs(4, size=40), recs(1, size=3)
@@ -1230,3 +1230,25 @@ def test_a_filled_batch_a_free_device_took_is_not_preempted() -> None:
     assert not s.start(b)  # taken by a free device, not ahead
     assert s.preempt(b, 0.002) is None  # it runs: only a batch taken ahead is swapped out
     assert (s.queued("hi"), s.queued("mid"), s.queued("lo")) == (1, 0, 0)
+
+
+def test_a_lane_config_converts_to_the_schedulers_own_settings() -> None:
+    from worker.config import LaneConfig
+    from worker.core.lane_settings import LaneSettings, LaneSpec
+
+    cfg = LaneConfig(name="hi", topics=["t"], weight=3.0, priority=7, max_batch_size=5, max_wait_ms=2.5,
+                     deadline_ms=100.0, queue_bound=9, fill_with_lower=True)
+    settings = cfg.settings()
+    spec_fields = [n for n in vars(LaneSpec) if not n.startswith("_")]
+    assert sorted(spec_fields) == sorted(LaneSettings.__dataclass_fields__)  # nothing read is left unconverted
+    assert all(getattr(settings, n) == getattr(cfg, n) for n in spec_fields)
+    # The scheduler takes either, and behaves the same with both.
+    a = PriorityScheduler([cfg, LaneConfig(name="lo")], "lo")
+    b = PriorityScheduler([settings, LaneSettings(name="lo")], "lo")
+    for s in (a, b):
+        feed(s, [rec("hi", offset=i) for i in range(5)], now=0.0)
+    batch_a, batch_b = a.next_batch(0.0), b.next_batch(0.0)
+    assert batch_a is not None and batch_b is not None
+    assert ids(batch_a.records) == ids(batch_b.records) and a.stats() == b.stats()
+    with pytest.raises(ValueError, match="lane 'x': weight must be > 0"):
+        LaneSettings(name="x", weight=0.0)
