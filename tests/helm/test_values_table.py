@@ -9,9 +9,13 @@ import values_table
 import yaml
 
 
-def test_committed_table_is_the_generated_one() -> None:
+def test_committed_tables_are_the_generated_one() -> None:
     assert values_table.OUT.read_text() == values_table.render(), (
         "docs/helm-values.md is stale: run python tests/helm/values_table.py --write")
+    readme = values_table.README.read_text()
+    assert values_table.readme(readme) == readme, (
+        "the chart README's values table is stale: run python tests/helm/values_table.py --write")
+    assert values_table.table() in readme
     assert values_table.main(["--check"]) == 0
 
 
@@ -36,3 +40,15 @@ def test_a_value_missing_from_the_schema_is_named(tmp_path, monkeypatch) -> None
         {"properties": {"image": {"type": "object", "properties": {"repository": {"type": "string"}}}}}))
     monkeypatch.setattr(values_table, "CHART", chart)
     assert values_table.main([]) == 2
+
+
+def test_stale_docs_are_found(tmp_path, monkeypatch) -> None:
+    out, readme = tmp_path / "helm-values.md", tmp_path / "README.md"
+    out.write_text(values_table.render())
+    readme.write_text(f"# chart\n{values_table.START}| old |\n{values_table.END}\nmore\n")
+    monkeypatch.setattr(values_table, "OUT", out)
+    monkeypatch.setattr(values_table, "README", readme)
+    monkeypatch.setattr(values_table, "ROOT", tmp_path)
+    assert values_table.main(["--check"]) == 1
+    assert values_table.main(["--write"]) == 0 and values_table.main(["--check"]) == 0
+    assert readme.read_text().endswith(f"{values_table.END}\nmore\n") and "| old |" not in readme.read_text()

@@ -1,12 +1,13 @@
-"""Generates docs/helm-values.md, the chart's values in one table, from values.yaml and values.schema.json.
+"""Generates the chart's values table from values.yaml and values.schema.json: docs/helm-values.md, and the
+same table in the chart's README.md (between its values-table markers, for `helm show readme`).
 
 Each row is one value: its key, its type (from the schema), its default (from values.yaml) and its meaning
 (the comment above the key in values.yaml, or after it on the same line). `config` is one row: it is the
 worker's own config, documented on the configuration reference page.
 
     python tests/helm/values_table.py            # print the table
-    python tests/helm/values_table.py --write    # rewrite docs/helm-values.md
-    python tests/helm/values_table.py --check    # exit 1 when docs/helm-values.md differs from the values
+    python tests/helm/values_table.py --write    # rewrite docs/helm-values.md and the README's table
+    python tests/helm/values_table.py --check    # exit 1 when either differs from the values
 
 Exit 0 on success, 1 when --check finds the file stale, 2 when a value has no schema entry.
 """
@@ -25,6 +26,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "kafka-inference-worker"
 OUT = ROOT / "docs" / "helm-values.md"
+README = CHART / "README.md"
+START, END = "<!-- values-table:start -->\n", "<!-- values-table:end -->"
 # Values rendered as one row: their content is not the chart's (the worker config, free-form maps).
 WHOLE = {"config"}
 SECTION = object()  # leaves(): the row of a map taken apart into its keys
@@ -38,9 +41,8 @@ that this page matches them. `config` holds the worker's own configuration: see 
 reference. Set values with `-f my-values.yaml` or `--set key=value`; the schema refuses unknown keys and
 wrong types when the chart is rendered.
 
-| Key | Type | Default | Meaning |
-| --- | --- | --- | --- |
 """
+TABLE_HEAD = "| Key | Type | Default | Meaning |\n| --- | --- | --- | --- |\n"
 
 
 def comments(text: str) -> tuple[dict[str, str], set[str]]:
@@ -110,7 +112,7 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def render() -> str:
+def table() -> str:
     text = (CHART / "values.yaml").read_text()
     values = yaml.safe_load(text)
     schema = json.loads((CHART / "values.schema.json").read_text())
@@ -124,7 +126,20 @@ def render() -> str:
             continue
         shown = "see values.yaml" if path in WHOLE else f"`{json.dumps(default)}`"
         rows.append(f"| `{path}` | {type_of(node)} | {_cell(shown)} | {_cell(meaning)} |")
-    return HEADER + "\n".join(rows) + "\n"
+    return TABLE_HEAD + "\n".join(rows) + "\n"
+
+
+def render() -> str:
+    """docs/helm-values.md."""
+    return HEADER + table()
+
+
+def readme(text: str) -> str:
+    """The chart README ``text`` with the table between its markers replaced."""
+    head, sep, rest = text.partition(START)
+    if not sep or END not in rest:
+        raise LookupError(f"{README.relative_to(ROOT)}: no {START.strip()} ... {END} markers")
+    return head + START + table() + END + rest.partition(END)[2]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,18 +149,23 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--check", action="store_true", help=f"exit 1 when {OUT.relative_to(ROOT)} is stale")
     args = ap.parse_args(argv)
     try:
-        table = render()
+        page = render()
+        chart_readme = readme(README.read_text())
     except LookupError as e:
         print(f"values_table: {e}", file=sys.stderr)
         return 2
     if args.write:
-        OUT.write_text(table)
+        OUT.write_text(page)
+        README.write_text(chart_readme)
     elif args.check:
-        if not OUT.exists() or OUT.read_text() != table:
-            print(f"{OUT.relative_to(ROOT)} is stale: run python tests/helm/values_table.py --write", file=sys.stderr)
+        stale = [p.relative_to(ROOT) for p, want in ((OUT, page), (README, chart_readme))
+                 if not p.exists() or p.read_text() != want]
+        if stale:
+            print(f"{', '.join(map(str, stale))}: stale; run python tests/helm/values_table.py --write",
+                  file=sys.stderr)
             return 1
     else:
-        sys.stdout.write(table)
+        sys.stdout.write(page)
     return 0
 
 
