@@ -33,13 +33,18 @@ else
   fail "alerts follow prometheusRule.alerts (threshold, for, severity, disabled), extraRules appended" \
     "$(grep -nE 'alert:|for:|severity|kiw_drain' "$work/all-on-keda.yaml")"
 fi
-# Metrics on the loopback address: exec probes from inside the container; the Service then targets a proxy port.
+# Metrics on the loopback address: exec probes from inside the container; the Service then targets a proxy port,
+# which Prometheus scrapes over https (the helm test speaks plain HTTP: off).
 good_case loopback-exec-probes --set probes.mode=exec --set config.metrics.host=127.0.0.1 \
-  --set networkPolicy.enabled=true --set service.targetPort=https-metrics \
+  --set networkPolicy.enabled=true --set 'networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.team=obs' \
+  --set service.targetPort=https-metrics --set test.enabled=false \
+  --set serviceMonitor.enabled=true --set serviceMonitor.scheme=https \
+  --set serviceMonitor.tlsConfig.insecureSkipVerify=true \
   --set 'extraContainers[0].name=proxy' --set 'extraContainers[0].image=registry.example.com/proxy:1' \
   --set 'extraContainers[0].ports[0].name=https-metrics' --set 'extraContainers[0].ports[0].containerPort=9443'
 if grep -qF "urllib.request.urlopen('http://127.0.0.1:9400/readyz', timeout=3)" "$work/loopback-exec-probes.yaml" \
    && has_all "$work/loopback-exec-probes.yaml" '      targetPort: https-metrics' '        - port: https-metrics' \
+        '      scheme: https' '        insecureSkipVerify: true' \
    && ! grep -q 'httpGet' "$work/loopback-exec-probes.yaml"; then
   pass "probes.mode exec with metrics on 127.0.0.1; Service and NetworkPolicy on the proxy port"
 else

@@ -104,6 +104,11 @@ CRD_SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
                 "properties": {"port": _STR, "targetPort": {"type": ["string", "integer"]}, "path": _STR,
                                "scheme": {"enum": ["http", "https"]}, "interval": _DURATION,
                                "scrapeTimeout": _DURATION, "honorLabels": {"type": "boolean"},
+                               "tlsConfig": {"type": "object", "additionalProperties": False, "properties": {
+                                   "insecureSkipVerify": {"type": "boolean"}, "serverName": _STR,
+                                   "ca": {"type": "object"}, "cert": {"type": "object"},
+                                   "keySecret": {"type": "object"}, "caFile": _STR, "certFile": _STR,
+                                   "keyFile": _STR}},
                                "relabelings": {"type": "array", "items": {"type": "object"}},
                                "metricRelabelings": {"type": "array", "items": {"type": "object"}}}}},
         },
