@@ -9,13 +9,21 @@ good_case kafka-mtls --set autoscaling.enabled=true --set secrets.kafkaTls.enabl
   --set secrets.kafkaTls.secretName=kiw-client --set secrets.kafkaTls.certKey=tls.crt --set secrets.kafkaTls.keyKey=tls.key
 if has_all "$work/kafka-mtls.yaml" '        security.protocol: SSL' '        ssl.ca.location: /etc/kiw/kafka-tls/ca.crt' \
      '        ssl.certificate.location: /etc/kiw/kafka-tls/tls.crt' '        ssl.key.location: /etc/kiw/kafka-tls/tls.key' \
-     '            secretName: "kiw-client"' '              - key: "tls.key"' '            defaultMode: 0440' \
+     '            secretName: "kiw-client"' '              - key: "tls.key"' '            defaultMode: 288' \
      '              mountPath: /etc/kiw/kafka-tls' '        tls: "enable"' '    - parameter: cert' '    - parameter: key' \
    && ! grep -qE 'sasl|parameter: username|ssl.key.password' "$work/kafka-mtls.yaml"; then
   pass "mutual TLS: SSL, certificate files from the Secret volume, KEDA cert/key from the same Secret"
 else
   fail "mutual TLS: SSL, certificate files from the Secret volume, KEDA cert/key from the same Secret" \
     "$(grep -nE 'sasl|ssl\.|security|secretName|parameter|tls:' "$work/kafka-mtls.yaml")"
+fi
+# Without an fsGroup the Secret's files stay root's: the worker's uid reads them only world-readable (0444).
+render kafka-mtls-no-fsgroup --set secrets.kafkaTls.enabled=true --set secrets.kafkaTls.secretName=s \
+  --set podSecurityContext.fsGroup=null
+if has_all "$work/kafka-mtls-no-fsgroup.yaml" '            defaultMode: 292'; then
+  pass "TLS files 0440 with an fsGroup, 0444 without"
+else
+  fail "TLS files 0440 with an fsGroup, 0444 without" "$(grep -n defaultMode "$work/kafka-mtls-no-fsgroup.yaml"; cat "$work/kafka-mtls-no-fsgroup.err")"
 fi
 # SCRAM without TLS: SASL_PLAINTEXT; KEDA's trigger says scram_sha512 and no tls.
 good_case kafka-scram-plaintext --set autoscaling.enabled=true --set secrets.kafkaSasl.enabled=true \
@@ -43,6 +51,16 @@ else
     "$(grep -nE 'redis|url:|tls' "$work/redis-tls-acl.yaml")"
 fi
 
+# TLS to brokers with a public CA and no client certificate: SSL, no Secret, no volume, KEDA with tls only.
+good_case kafka-tls-public-ca --set autoscaling.enabled=true --set secrets.kafkaTls.enabled=true --set secrets.kafkaTls.caKey=
+if has_all "$work/kafka-tls-public-ca.yaml" '        security.protocol: SSL' '        tls: "enable"' \
+   && ! grep -qE 'ssl\.|kafka-tls|TriggerAuthentication' "$work/kafka-tls-public-ca.yaml"; then
+  pass "TLS with a public CA: SSL without a Secret volume or a TriggerAuthentication"
+else
+  fail "TLS with a public CA: SSL without a Secret volume or a TriggerAuthentication" \
+    "$(grep -nE 'ssl|security|kafka-tls|tls:|^kind' "$work/kafka-tls-public-ca.yaml")"
+fi
+
 bad_render kafka-tls-no-secret "secrets.kafkaTls.enabled needs secrets.kafkaTls.secretName" --set secrets.kafkaTls.enabled=true
 bad_render kafka-tls-cert-no-key "secrets.kafkaTls: certKey and keyKey go together" \
   --set secrets.kafkaTls.enabled=true --set secrets.kafkaTls.secretName=s --set secrets.kafkaTls.certKey=tls.crt
@@ -51,6 +69,15 @@ bad_render kafka-tls-key-password-no-key "keyPasswordKey without keyKey" \
 bad_render kafka-tls-protocol-conflict "config.kafka.consumer.security.protocol=PLAINTEXT conflicts with secrets.kafkaTls" \
   --set secrets.kafkaTls.enabled=true --set secrets.kafkaTls.secretName=s \
   --set 'config.kafka.consumer.security\.protocol=PLAINTEXT'
+# A secret written into config beside secrets.kafkaSasl: the error names the key, never the value.
+bad_render sasl-password-in-config "config.kafka.producer.sasl.password=(a value) conflicts with secrets.kafkaSasl" \
+  --set secrets.kafkaSasl.enabled=true --set secrets.kafkaSasl.secretName=s \
+  --set 'config.kafka.producer.sasl\.password=hunter2'
+if grep -q hunter2 "$work/sasl-password-in-config.err"; then
+  fail "sasl-password-in-config: the error shows the password" "$(cat "$work/sasl-password-in-config.err")"
+else
+  pass "sasl-password-in-config: the error does not show the password"
+fi
 bad_render kafka-mechanism-without-sasl "secrets.kafkaSasl.mechanism is set but secrets.kafkaSasl.enabled is false" \
   --set secrets.kafkaSasl.mechanism=PLAIN
 bad_render kafka-mechanism-unknown "secrets/kafkaSasl/mechanism" --set secrets.kafkaSasl.mechanism=SCRAM-SHA-1

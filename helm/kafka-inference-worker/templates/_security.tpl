@@ -38,7 +38,10 @@ each Secret key is mounted as a file of the same name under mountPath.
 {{- if $k }}{{ $_ := set $files $k (printf "%s/%s" (trimSuffix "/" $t.mountPath) $k) }}{{ end }}
 {{- end }}
 {{- $vol := ternary "kafka-tls" "redis-tls" (eq $side "kafkaTls") }}
+{{- /* TLS to a public CA without a client certificate needs no file. */}}
+{{- if $files }}
 {{- $out = append $out (dict "volume" $vol "secret" $t.secretName "mountPath" $t.mountPath "files" $files "from" (printf "secrets.%s" $side)) }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- $out | toJson }}
@@ -56,7 +59,9 @@ chart owns the key while .from is on, and two sources for one setting would leav
 */}}
 {{- define "kiw.own" -}}
 {{- if and (hasKey .props .key) (ne (toString (get .props .key)) (toString .value)) }}
-{{- fail (printf "%s.%s=%v conflicts with %s, which sets it to %v: remove it from config (or turn %s off)" .path .key (get .props .key) .from .value .from) }}
+{{- /* A secret the user put in config stays out of the message. */}}
+{{- $shown := ternary "(a value)" (toString (get .props .key)) (regexMatch "(?i)password|secret|token" .key) }}
+{{- fail (printf "%s.%s=%s conflicts with %s, which sets it to %v: remove it from config (or turn %s off)" .path .key $shown .from .value .from) }}
 {{- end }}
 {{- $_ := set .props .key .value }}
 {{- end }}
@@ -178,7 +183,9 @@ worker reads (SASL credentials, the TLS files and the key's passphrase), then au
 {{- $s := .Values.secrets }}
 {{- range $name := list "kafkaSasl" "kafkaTls" "redisPassword" "redisTls" }}
 {{- $v := get $s $name }}
-{{- if and $v.enabled (not $v.secretName) }}
+{{- /* TLS with neither caKey nor certKey (a public CA, no client certificate) reads no Secret. */}}
+{{- $reads := or (not (hasSuffix "Tls" $name)) $v.caKey $v.certKey }}
+{{- if and $v.enabled $reads (not $v.secretName) }}
 {{- fail (printf "secrets.%s.enabled needs secrets.%s.secretName (an existing Secret)" $name $name) }}
 {{- end }}
 {{- end }}
