@@ -7,10 +7,13 @@
 #   3. the worker config inside each rendered ConfigMap passes `worker check-config` (exit 0)
 #   4. negative cases: bad values fail at render time with the right message, and a config value the
 #      worker rejects makes `worker check-config` exit 2
+#   5. secrets and TLS (cases_security.sh), alerts, dashboard, NetworkPolicy, helm test, probes and pod extras
+#      (cases_observability.sh): rendered, validated, asserted, and their negative cases
 #
-# Usage: tests/helm/check_chart.sh   (PY: a python with the package's deps and kubernetes-validate;
+# Usage: tests/helm/check_chart.sh [--print-helm]   (PY: a python with the package's deps and kubernetes-validate;
 #        default: python3). Helm is built once from the Go module proxy into
 #        ~/.cache/kafka-inference-worker/tools/helm-$HELM_VERSION and reused; HELM=/path/helm skips that.
+#        --print-helm: only build (or find) helm and print its path.
 # Exit 0 when everything passes; non-zero otherwise. A missing tool (go, python module) is a failure.
 set -euo pipefail
 
@@ -63,6 +66,9 @@ ensure_helm() {
 }
 
 ensure_helm
+if [ "${1:-}" = "--print-helm" ]; then  # for the pytest checks: build helm if needed, print its path
+  echo "$HELM"; exit 0
+fi
 "$PY" -c "import kubernetes_validate, jsonschema, yaml" 2>/dev/null \
   || die "$PY lacks kubernetes-validate (offline Kubernetes schemas): pip install kubernetes-validate"
 
@@ -81,7 +87,8 @@ print(sys.argv[1] + ": OK")' "$1"
   }
 fi
 # The ${env:...} secret references the chart writes must resolve when the config is checked.
-export KIW_SASL_USERNAME=check-user KIW_SASL_PASSWORD=check-password KIW_REDIS_PASSWORD=check-redis
+export KIW_SASL_USERNAME=check-user KIW_SASL_PASSWORD=check-password KIW_REDIS_PASSWORD=check-redis \
+  KIW_REDIS_USERNAME=check-redis-user KIW_KAFKA_KEY_PASSWORD=check-key-password
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -223,24 +230,31 @@ else
     "$(grep -n ' topic: ' "$work"/topics-*.yaml; cat "$work"/topics-*.err)"
 fi
 
-# KEDA reaches the brokers like the worker: sasl, tls and offsetResetPolicy follow config.kafka.consumer
-# (values-all-on.yaml sets SASL_SSL, SCRAM-SHA-512 and a private CA, and leaves the keda ones empty), and
-# the CA given in extraSecretTargetRefs lands in the TriggerAuthentication next to the SASL credentials.
+# KEDA reaches the brokers like the worker: sasl, tls and offsetResetPolicy follow the consumer config, which
+# values-all-on.yaml gets from secrets.kafkaSasl (SCRAM-SHA-512) and secrets.kafkaTls (CA, client certificate,
+# encrypted key), and the TriggerAuthentication takes the same Secret keys. (validate_manifests.py checks that
+# each TriggerAuthentication entry is the Secret key the pod reads.)
 has_all() {  # has_all FILE FIXED-LINE... : every line occurs in FILE
   local f=$1; shift
   for line in "$@"; do grep -qxF -- "$line" "$f" || return 1; done
 }
 if has_all "$work/all-on-keda.yaml" '        sasl: "scram_sha512"' '        tls: "enable"' \
-     '        offsetResetPolicy: "earliest"' '    - parameter: ca' '      name: kafka-ca' '      key: ca.crt' \
-     '    - parameter: username'; then
-  pass "KEDA sasl/tls from config.kafka.consumer, CA and SASL in the TriggerAuthentication"
+     '        offsetResetPolicy: "earliest"' '    - parameter: ca' '      name: "kafka-client-tls"' '      key: "ca.crt"' \
+     '    - parameter: cert' '    - parameter: key' '    - parameter: keyPassword' '      key: "key-password"' \
+     '    - parameter: username' '      name: "kafka-credentials"' '      key: "user"' \
+     '        security.protocol: SASL_SSL' '        sasl.mechanism: SCRAM-SHA-512' \
+     '        ssl.ca.location: /etc/kiw/kafka-tls/ca.crt' '        ssl.key.location: /etc/kiw/kafka-tls/tls.key' \
+     '        ssl.key.password: ${env:KIW_KAFKA_KEY_PASSWORD}' '        sasl.password: ${env:KIW_SASL_PASSWORD}'; then
+  pass "SASL_SSL + client certificate from secrets: worker config, and the same Secret keys in the TriggerAuthentication"
 else
-  fail "KEDA sasl/tls from config.kafka.consumer, CA and SASL in the TriggerAuthentication" \
-    "$(grep -nE 'sasl:|tls:|offsetResetPolicy|parameter:' "$work/all-on-keda.yaml")"
+  fail "SASL_SSL + client certificate from secrets: worker config, and the same Secret keys in the TriggerAuthentication" \
+    "$(grep -nE 'sasl|tls:|ssl\.|security\.protocol|offsetResetPolicy|parameter:' "$work/all-on-keda.yaml")"
 fi
 # TLS without SASL: the TriggerAuthentication (CA only) is rendered and referenced; no sasl in the trigger.
 good_case keda-tls-only --set autoscaling.enabled=true \
   --set 'config.kafka.consumer.security\.protocol=SSL' --set 'config.kafka.consumer.ssl\.ca\.location=/etc/ca/ca.crt' \
+  --set 'extraVolumes[0].name=ca' --set 'extraVolumes[0].secret.secretName=kafka-ca' \
+  --set 'extraVolumeMounts[0].name=ca' --set 'extraVolumeMounts[0].mountPath=/etc/ca' \
   --set 'autoscaling.keda.extraSecretTargetRefs[0].parameter=ca' \
   --set 'autoscaling.keda.extraSecretTargetRefs[0].name=kafka-ca' --set 'autoscaling.keda.extraSecretTargetRefs[0].key=ca.crt'
 if has_all "$work/keda-tls-only.yaml" 'kind: TriggerAuthentication' '    - parameter: ca' '        tls: "enable"' \
@@ -318,26 +332,31 @@ bad_render probes-env-loopback-host "config.metrics.host=127.0.0.1 (or an extraE
 bad_render probes-env-metrics-off "config.metrics.enabled=false" \
   --set 'extraEnv[0].name=WORKER__METRICS__ENABLED' --set-string 'extraEnv[0].value=false'
 # A private CA (or a client certificate) in the worker config that KEDA is not given: KEDA cannot read the lag.
-bad_render keda-tls-without-ca "config.kafka.consumer.ssl.ca.location is set" \
-  -f "$here/values-all-on.yaml" --set autoscaling.keda.extraSecretTargetRefs=null
+# (TLS set up by hand in config.kafka.consumer, not through secrets.kafkaTls, which gives KEDA the same files.)
+manual_tls=(-f "$here/values-all-on.yaml" --set secrets.kafkaTls.enabled=false --set secrets.kafkaSasl.mechanism=
+  --set 'config.kafka.consumer.security\.protocol=SASL_SSL' --set 'config.kafka.consumer.sasl\.mechanism=SCRAM-SHA-512')
+bad_render keda-tls-without-ca "config.kafka.consumer.ssl.ca.location is set" "${manual_tls[@]}" \
+  --set 'config.kafka.consumer.ssl\.ca\.location=/etc/kafka-ca/ca.crt'
 # A public CA named by its system bundle path needs nothing from KEDA (it trusts the same bundle); nor does any
 # path with systemCA: true.
-if render keda-system-bundle -f "$here/values-all-on.yaml" --set autoscaling.keda.extraSecretTargetRefs=null \
+if render keda-system-bundle "${manual_tls[@]}" \
      --set 'config.kafka.consumer.ssl\.ca\.location=/etc/ssl/certs/ca-certificates.crt' \
-   && render keda-system-ca-flag -f "$here/values-all-on.yaml" --set autoscaling.keda.extraSecretTargetRefs=null \
+   && render keda-system-ca-flag "${manual_tls[@]}" --set 'config.kafka.consumer.ssl\.ca\.location=/etc/kafka-ca/ca.crt' \
      --set autoscaling.keda.systemCA=true; then
   pass "KEDA without a CA: a system bundle path, or systemCA: true, renders"
 else
   fail "KEDA without a CA: a system bundle path, or systemCA: true, renders" "$(cat "$work"/keda-system-*.err)"
 fi
-bad_render keda-client-cert-missing "config.kafka.consumer.ssl.certificate.location is set" \
-  -f "$here/values-all-on.yaml" --set 'config.kafka.consumer.ssl\.certificate\.location=/etc/kafka-ca/client.crt'
+bad_render keda-client-cert-missing "config.kafka.consumer.ssl.certificate.location is set" "${manual_tls[@]}" \
+  --set 'config.kafka.consumer.ssl\.certificate\.location=/etc/kafka-ca/client.crt' \
+  --set 'autoscaling.keda.extraSecretTargetRefs[0].parameter=ca' \
+  --set 'autoscaling.keda.extraSecretTargetRefs[0].name=kafka-ca' --set 'autoscaling.keda.extraSecretTargetRefs[0].key=ca.crt'
 bad_render keda-cert-without-key "cert and key together" --set autoscaling.enabled=true \
   --set 'autoscaling.keda.extraSecretTargetRefs[0].parameter=cert' \
   --set 'autoscaling.keda.extraSecretTargetRefs[0].name=c' --set 'autoscaling.keda.extraSecretTargetRefs[0].key=tls.crt'
-bad_render keda-ref-twice "parameter ca is given twice" -f "$here/values-all-on.yaml" \
-  --set 'autoscaling.keda.extraSecretTargetRefs[1].parameter=ca' \
-  --set 'autoscaling.keda.extraSecretTargetRefs[1].name=c' --set 'autoscaling.keda.extraSecretTargetRefs[1].key=ca.crt'
+bad_render keda-ref-twice "parameter ca is given twice (also by secrets.kafkaTls)" -f "$here/values-all-on.yaml" \
+  --set 'autoscaling.keda.extraSecretTargetRefs[0].parameter=ca' \
+  --set 'autoscaling.keda.extraSecretTargetRefs[0].name=c' --set 'autoscaling.keda.extraSecretTargetRefs[0].key=ca.crt'
 bad_render keda-reset-error "auto.offset.reset=error has no KEDA equivalent" --set autoscaling.enabled=true \
   --set 'config.kafka.consumer.auto\.offset\.reset=error'
 bad_render strategy-type "updateStrategy/type" --set updateStrategy.type=BlueGreen
@@ -369,9 +388,12 @@ bad_render strategy-no-progress "maxSurge and maxUnavailable are both 0" \
   --set updateStrategy.rollingUpdate.maxSurge=0 --set updateStrategy.rollingUpdate.maxUnavailable=0
 
 # The validator itself: manifests the API server would refuse must fail it (the default rendering, altered).
-bad_manifest() {  # bad_manifest NAME EXPECTED-SUBSTRING PYTHON (alters `dep`, the Deployment, or `docs`)
-  local name=$1 expect=$2 code=$3
-  "$PY" - "$work/default.yaml" "$work/$name.yaml" "$code" <<'PYEOF'
+bad_manifest() {  # bad_manifest NAME EXPECTED-SUBSTRING PYTHON: bad_manifest_from on the default rendering
+  bad_manifest_from default "$@"
+}
+bad_manifest_from() {  # bad_manifest_from BASE NAME EXPECTED-SUBSTRING PYTHON (alters `dep`, the Deployment, or `docs`)
+  local base=$1 name=$2 expect=$3 code=$4
+  "$PY" - "$work/$base.yaml" "$work/$name.yaml" "$code" <<'PYEOF'
 import sys, yaml
 docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
 dep = next(d for d in docs if d["kind"] == "Deployment")
@@ -405,6 +427,10 @@ if render "$name" --set config.batching.resume_ratio=1.5 \
 else
   fail "$name: did not render" "$(cat "$work/$name.err")"
 fi
+
+# ------------------------------------------------------------------- 5. security, observability
+source "$here/cases_security.sh"
+source "$here/cases_observability.sh"
 
 echo "$((checks - failures)) passed, $failures failed"
 [ "$failures" = 0 ]

@@ -2,10 +2,12 @@
 
 Built-in kinds are validated against the Kubernetes JSON schemas that the ``kubernetes-validate`` package
 bundles (strict: unknown fields are errors), for each ``--kube-version``; nothing is downloaded.
-Custom resources (KEDA ScaledObject / TriggerAuthentication, Prometheus Operator ServiceMonitor) have
-no bundled schema: they get a structural check of their own below, covering every field the chart
-renders. On top, a few invariants of this chart that no schema expresses (selectors match, probes use a
-declared port, the grace period covers the worker's shutdown budget, the pod is locked down).
+Custom resources (KEDA ScaledObject / TriggerAuthentication, Prometheus Operator ServiceMonitor /
+PrometheusRule) have no bundled schema: they get a structural check of their own (crd_schemas.py), covering
+every field the chart renders. On top, invariants of this chart that no schema expresses (selectors match,
+probes use a declared port, the grace period covers the worker's shutdown budget, the pod is locked down, the
+test pod, NetworkPolicy and alerts point at what was rendered) and the secrets' wiring (secret_wiring.py: no
+secret inlined, KEDA reads the same Secret keys as the pod).
 
     python tests/helm/validate_manifests.py --kube-version 1.30.0 --kube-version 1.37.0 \
         [--extract-config out.yaml] rendered.yaml
@@ -17,7 +19,9 @@ validator (a missing tool is a failure, never a skip).
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,106 +36,8 @@ except ImportError as e:  # pragma: no cover - reported, not skipped
           "(pip install kubernetes-validate)", file=sys.stderr)
     sys.exit(2)
 
-# ---------------------------------------------------------------------------------------------- CRDs
-_STR = {"type": "string", "minLength": 1}
-_STRMAP = {"type": "object", "additionalProperties": {"type": "string"}}
-_META = {
-    "type": "object",
-    "required": ["name"],
-    "properties": {"name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", "maxLength": 253},
-                   "namespace": _STR, "labels": _STRMAP, "annotations": _STRMAP},
-    "additionalProperties": False,
-}
-_DURATION = {"type": "string", "pattern": r"^([0-9]+(\.[0-9]+)?(ms|s|m|h))+$"}
-
-
-def _crd(api_version: str, kind: str, spec: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "required": ["apiVersion", "kind", "metadata", "spec"],
-        "properties": {"apiVersion": {"const": api_version}, "kind": {"const": kind},
-                       "metadata": _META, "spec": spec},
-        "additionalProperties": False,
-    }
-
-
-_KAFKA_TRIGGER_KEYS = {
-    # keda.sh kafka scaler metadata; all values are strings.
-    "bootstrapServers", "consumerGroup", "topic", "lagThreshold", "activationLagThreshold",
-    "offsetResetPolicy", "allowIdleConsumers", "scaleToZeroOnInvalidOffset", "excludePersistentLag",
-    "limitToPartitionsWithLag", "version", "partitionLimitation", "sasl", "tls", "unsafeSsl",
-    "ensureEvenDistributionOfPartitions",
-}
-CRD_SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
-    ("keda.sh/v1alpha1", "ScaledObject"): _crd("keda.sh/v1alpha1", "ScaledObject", {
-        "type": "object",
-        "required": ["scaleTargetRef", "triggers"],
-        "additionalProperties": False,
-        "properties": {
-            "scaleTargetRef": {"type": "object", "required": ["name"], "additionalProperties": False,
-                               "properties": {"name": _STR, "kind": _STR, "apiVersion": _STR,
-                                              "envSourceContainerName": _STR}},
-            "pollingInterval": {"type": "integer", "minimum": 1},
-            "cooldownPeriod": {"type": "integer", "minimum": 0},
-            "initialCooldownPeriod": {"type": "integer", "minimum": 0},
-            "idleReplicaCount": {"type": "integer", "minimum": 0},
-            "minReplicaCount": {"type": "integer", "minimum": 0},
-            "maxReplicaCount": {"type": "integer", "minimum": 1},
-            "fallback": {"type": "object"},
-            "advanced": {"type": "object", "additionalProperties": False, "properties": {
-                "restoreToOriginalReplicaCount": {"type": "boolean"},
-                "horizontalPodAutoscalerConfig": {"type": "object", "additionalProperties": False, "properties": {
-                    "name": _STR, "behavior": {"type": "object"}}},
-                "scalingModifiers": {"type": "object"}}},
-            "triggers": {"type": "array", "minItems": 1, "items": {
-                "type": "object", "required": ["type", "metadata"], "additionalProperties": False,
-                "properties": {
-                    "type": {"const": "kafka"},
-                    "name": _STR,
-                    "useCachedMetrics": {"type": "boolean"},
-                    "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
-                    "metadata": {"type": "object", "required": ["bootstrapServers", "consumerGroup"],
-                                 "propertyNames": {"enum": sorted(_KAFKA_TRIGGER_KEYS)},
-                                 "additionalProperties": {"type": "string"}},
-                    "authenticationRef": {"type": "object", "required": ["name"], "additionalProperties": False,
-                                          "properties": {"name": _STR,
-                                                         "kind": {"enum": ["TriggerAuthentication",
-                                                                           "ClusterTriggerAuthentication"]}}},
-                }}},
-        },
-    }),
-    ("keda.sh/v1alpha1", "TriggerAuthentication"): _crd("keda.sh/v1alpha1", "TriggerAuthentication", {
-        "type": "object",
-        "additionalProperties": False,
-        "minProperties": 1,
-        "properties": {
-            "secretTargetRef": {"type": "array", "minItems": 1, "items": {
-                "type": "object", "required": ["parameter", "name", "key"], "additionalProperties": False,
-                "properties": {"parameter": {"enum": ["sasl", "username", "password", "tls", "ca", "cert", "key",
-                                                      "keyPassword", "oauthTokenEndpointUri", "scopes"]},
-                               "name": _STR, "key": _STR}}},
-        },
-    }),
-    ("monitoring.coreos.com/v1", "ServiceMonitor"): _crd("monitoring.coreos.com/v1", "ServiceMonitor", {
-        "type": "object",
-        "required": ["selector", "endpoints"],
-        "additionalProperties": False,
-        "properties": {
-            "jobLabel": _STR,
-            "selector": {"type": "object", "additionalProperties": False, "minProperties": 1,
-                         "properties": {"matchLabels": _STRMAP, "matchExpressions": {"type": "array"}}},
-            "namespaceSelector": {"type": "object", "additionalProperties": False, "properties": {
-                "any": {"type": "boolean"}, "matchNames": {"type": "array", "items": _STR}}},
-            "endpoints": {"type": "array", "minItems": 1, "items": {
-                "type": "object", "additionalProperties": False,
-                "properties": {"port": _STR, "targetPort": {"type": ["string", "integer"]}, "path": _STR,
-                               "scheme": {"enum": ["http", "https"]}, "interval": _DURATION,
-                               "scrapeTimeout": _DURATION, "honorLabels": {"type": "boolean"},
-                               "relabelings": {"type": "array", "items": {"type": "object"}},
-                               "metricRelabelings": {"type": "array", "items": {"type": "object"}}}}},
-        },
-    }),
-}
+import secret_wiring  # noqa: E402 - beside this script, on its sys.path
+from crd_schemas import CRD_SCHEMAS  # noqa: E402
 
 
 def check_crd(doc: dict[str, Any]) -> list[str]:
@@ -183,13 +89,20 @@ def check_invariants(docs: list[dict[str, Any]]) -> list[str]:
 
     (worker,) = [c for c in pod["containers"] if c["name"] == "worker"]
     ports = {p["name"]: p["containerPort"] for p in worker.get("ports", [])}
-    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        if probe in worker and worker[probe]["httpGet"]["port"] not in ports:
-            errs.append(f"Deployment/{name}: {probe} uses port {worker[probe]['httpGet']['port']!r}, not declared")
-    if worker.get("readinessProbe", {}).get("httpGet", {}).get("path", "/readyz") != "/readyz":
-        errs.append(f"Deployment/{name}: readinessProbe must use /readyz")
-    if worker.get("livenessProbe", {}).get("httpGet", {}).get("path", "/healthz") != "/healthz":
-        errs.append(f"Deployment/{name}: livenessProbe must use /healthz")
+    for probe, want in (("startupProbe", None), ("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+        if probe not in worker:
+            continue
+        if "httpGet" in worker[probe]:
+            target, path = worker[probe]["httpGet"]["port"], worker[probe]["httpGet"]["path"]
+            if target not in ports:
+                errs.append(f"Deployment/{name}: {probe} uses port {target!r}, not declared")
+        else:  # exec: python3 calls the loopback address on the metrics port
+            m = re.search(r"http://[^/]+:(\d+)(/\w+)", " ".join(worker[probe]["exec"]["command"]))
+            target, path = (int(m.group(1)), m.group(2)) if m else (None, None)
+            if target != ports.get("metrics"):
+                errs.append(f"Deployment/{name}: {probe} calls port {target}, not the metrics port")
+        if path not in ((want,) if want else ("/readyz", "/healthz")):
+            errs.append(f"Deployment/{name}: {probe} must use {want or '/readyz or /healthz'}, got {path}")
 
     # Locked-down pod: the chart promises these whatever the values.
     psc, csc = pod.get("securityContext", {}), worker.get("securityContext", {})
@@ -240,20 +153,20 @@ def check_invariants(docs: list[dict[str, Any]]) -> list[str]:
         if "checksum/config" not in dep["spec"]["template"]["metadata"].get("annotations", {}):
             errs.append(f"Deployment/{name}: pod template lacks the checksum/config annotation")
 
-    env = {e["name"]: e for e in worker.get("env", [])}
-    for cm in cms.values():
-        text = cm["data"].get("config.yaml", "")
-        for var in ("KIW_SASL_USERNAME", "KIW_SASL_PASSWORD", "KIW_REDIS_PASSWORD"):
-            if "${env:" + var + "}" in text and "secretKeyRef" not in env.get(var, {}).get("valueFrom", {}):
-                errs.append(f"ConfigMap/{cm['metadata']['name']}: references ${{env:{var}}} but the pod does "
-                            "not set it from a Secret")
+    for c in pod.get("initContainers", []) + pod["containers"]:
+        for m in c.get("volumeMounts", []):
+            if m["name"] not in volumes and c is not worker:
+                errs.append(f"Deployment/{name}: container {c['name']!r} mounts {m['name']!r}, which has no volume")
+    errs += secret_wiring.check(docs)
+    errs += check_extras(docs, labels, pod)
 
     for svc in by_kind.get("Service", []):
         sel = svc["spec"].get("selector", {})
         if any(labels.get(k) != v for k, v in sel.items()):
             errs.append(f"Service/{svc['metadata']['name']}: selector {sel} selects no worker pod")
+        pod_ports = {p.get("name") for c in pod["containers"] for p in c.get("ports", [])}
         for p in svc["spec"]["ports"]:
-            if isinstance(p.get("targetPort"), str) and p["targetPort"] not in ports:
+            if isinstance(p.get("targetPort"), str) and p["targetPort"] not in pod_ports:
                 errs.append(f"Service/{svc['metadata']['name']}: targetPort {p['targetPort']!r} is not a container port")
 
     scalers = by_kind.get("ScaledObject", []) + by_kind.get("HorizontalPodAutoscaler", [])
@@ -274,6 +187,56 @@ def check_invariants(docs: list[dict[str, Any]]) -> list[str]:
         sel = pdb["spec"]["selector"].get("matchLabels", {})
         if any(labels.get(k) != v for k, v in sel.items()):
             errs.append(f"PodDisruptionBudget/{pdb['metadata']['name']}: selects no worker pod")
+    return errs
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def check_extras(docs: list[dict[str, Any]], labels: dict[str, str], pod: dict[str, Any]) -> list[str]:
+    """The optional resources around the Deployment: the helm test pod, the NetworkPolicy, the PrometheusRule
+    and the dashboard ConfigMap point at what the chart rendered."""
+    errs: list[str] = []
+    services = {s["metadata"]["name"]: s for s in docs if s["kind"] == "Service"}
+    port_names = {p.get("name"): p["containerPort"] for c in pod["containers"] for p in c.get("ports", [])}
+    tests = [d for d in docs if d["kind"] == "Pod"]
+    for t in tests:
+        where = f"Pod/{t['metadata']['name']}"
+        if t["metadata"].get("annotations", {}).get("helm.sh/hook") != "test":
+            errs.append(f"{where}: a Pod beside the Deployment must be a helm test hook")
+        if t["spec"].get("restartPolicy") != "Never":
+            errs.append(f"{where}: a test pod must not restart (restartPolicy: Never)")
+        script = " ".join(t["spec"]["containers"][0].get("args", []))
+        m = re.search(r"http://([a-z0-9-]+)\.[a-z0-9-]+\.svc:(\d+)", script)
+        svc = services.get(m.group(1)) if m else None
+        if svc is None or int(m.group(2)) not in [p["port"] for p in svc["spec"]["ports"]]:
+            errs.append(f"{where}: does not call a port of a rendered Service ({m.group(0) if m else 'no URL'})")
+    for np in (d for d in docs if d["kind"] == "NetworkPolicy"):
+        where = f"NetworkPolicy/{np['metadata']['name']}"
+        if not _selects(np["spec"]["podSelector"].get("matchLabels", {}), labels):
+            errs.append(f"{where}: podSelector selects no worker pod")
+        for rule in np["spec"].get("ingress", []):
+            for p in rule.get("ports", []):
+                if isinstance(p["port"], str) and p["port"] not in port_names:
+                    errs.append(f"{where}: port {p['port']!r} is no container port of the worker pod")
+            peers = [peer.get("podSelector", {}).get("matchLabels", {}) for peer in rule.get("from", [])]
+            for t in tests:
+                if not any(_selects(sel, t["metadata"]["labels"]) for sel in peers):
+                    errs.append(f"{where}: does not let the helm test pod {t['metadata']['name']!r} in")
+    jobs = set(services)
+    for pr in (d for d in docs if d["kind"] == "PrometheusRule"):
+        for group in pr["spec"]["groups"]:
+            for rule in group["rules"]:
+                for job in re.findall(r'job="([^"]+)"', rule["expr"]):
+                    if job not in jobs:
+                        errs.append(f"PrometheusRule/{pr['metadata']['name']}: {rule.get('alert')} selects "
+                                    f"job={job!r}, which is no rendered Service (the ServiceMonitor's job)")
+    for cm in (d for d in docs if d["kind"] == "ConfigMap" and "kafka-inference-worker.json" in d.get("data", {})):
+        try:
+            json.loads(cm["data"]["kafka-inference-worker.json"])
+        except ValueError as e:
+            errs.append(f"ConfigMap/{cm['metadata']['name']}: the dashboard is not JSON: {e}")
     return errs
 
 

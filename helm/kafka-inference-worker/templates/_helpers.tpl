@@ -79,13 +79,14 @@ override. A valueFrom cannot be read at render time: then the config value stand
 {{- end }}
 
 {{/*
-A librdkafka property of config.kafka.consumer (.prop, e.g. "security.protocol") as a string, "" when unset.
+A librdkafka property of config.kafka.consumer (.prop, e.g. "security.protocol") as a string, "" when unset, with
+what the secrets block sets there (kiw.config).
 A literal extraEnv override wins, as in the worker: WORKER__KAFKA__CONSUMER__SECURITY_PROTOCOL (dots
 become underscores in the variable's name).
 */}}
 {{- define "kiw.consumerProp" -}}
 {{- $env := include "kiw.envValue" (dict "ctx" .ctx "name" (printf "WORKER__KAFKA__CONSUMER__%s" (.prop | upper | replace "." "_"))) }}
-{{- if $env }}{{ $env }}{{ else }}{{ dig "kafka" "consumer" .prop "" (.ctx.Values.config | default dict) | toString }}{{ end }}
+{{- if $env }}{{ $env }}{{ else }}{{ dig "kafka" "consumer" .prop "" (include "kiw.config" .ctx | fromYaml) | toString }}{{ end }}
 {{- end }}
 
 {{/* metrics.enabled / metrics.host as the worker will read them (config, or a literal extraEnv override). */}}
@@ -256,29 +257,6 @@ cover it too, or the kubelet SIGKILLs a worker that is still committing.
 {{- end }}
 {{- end }}
 
-{{/*
-The worker config as rendered into the ConfigMap: .Values.config plus ${env:...} references for the
-secrets the chart injects as env vars.
-*/}}
-{{- define "kiw.config" -}}
-{{- $cfg := deepCopy (.Values.config | default dict) }}
-{{- if .Values.secrets.kafkaSasl.enabled }}
-{{- if not (get $cfg "kafka") }}{{ $_ := set $cfg "kafka" dict }}{{ end }}
-{{- $kafka := get $cfg "kafka" }}
-{{- range $side := list "consumer" "producer" }}
-{{- if not (get $kafka $side) }}{{ $_ := set $kafka $side dict }}{{ end }}
-{{- $props := get $kafka $side }}
-{{- $_ := set $props "sasl.username" "${env:KIW_SASL_USERNAME}" }}
-{{- $_ := set $props "sasl.password" "${env:KIW_SASL_PASSWORD}" }}
-{{- end }}
-{{- end }}
-{{- if .Values.secrets.redisPassword.enabled }}
-{{- if not (get $cfg "redis") }}{{ $_ := set $cfg "redis" dict }}{{ end }}
-{{- $_ := set (get $cfg "redis") "password" "${env:KIW_REDIS_PASSWORD}" }}
-{{- end }}
-{{- toYaml $cfg }}
-{{- end }}
-
 {{/* "true" when an int-or-percent value (maxSurge, maxUnavailable) is zero; unset is not (Kubernetes: 25%). */}}
 {{- define "kiw.isZero" -}}
 {{- if has (toString .) (list "0" "0%") }}true{{ end }}
@@ -300,7 +278,7 @@ variable from such a fieldRef; a ${file:...} or a variable the chart does not kn
 {{- if eq $mode "exactly_once" }}
 {{- $perPodFields := list "metadata.name" "metadata.uid" "status.podIP" }}
 {{- /* Env vars of the pod: name -> "pod" (differs per pod) or "fixed" (one value for every pod). */}}
-{{- $vars := dict "POD_NAME" "pod" "HOSTNAME" "pod" "POD_NAMESPACE" "fixed" "KIW_HEALTHCHECK_URL" "fixed" "KIW_SASL_USERNAME" "fixed" "KIW_SASL_PASSWORD" "fixed" "KIW_REDIS_PASSWORD" "fixed" }}
+{{- $vars := dict "POD_NAME" "pod" "HOSTNAME" "pod" "POD_NAMESPACE" "fixed" "KIW_HEALTHCHECK_URL" "fixed" "KIW_SASL_USERNAME" "fixed" "KIW_SASL_PASSWORD" "fixed" "KIW_REDIS_PASSWORD" "fixed" "KIW_REDIS_USERNAME" "fixed" "KIW_KAFKA_KEY_PASSWORD" "fixed" }}
 {{- $id := dig "delivery" "transactional_id" "" $cfg | default "" | toString }}
 {{- $from := printf "config.delivery.transactional_id=%q" $id }}
 {{- $perPod := false }}
@@ -377,18 +355,17 @@ variable from such a fieldRef; a ${file:...} or a variable the chart does not kn
 {{- if not (include "kiw.metricsEnabled" . | eq "true") }}
 {{- fail "config.metrics.enabled=false (or an extraEnv WORKER__METRICS__ENABLED) leaves nothing to answer /healthz and /readyz: enable metrics or disable probes.*" }}
 {{- end }}
-{{- /* The kubelet probes the pod IP: a loopback (or any single-address) bind never answers it. */}}
+{{- /* httpGet: the kubelet probes the pod IP, which a loopback (or any single-address) bind never answers. exec
+probes call 127.0.0.1 (::1) from inside the container: they need a bind that answers there. */}}
 {{- $host := include "kiw.metricsHost" . }}
-{{- if not (has $host (list "0.0.0.0" "::" "")) }}
-{{- fail (printf "config.metrics.host=%s (or an extraEnv WORKER__METRICS__HOST): the kubelet probes the pod IP, so the probes would never pass; use 0.0.0.0 (or ::) or disable probes.*" $host) }}
+{{- if and (eq .Values.probes.mode "httpGet") (not (has $host (list "0.0.0.0" "::" ""))) }}
+{{- fail (printf "config.metrics.host=%s (or an extraEnv WORKER__METRICS__HOST): the kubelet probes the pod IP, so the probes would never pass; use 0.0.0.0 (or ::), probes.mode: exec (which probes from inside the pod), or disable probes.*" $host) }}
+{{- end }}
+{{- if and (eq .Values.probes.mode "exec") (not (has $host (list "0.0.0.0" "::" "" "127.0.0.1" "::1" "localhost"))) }}
+{{- fail (printf "config.metrics.host=%s (or an extraEnv WORKER__METRICS__HOST): probes.mode exec calls the loopback address, which this bind does not answer; use 127.0.0.1, ::1, 0.0.0.0 or ::" $host) }}
 {{- end }}
 {{- end }}
-{{- if and .Values.secrets.kafkaSasl.enabled (not .Values.secrets.kafkaSasl.secretName) }}
-{{- fail "secrets.kafkaSasl.enabled needs secrets.kafkaSasl.secretName (an existing Secret)" }}
-{{- end }}
-{{- if and .Values.secrets.redisPassword.enabled (not .Values.secrets.redisPassword.secretName) }}
-{{- fail "secrets.redisPassword.enabled needs secrets.redisPassword.secretName (an existing Secret)" }}
-{{- end }}
+{{- include "kiw.validateSecrets" . }}
 {{- $topicsInfo := include "kiw.inputTopicsInfo" . | fromJson }}
 {{- if and (eq (len $topicsInfo.topics) 0) (not $topicsInfo.unreadable) }}
 {{- fail "config has no input topics (after extraEnv overrides): set config.kafka.input_topics or config.batching.lanes[].topics" }}
@@ -415,9 +392,9 @@ the lag of other topics (and, at zero replicas, never waking for the real ones).
 {{- end }}
 {{- /* KEDA connects to the brokers itself: what the worker needs to reach them, KEDA needs too. */}}
 {{- $refs := dict }}
-{{- range $i, $r := ($a.keda.extraSecretTargetRefs | default list) }}
+{{- range $r := include "kiw.kedaSecretRefs" . | fromJsonArray }}
 {{- if hasKey $refs $r.parameter }}
-{{- fail (printf "autoscaling.keda.extraSecretTargetRefs[%d]: parameter %s is given twice" $i $r.parameter) }}
+{{- fail (printf "%s: parameter %s is given twice (also by %s)" $r.from $r.parameter (get $refs $r.parameter).from) }}
 {{- end }}
 {{- $_ := set $refs $r.parameter $r }}
 {{- end }}
@@ -445,4 +422,16 @@ says the CA is one KEDA's own trust store has. */}}
 {{- end }}
 {{- end }}
 {{- end }}
+{{- end }}
+
+{{/*
+An exec probe's command (probes.mode exec): python3 in the worker container calls .path on the loopback address,
+so the worker may bind to 127.0.0.1 and keep /metrics, /healthz and /readyz inside the pod. urllib raises on a
+status other than 2xx, which exits 1.
+*/}}
+{{- define "kiw.execProbe" -}}
+{{- $host := include "kiw.metricsHost" .ctx }}
+{{- $addr := ternary "[::1]" "127.0.0.1" (has $host (list "::" "::1")) }}
+{{- $url := printf "http://%s:%d%s" $addr (include "kiw.metricsPort" .ctx | int) .path }}
+{{- list "python3" "-c" (printf "import urllib.request; urllib.request.urlopen(%s, timeout=%d)" ($url | squote) (.timeout | int)) | toJson }}
 {{- end }}
