@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, get_args
 
 from schemas import ErrorStage
+from worker import __version__
 from worker.config import Config, ConfigError, load, name_overrides
 from worker.models.registry import BUILTINS
 
@@ -121,6 +122,27 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run_service(cfg, metrics_port=args.metrics_port)
 
 
+def cmd_predict(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from worker.predict import InputError, predict, read_requests
+
+    cfg = load(args.config)
+    device = args.device or (cfg.model.devices[0] if cfg.model.devices else cfg.model.device)
+    # Requests and results are JSON lines here, whatever the topics carry; one device is plenty.
+    cfg = msgspec.structs.replace(
+        cfg, delivery=msgspec.structs.replace(cfg.delivery, format="json"),
+        model=msgspec.structs.replace(cfg.model, device=device, devices=[]))
+    try:
+        requests = read_requests(args.input, args.file)
+    except InputError as e:
+        print(f"input error: {e}", file=sys.stderr)
+        return 2
+    check_devices(cfg)
+    _setup_logging(cfg, "WARNING" if not args.verbose else None)
+    return predict(cfg, requests, device=device, topic=args.topic)
+
+
 def cmd_backfill(args: argparse.Namespace) -> int:
     cfg = _config(args.config)
     _setup_logging(cfg, "WARNING" if not args.verbose else None)
@@ -198,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Kafka inference worker: consume requests, micro-batch them by count or time in priority lanes, "
         "run a PyTorch model, produce results, commit offsets only after delivery."), epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                   help="print the package version and exit")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     r = sub.add_parser("run", help="run the worker until SIGTERM/SIGINT", description=(
@@ -219,6 +243,25 @@ def build_parser() -> argparse.ArgumentParser:
         "print the effective config (defaults, env overrides and secret references applied; values of "
         "secret-looking keys and URL passwords shown as ***)"))
     c.set_defaults(func=cmd_check_config)
+
+    pd = sub.add_parser("predict", help="run requests through the configured model, no Kafka", description=(
+        "Runs JSON requests through the model the config names, as `worker run` would (the same validation, "
+        "lane routing, model stages and result envelope), and prints one result per line on stdout; a line "
+        "on stderr says why each failed request failed. Connects to nothing. Exits 0 when every result is "
+        "ok, 1 when a request failed (an error or expired result), 2 for a bad config or input (the message "
+        "names the key, or the line that is not JSON)."))
+    pd.add_argument("--config", "-c", required=True, help="worker YAML config file")
+    src = pd.add_mutually_exclusive_group(required=True)
+    src.add_argument("--input", "-i", metavar="JSON", help='one request, e.g. \'{"id": "r1", "inputs": [1, 2]}\'')
+    src.add_argument("--file", "-f", metavar="PATH", help="JSON lines, one request per line ('-': stdin)")
+    pd.add_argument("--topic", default=None, help=(
+        "the input topic the requests are taken to come from, which picks their lane as in `worker run` "
+        "(default: the first input topic of the default lane)"))
+    pd.add_argument("--device", default=None, help=(
+        "run the model on this device (cpu, cuda, cuda:N, mps; default: model.device, or the first of "
+        "model.devices)"))
+    pd.add_argument("--verbose", action="store_true", help="log at the configured level instead of WARNING")
+    pd.set_defaults(func=cmd_predict)
 
     d = sub.add_parser("demo", help="one-command demo: local broker, sample requests, worker, summary", description=(
         "Starts a local Apache Kafka broker (unless KAFKA_BOOTSTRAP_SERVERS or --bootstrap is given), creates "
