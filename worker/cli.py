@@ -54,17 +54,24 @@ def _config(path: str | None, files_elsewhere: bool = False) -> Config:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
+    from worker.config_check import check
+
+    report = check(args.config)
+    for note in report.notes:
+        print(f"note: {name_overrides(note)}", file=sys.stderr)
+    if report.problems:
+        for problem in report.problems:
+            print(f"config error: {name_overrides(problem)}", file=sys.stderr)
+        return 2
+    cfg = report.cfg
+    assert cfg is not None
     # The config may be checked outside the pod its CA or key files are mounted in: a file that is not here is a
     # note, as a device that is not here is.
-    cfg = _config(args.config, files_elsewhere=True)
     from worker.adapters.kafka_clients import absent_files
-    from worker.models.registry import check_model
 
     for key, file in absent_files(cfg):
         print(f"note: {name_overrides(f'{key}: {file} is not on this machine')} (not checked; `worker run` here "
               "would exit 2)", file=sys.stderr)
-
-    model_kind = check_model(cfg.model)
     try:
         check_devices(cfg)
     except ConfigError as e:
@@ -80,7 +87,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         print(yaml.safe_dump(redact_config(to_dict(cfg)), sort_keys=False))
     else:
         print(f"{args.config}: OK ({len(cfg.batching.lanes)} lane(s), topics {cfg.input_topics()}, "
-              f"model {cfg.model.name!r} ({model_kind}), delivery {cfg.delivery.mode})")
+              f"model {cfg.model.name!r} ({report.model_kind}), delivery {cfg.delivery.mode})")
     return 0
 
 
@@ -235,9 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("check-config", help="validate a config file and exit (0 valid, 2 invalid)", description=(
         "Loads the file with WORKER__* environment overrides and secret references applied, validates every "
-        "key, checks that model.name resolves (a built-in and its options, an existing model file, an importable "
-        "factory; no weights are loaded) and that librdkafka takes the kafka.consumer and kafka.producer "
-        "properties, and exits 0, or 2 with a message naming the bad key's path. Connects to nothing."))
+        "key (an unknown one with the closest known name), checks that model.name resolves (a built-in and its "
+        "options, an existing model file, a factory that imports and takes the options given, a handler class "
+        "with its five stages; no weights are loaded) and that librdkafka takes the kafka.consumer and "
+        "kafka.producer properties, and exits 0, or 2 with every problem found, one line each, sorted by the "
+        "key's path. A secret reference (${env:X}, ${file:...}) or a client file (ssl.ca.location...) that is "
+        "not on this machine is a note, not an error: it may exist only where the worker runs. Connects to "
+        "nothing."))
     c.add_argument("--config", "-c", required=True, help="worker YAML config file")
     c.add_argument("--print", action="store_true", help=(
         "print the effective config (defaults, env overrides and secret references applied; values of "
@@ -346,7 +357,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except ConfigError as e:
         # The checks after loading (model, devices) name the key; README promises the variable that set it too.
-        print(f"config error: {name_overrides(str(e))}", file=sys.stderr)
+        for problem in e.problems:
+            print(f"config error: {name_overrides(problem)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
