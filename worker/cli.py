@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import logging
 import math
 import sys
@@ -353,6 +354,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _main(args)
+    finally:
+        # The runner freezes the objects alive after the model load (gc.freeze), and what is frozen is never
+        # collected, not even at exit: a nanobind extension among them (triton's, which torch._dynamo imports
+        # when transformers loads a model) would then print ~30 "nanobind: leaked ..." lines as the process ends.
+        # Unfrozen, they are collected at exit like everything else.
+        gc.unfreeze()
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:
