@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import logging
 import math
 import sys
@@ -11,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, get_args
 
 from schemas import ErrorStage
+from worker import __version__
 from worker.config import Config, ConfigError, load, name_overrides
 from worker.models.registry import BUILTINS
 
@@ -53,17 +55,24 @@ def _config(path: str | None, files_elsewhere: bool = False) -> Config:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
+    from worker.config_check import check
+
+    report = check(args.config)
+    for note in report.notes:
+        print(f"note: {name_overrides(note)}", file=sys.stderr)
+    if report.problems:
+        for problem in report.problems:
+            print(f"config error: {name_overrides(problem)}", file=sys.stderr)
+        return 2
+    cfg = report.cfg
+    assert cfg is not None
     # The config may be checked outside the pod its CA or key files are mounted in: a file that is not here is a
     # note, as a device that is not here is.
-    cfg = _config(args.config, files_elsewhere=True)
     from worker.adapters.kafka_clients import absent_files
-    from worker.models.registry import check_model
 
     for key, file in absent_files(cfg):
         print(f"note: {name_overrides(f'{key}: {file} is not on this machine')} (not checked; `worker run` here "
               "would exit 2)", file=sys.stderr)
-
-    model_kind = check_model(cfg.model)
     try:
         check_devices(cfg)
     except ConfigError as e:
@@ -79,7 +88,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         print(yaml.safe_dump(redact_config(to_dict(cfg)), sort_keys=False))
     else:
         print(f"{args.config}: OK ({len(cfg.batching.lanes)} lane(s), topics {cfg.input_topics()}, "
-              f"model {cfg.model.name!r} ({model_kind}), delivery {cfg.delivery.mode})")
+              f"model {cfg.model.name!r} ({report.model_kind}), delivery {cfg.delivery.mode})")
     return 0
 
 
@@ -119,6 +128,27 @@ def cmd_run(args: argparse.Namespace) -> int:
     from worker.service import run_service
 
     return run_service(cfg, metrics_port=args.metrics_port)
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from worker.predict import InputError, predict, read_requests
+
+    cfg = load(args.config)
+    device = args.device or (cfg.model.devices[0] if cfg.model.devices else cfg.model.device)
+    # Requests and results are JSON lines here, whatever the topics carry; one device is plenty.
+    cfg = msgspec.structs.replace(
+        cfg, delivery=msgspec.structs.replace(cfg.delivery, format="json"),
+        model=msgspec.structs.replace(cfg.model, device=device, devices=[]))
+    try:
+        requests = read_requests(args.input, args.file)
+    except InputError as e:
+        print(f"input error: {e}", file=sys.stderr)
+        return 2
+    check_devices(cfg)
+    _setup_logging(cfg, "WARNING" if not args.verbose else None)
+    return predict(cfg, requests, device=device, topic=args.topic)
 
 
 def cmd_backfill(args: argparse.Namespace) -> int:
@@ -198,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Kafka inference worker: consume requests, micro-batch them by count or time in priority lanes, "
         "run a PyTorch model, produce results, commit offsets only after delivery."), epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                   help="print the package version and exit")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     r = sub.add_parser("run", help="run the worker until SIGTERM/SIGINT", description=(
@@ -211,14 +243,37 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("check-config", help="validate a config file and exit (0 valid, 2 invalid)", description=(
         "Loads the file with WORKER__* environment overrides and secret references applied, validates every "
-        "key, checks that model.name resolves (a built-in and its options, an existing model file, an importable "
-        "factory; no weights are loaded) and that librdkafka takes the kafka.consumer and kafka.producer "
-        "properties, and exits 0, or 2 with a message naming the bad key's path. Connects to nothing."))
+        "key (an unknown one with the closest known name), checks that model.name resolves (a built-in and its "
+        "options, an existing model file, a factory that imports and takes the options given, a handler class "
+        "with its five stages; no weights are loaded) and that librdkafka takes the kafka.consumer and "
+        "kafka.producer properties, and exits 0, or 2 with every problem found, one line each, sorted by the "
+        "key's path. A secret reference (${env:X}, ${file:...}) or a client file (ssl.ca.location...) that is "
+        "not on this machine is a note, not an error: it may exist only where the worker runs. Connects to "
+        "nothing."))
     c.add_argument("--config", "-c", required=True, help="worker YAML config file")
     c.add_argument("--print", action="store_true", help=(
         "print the effective config (defaults, env overrides and secret references applied; values of "
         "secret-looking keys and URL passwords shown as ***)"))
     c.set_defaults(func=cmd_check_config)
+
+    pd = sub.add_parser("predict", help="run requests through the configured model, no Kafka", description=(
+        "Runs JSON requests through the model the config names, as `worker run` would (the same validation, "
+        "lane routing, model stages and result envelope), and prints one result per line on stdout; a line "
+        "on stderr says why each failed request failed. Connects to nothing. Exits 0 when every result is "
+        "ok, 1 when a request failed (an error or expired result), 2 for a bad config or input (the message "
+        "names the key, or the line that is not JSON)."))
+    pd.add_argument("--config", "-c", required=True, help="worker YAML config file")
+    src = pd.add_mutually_exclusive_group(required=True)
+    src.add_argument("--input", "-i", metavar="JSON", help='one request, e.g. \'{"id": "r1", "inputs": [1, 2]}\'')
+    src.add_argument("--file", "-f", metavar="PATH", help="JSON lines, one request per line ('-': stdin)")
+    pd.add_argument("--topic", default=None, help=(
+        "the input topic the requests are taken to come from, which picks their lane as in `worker run` "
+        "(default: the first input topic of the default lane)"))
+    pd.add_argument("--device", default=None, help=(
+        "run the model on this device (cpu, cuda, cuda:N, mps; default: model.device, or the first of "
+        "model.devices)"))
+    pd.add_argument("--verbose", action="store_true", help="log at the configured level instead of WARNING")
+    pd.set_defaults(func=cmd_predict)
 
     d = sub.add_parser("demo", help="one-command demo: local broker, sample requests, worker, summary", description=(
         "Starts a local Apache Kafka broker (unless KAFKA_BOOTSTRAP_SERVERS or --bootstrap is given), creates "
@@ -300,10 +355,22 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        return _main(args)
+    finally:
+        # The runner freezes the objects alive after the model load (gc.freeze), and what is frozen is never
+        # collected, not even at exit: a nanobind extension among them (triton's, which torch._dynamo imports
+        # when transformers loads a model) would then print ~30 "nanobind: leaked ..." lines as the process ends.
+        # Unfrozen, they are collected at exit like everything else.
+        gc.unfreeze()
+
+
+def _main(args: argparse.Namespace) -> int:
+    try:
         return int(args.func(args) or 0)
     except ConfigError as e:
         # The checks after loading (model, devices) name the key; README promises the variable that set it too.
-        print(f"config error: {name_overrides(str(e))}", file=sys.stderr)
+        for problem in e.problems:
+            print(f"config error: {name_overrides(problem)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
+from worker.config_shape import shape_problems
 from worker.core.lane_settings import LaneSettings
 from worker.logs import is_secret_key
 from worker.logs import redact as redact_log
@@ -36,7 +37,20 @@ KafkaProps = dict[str, str | int | float | bool]
 
 
 class ConfigError(ValueError):
-    """A configuration problem; the message names the key path and what was expected."""
+    """Configuration problems: one message per line, sorted by the key path each starts with, naming what was
+    expected. ``problems`` holds the messages; ``model`` the model section, when it validated (check-config
+    checks the model even where other sections are wrong)."""
+
+    def __init__(self, problems: str | list[str], model: ModelConfig | None = None) -> None:
+        self.problems = [problems] if isinstance(problems, str) else sorted(dict.fromkeys(problems), key=_path_key)
+        self.model = model
+        super().__init__("\n".join(self.problems))
+
+
+def _path_key(problem: str) -> tuple[str, str]:
+    """Sorts ``$.a.b[2]: ...`` messages by path: list indexes in numeric order."""
+    path = problem.split(": ", 1)[0]
+    return re.sub(r"\[(\d+)\]", lambda m: f"[{int(m.group(1)):09d}]", path), problem
 
 
 class _Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -226,24 +240,28 @@ _OWNED = {
 }
 
 
-def _resolve_secrets(value: Any, path: str, environ: dict[str, str]) -> Any:
+def _resolve_secrets(value: Any, path: str, environ: dict[str, str], missing: dict[str, str]) -> Any:
+    """``value`` with its ``${env:...}`` / ``${file:...}`` references replaced. One that cannot be resolved is
+    left as written, and ``missing`` gets its path and the reason."""
     if isinstance(value, dict):
-        return {k: _resolve_secrets(v, f"{path}.{k}", environ) for k, v in value.items()}
+        return {k: _resolve_secrets(v, f"{path}.{k}", environ, missing) for k, v in value.items()}
     if isinstance(value, list):
-        return [_resolve_secrets(v, f"{path}[{i}]", environ) for i, v in enumerate(value)]
+        return [_resolve_secrets(v, f"{path}[{i}]", environ, missing) for i, v in enumerate(value)]
     if isinstance(value, str) and "${" in value:
         def sub(m: re.Match[str]) -> str:
             kind, ref = m.group(1), m.group(2).strip()
             if kind == "env":
                 if ref not in environ:
-                    raise ConfigError(f"{path}: environment variable {ref!r} is not set")
+                    missing.setdefault(path, f"{path}: environment variable {ref!r} is not set")
+                    return m.group(0)
                 return environ[ref]
             try:
                 return _read_utf8(Path(ref)).strip()
             except OSError as e:
-                raise ConfigError(f"{path}: cannot read secret file {ref!r}: {e.strerror}") from None
+                missing.setdefault(path, f"{path}: cannot read secret file {ref!r}: {e.strerror}")
             except UnicodeDecodeError as e:
-                raise ConfigError(f"{path}: cannot read secret file {ref!r}: {_not_utf8(e)}") from None
+                missing.setdefault(path, f"{path}: cannot read secret file {ref!r}: {_not_utf8(e)}")
+            return m.group(0)
         return _SECRET_REF.sub(sub, value)
     return value
 
@@ -348,8 +366,9 @@ def _apply_env(data: dict[str, Any], environ: dict[str, str]) -> dict[str, str]:
     return set_by
 
 
-def _check_passthrough(data: dict[str, Any]) -> None:
+def _passthrough_problems(data: dict[str, Any]) -> list[str]:
     """librdkafka properties are scalars; msgspec would name the bad one only as ``consumer[...]``."""
+    problems = []
     kafka = data.get("kafka")
     for section in ("consumer", "producer"):
         props = kafka.get(section) if isinstance(kafka, dict) else None
@@ -358,8 +377,9 @@ def _check_passthrough(data: dict[str, Any]) -> None:
         for k, v in props.items():
             if not isinstance(v, str | int | float | bool):
                 got = "nothing (null)" if v is None else f"a {type(v).__name__}"
-                raise ConfigError(f"$.kafka.{section}.{k}: a librdkafka property takes a string, number or boolean, "
-                                  f"got {got}")
+                problems.append(f"$.kafka.{section}.{k}: a librdkafka property takes a string, number or "
+                                f"boolean, got {got}")
+    return problems
 
 
 def _non_finite(value: Any, path: str) -> str | None:
@@ -379,70 +399,74 @@ def _non_finite(value: Any, path: str) -> str | None:
     return None
 
 
-def _check_semantics(cfg: Config) -> None:
+def _semantic_problems(cfg: Config) -> list[str]:
+    """The problems across keys, each named by the key to change."""
+    problems: list[str] = []
+    add = problems.append
     # An infinite deadline, wait or weight passes "> 0" and then breaks the arithmetic that schedules batches
     # (a deadline of .inf crashed the adaptive fill: the worker exited 1 at every restart).
     bad = _non_finite(cfg, "$")
     if bad:
-        raise ConfigError(f"{bad}: must be a finite number (leave the key out for no limit)")
+        add(f"{bad}: must be a finite number (leave the key out for no limit)")
     lanes = [lane.name for lane in cfg.batching.lanes]
     if not lanes:
-        raise ConfigError("$.batching.lanes: at least one lane is required")
+        add("$.batching.lanes: at least one lane is required")
     dupes = {n for n in lanes if lanes.count(n) > 1}
     if dupes:
-        raise ConfigError(f"$.batching.lanes: duplicate lane names {sorted(dupes)}")
+        add(f"$.batching.lanes: duplicate lane names {sorted(dupes)}")
     if cfg.batching.default_lane not in lanes:
-        raise ConfigError(f"$.batching.default_lane: {cfg.batching.default_lane!r} is not one of the lanes {lanes}")
+        add(f"$.batching.default_lane: {cfg.batching.default_lane!r} is not one of the lanes {lanes}")
     seen: dict[str, str] = {}
     for i, lane in enumerate(cfg.batching.lanes):
         for t in lane.topics:
             if t in seen:
-                raise ConfigError(f"$.batching.lanes[{i}].topics: topic {t!r} already belongs to lane {seen[t]!r}")
+                add(f"$.batching.lanes[{i}].topics: topic {t!r} already belongs to lane {seen[t]!r}")
             seen[t] = lane.name
     if not cfg.input_topics():
-        raise ConfigError("$.kafka.input_topics: no input topics (set kafka.input_topics or batching.lanes[].topics)")
+        add("$.kafka.input_topics: no input topics (set kafka.input_topics or batching.lanes[].topics)")
     inputs = set(cfg.input_topics())
     if cfg.kafka.output_topic in inputs:
-        raise ConfigError("$.kafka.output_topic: must differ from the input topics (it would feed itself)")
+        add("$.kafka.output_topic: must differ from the input topics (it would feed itself)")
     if cfg.kafka.dlq_topic in inputs:
-        raise ConfigError("$.kafka.dlq_topic: must differ from the input topics (dead letters would be read back "
-                          "as requests and fail again, forever)")
+        add("$.kafka.dlq_topic: must differ from the input topics (dead letters would be read back "
+            "as requests and fail again, forever)")
     if cfg.kafka.dlq_topic == cfg.kafka.output_topic:
-        raise ConfigError("$.kafka.dlq_topic: must differ from kafka.output_topic (readers of results would get "
-                          "the original request bytes of every dead letter)")
+        add("$.kafka.dlq_topic: must differ from kafka.output_topic (readers of results would get "
+            "the original request bytes of every dead letter)")
     for key in ("enable.auto.commit", "enable.auto.offset.store"):
         # Any spelling but false's: librdkafka also takes "1" or "t" for true (and refuses what is neither).
         if str(cfg.kafka.consumer.get(key, "false")).strip().lower() not in _FALSE:
-            raise ConfigError(f"$.kafka.consumer.{key}: must stay false; offsets are committed only after delivery")
+            add(f"$.kafka.consumer.{key}: must stay false; offsets are committed only after delivery")
     for (section, key), why in _OWNED.items():
         props = cfg.kafka.consumer if section == "consumer" else cfg.kafka.producer
         if key in props:
-            raise ConfigError(f"$.kafka.{section}.{key}: {why}")
+            add(f"$.kafka.{section}.{key}: {why}")
     for key in ("acks", "request.required.acks"):
         if str(cfg.kafka.producer.get(key, "all")).strip() == "0":
-            raise ConfigError(f"$.kafka.producer.{key}: must not be 0: offsets are committed once the broker has "
-                              "acknowledged the results, and with acks=0 none does (a lost result is committed past)")
+            add(f"$.kafka.producer.{key}: must not be 0: offsets are committed once the broker has "
+                "acknowledged the results, and with acks=0 none does (a lost result is committed past)")
     isolation = str(cfg.kafka.consumer.get("isolation.level", "read_committed")).strip().lower()
     if cfg.delivery.mode == "exactly_once" and isolation != "read_committed":
-        raise ConfigError("$.kafka.consumer.isolation.level: must stay read_committed with delivery.mode "
-                          "exactly_once: read_uncommitted would process the records of aborted transactions")
+        add("$.kafka.consumer.isolation.level: must stay read_committed with delivery.mode "
+            "exactly_once: read_uncommitted would process the records of aborted transactions")
     if cfg.redis.url:
         # The store would refuse it only when the worker starts; check-config should say so first.
         problem = redis_url_problem(cfg.redis.url, tls=cfg.redis.tls)
         if problem:
-            raise ConfigError(f"$.redis.url: {problem}")
+            add(f"$.redis.url: {problem}")
         if cfg.redis.tls_ca_file and not (cfg.redis.tls or cfg.redis.url.startswith("rediss://")):
             # The store refuses it when the worker starts (exit 1, after the model load).
-            raise ConfigError("$.redis.tls_ca_file: set but TLS is off: set redis.tls: true or use a rediss:// URL")
+            add("$.redis.tls_ca_file: set but TLS is off: set redis.tls: true or use a rediss:// URL")
     if cfg.redis.url and cfg.delivery.max_attempts < 2:
-        raise ConfigError("$.delivery.max_attempts: must be >= 2 with redis.url set: with 1, every record that was on "
-                          "a device when a worker process stopped without finishing it (a crash, an OOM kill, a "
-                          "shutdown timeout) is dead-lettered at its next read, not only the record that killed it")
+        add("$.delivery.max_attempts: must be >= 2 with redis.url set: with 1, every record that was on "
+            "a device when a worker process stopped without finishing it (a crash, an OOM kill, a "
+            "shutdown timeout) is dead-lettered at its next read, not only the record that killed it")
     for i, dev in enumerate(cfg.model.devices):
         if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", dev):
-            raise ConfigError(f"$.model.devices[{i}]: expected cpu, mps, cuda or cuda:N, got {dev!r}")
+            add(f"$.model.devices[{i}]: expected cpu, mps, cuda or cuda:N, got {dev!r}")
     if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", cfg.model.device):
-        raise ConfigError(f"$.model.device: expected auto, cpu, mps, cuda or cuda:N, got {cfg.model.device!r}")
+        add(f"$.model.device: expected auto, cpu, mps, cuda or cuda:N, got {cfg.model.device!r}")
+    return problems
 
 
 # Set by the store from redis.timeout_ms; redis-py lets a URL's query string override them, which would turn the
@@ -540,11 +564,13 @@ def _check_shape(value: Any, path: str, above: tuple[int, ...] = ()) -> None:
 
 
 def from_dict(data: dict[str, Any] | None, environ: dict[str, str] | None = None, *,
-              check_clients: bool = False, files_elsewhere: bool = False) -> Config:
-    """The validated config. ``check_clients``: also make the Kafka consumer and producer the config describes,
-    offline, to find what librdkafka would refuse (the CLI does; tests that pair the config with fake clients
-    may use values only the fakes take). ``files_elsewhere``: the files client properties name (a CA...) may be
-    mounted where the worker runs, not here (check-config); those not here are not checked."""
+              check_clients: bool = False, files_elsewhere: bool = False, notes: list[str] | None = None) -> Config:
+    """The validated config, or a ConfigError with every problem found. ``check_clients``: also make the Kafka
+    consumer and producer the config describes, offline, to find what librdkafka would refuse (the CLI does;
+    tests that pair the config with fake clients may use values only the fakes take). ``files_elsewhere``: the
+    files client properties name (a CA...) may be mounted where the worker runs, not here (check-config); those
+    not here are not checked. ``notes`` (check-config): a secret reference that cannot be resolved here (it
+    may exist only in the pod) is appended to it instead of being an error; its key is not checked."""
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"$: expected a mapping at the top of the config, got {type(data).__name__}")
     _check_shape(data, "$")
@@ -552,34 +578,55 @@ def from_dict(data: dict[str, Any] | None, environ: dict[str, str] | None = None
     data = _merge(msgspec.to_builtins(Config()), data or {})
     env = dict(os.environ) if environ is None else environ
     set_by = _apply_env(data, env)
-    below = True
-    try:
-        data = _resolve_secrets(data, "$", env)
-        _check_passthrough(data)
+    missing: dict[str, str] = {}
+    data = _resolve_secrets(data, "$", env, missing)
+    if notes is not None:
+        notes.extend(f"{m} (not checked here; `worker run` without it exits 2)" for m in missing.values())
+
+    def known(problem: str) -> bool:  # about a key whose value is known (not an unresolved reference)
+        path = problem.split(": ", 1)[0]
+        return not any(path == m or path.startswith((m + ".", m + "[")) for m in missing)
+
+    # A type error is about the key itself (or a value above it); an unknown key, like the checks across keys,
+    # may be about what a variable put under it.
+    exact = [p for p in shape_problems(data, Config) + _passthrough_problems(data) if known(p)]
+    problems = list(missing.values()) if notes is None else []
+    cfg: Config | None = None
+    if not exact:
         try:
             cfg = msgspec.convert(data, Config, strict=False)
         except msgspec.ValidationError as e:
-            msg = _explain(str(e))
-            # A type error is about the key itself (or a value above it); an unknown key, like the checks
-            # across keys, may be about what a variable put under it.
-            below = msg.endswith(": unknown key")
-            raise ConfigError(msg) from None
-        _check_semantics(cfg)
+            exact = [_explain(str(e))]
+    if cfg is not None:
+        problems += [p for p in _semantic_problems(cfg) if known(p)]
         if check_clients:
             # A property librdkafka refuses would stop `worker run` with a traceback, after the model load.
             from worker.adapters.kafka_clients import config_problem
 
             refused = config_problem(cfg, files_elsewhere)
-            if refused:
-                raise ConfigError(f"{refused[0]}: {refused[1]}")
-    except ConfigError as e:
-        raise ConfigError(_blame(str(e), set_by, below)) from None
+            if refused and known(refused[0]):
+                problems.append(f"{refused[0]}: {refused[1]}")
+    if exact or problems:
+        blamed = [_blame(p, set_by, below="unknown key" in p) for p in exact]
+        blamed += [_blame(p, set_by, below=True) for p in problems]
+        raise ConfigError(blamed, model=cfg.model if cfg is not None else _model_section(data))
+    assert cfg is not None
     return cfg
+
+
+def _model_section(data: dict[str, Any]) -> ModelConfig | None:
+    """The model section on its own, when it is valid: check-config checks the model even where other
+    sections have problems."""
+    if shape_problems(data.get("model"), ModelConfig, "$.model"):
+        return None
+    return msgspec.convert(data.get("model") or {}, ModelConfig, strict=False)
 
 
 def name_overrides(msg: str, environ: dict[str, str] | None = None) -> str:
     """``msg``, an error about a key found after loading (the model and device checks: ``$.model.devices[1]:
     ...``), with the ``WORKER__*`` variables that set the key or a section above it, as from_dict names them."""
+    if "\n" in msg:
+        return "\n".join(name_overrides(line, environ) for line in msg.split("\n"))
     if "(set by " in msg:
         return msg  # from_dict's own
     env = dict(os.environ) if environ is None else environ
@@ -691,9 +738,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def load(path: str | Path | None, environ: dict[str, str] | None = None, *, check_clients: bool = False,
-         files_elsewhere: bool = False) -> Config:
+         files_elsewhere: bool = False, notes: list[str] | None = None) -> Config:
+    """The config in the YAML file at ``path`` (the defaults for None), as ``from_dict`` validates it."""
     if path is None:
-        return from_dict({}, environ, check_clients=check_clients, files_elsewhere=files_elsewhere)
+        return from_dict({}, environ, check_clients=check_clients, files_elsewhere=files_elsewhere, notes=notes)
     p = Path(path)
     try:
         text = _read_utf8(p)
@@ -719,7 +767,7 @@ def load(path: str | Path | None, environ: dict[str, str] | None = None, *, chec
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"$: expected a mapping at the top of {p}, got {type(data).__name__}")
-    return from_dict(data, environ, check_clients=check_clients, files_elsewhere=files_elsewhere)
+    return from_dict(data, environ, check_clients=check_clients, files_elsewhere=files_elsewhere, notes=notes)
 
 
 def _is_secret(key: str) -> bool:

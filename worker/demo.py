@@ -190,10 +190,11 @@ def _warm_broker(bootstrap: str, topic: str, partitions: int, producer: Any, sec
     the number of produce and fetch requests it serves, not their size."""
     from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
+    from worker.adapters.kafka_clients import client_log
     from worker.load import produce, requests
 
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"demo-warmup-{uuid.uuid4().hex[:6]}",
-                  "enable.auto.commit": False, "fetch.wait.max.ms": 50})
+                  "enable.auto.commit": False, "fetch.wait.max.ms": 50, "logger": client_log("demo")})
     c.assign([TopicPartition(topic, i, OFFSET_BEGINNING) for i in range(partitions)])  # no group join
     done = threading.Event()
 
@@ -214,8 +215,10 @@ def _warm_broker(bootstrap: str, topic: str, partitions: int, producer: Any, sec
 def _collect(consumer_cls: Any, bootstrap: str, topic: str, want: int,
              timeout: float) -> tuple[list[dict[str, Any]], float]:
     """The decoded results, and the latest Kafka timestamp among them (epoch ms)."""
+    from worker.adapters.kafka_clients import client_log
+
     c = consumer_cls({"bootstrap.servers": bootstrap, "group.id": f"demo-reader-{uuid.uuid4().hex[:6]}",
-                      "auto.offset.reset": "earliest", "enable.auto.commit": False})
+                      "auto.offset.reset": "earliest", "enable.auto.commit": False, "logger": client_log("demo")})
     c.subscribe([topic])
     out: list[dict[str, Any]] = []
     last_ms = 0.0

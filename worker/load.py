@@ -82,8 +82,11 @@ def requests(count: int, kind: str = "tiny", lanes: str | None = None, id_prefix
 
 
 def load_producer(bootstrap: str, producer_conf: dict[str, Any] | None = None) -> Producer:
+    from worker.adapters.kafka_clients import client_log
+
     return Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, "enable.idempotence": True,
-                     "queue.buffering.max.messages": 1_000_000, **(producer_conf or {})})
+                     "queue.buffering.max.messages": 1_000_000, "logger": client_log("load"),
+                     **(producer_conf or {})})
 
 
 def produce(bootstrap: str, topic: str, items: Iterator[tuple[bytes, bytes]], rate: float = 0.0,

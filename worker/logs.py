@@ -25,8 +25,8 @@ import sys
 from collections.abc import Mapping
 from typing import IO, Any
 
-__all__ = ["JsonFormatter", "RedactingFilter", "TextFormatter", "is_secret_key", "redact", "redact_text",
-           "setup_logging"]
+__all__ = ["JsonFormatter", "LibrdkafkaLog", "RedactingFilter", "TextFormatter", "is_secret_key", "redact",
+           "redact_text", "setup_logging"]
 
 SECRET_KEY_WORDS = ("password", "passwd", "secret", "token", "sasl", "credential", "api_key", "apikey",
                     "authorization", "private_key", "privatekey", "key_pem")
@@ -146,6 +146,37 @@ class TextFormatter(logging.Formatter):
             return redact_text(line)  # (see JsonFormatter: exceptions and tracebacks become text only here)
         head, sep, tail = line.partition("\n")  # keep a traceback below the first line
         return redact_text(f"{head} {extras}{sep}{tail}")
+
+
+# librdkafka logs these at WARNING while it retries them itself, and they clear within seconds of a broker's
+# start (a coordinator loading its partitions): INFO, not a warning a reader should act on.
+LIBRDKAFKA_TRANSIENT = ("Coordinator load in progress", "COORDINATOR_LOAD_IN_PROGRESS")
+_THREAD = re.compile(r"\[thrd:([^\]]*)\]: ", re.S)
+
+
+class LibrdkafkaLog:
+    """librdkafka's own log lines as records of the worker's logging, for confluent-kafka's ``logger`` client
+    property (which calls ``log(level, "%s [%s] %s", facility, client, text)``, the level already mapped from
+    syslog: 3 ERROR, 4 WARNING, 5 and 6 INFO, 7 DEBUG). The record's message is librdkafka's text; the
+    facility (``GETPID``, ``FAIL``...), the client's name and librdkafka's thread are fields of their own."""
+
+    def __init__(self, name: str) -> None:
+        self.logger = logging.getLogger(name)
+
+    def log(self, level: int, fmt: str, *args: Any) -> None:
+        if len(args) != 3:  # not librdkafka's form: as given
+            self.logger.log(level, fmt, *args)
+            return
+        facility, client, text = (str(a) for a in args)
+        thread = ""
+        m = _THREAD.match(text)
+        if m:
+            thread, text = m.group(1), text[m.end():]
+        if level > logging.INFO and any(t in text for t in LIBRDKAFKA_TRANSIENT):
+            level = logging.INFO
+        if self.logger.isEnabledFor(level):
+            self.logger.log(level, "%s", text, extra={"facility": facility, "client": client,
+                                                      "rdkafka_thread": thread})
 
 
 def setup_logging(level: str = "INFO", fmt: str = "json", stream: IO[str] | None = None) -> logging.Handler:

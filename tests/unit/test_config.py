@@ -87,7 +87,7 @@ def test_env_overrides_sections_lists_and_passthrough():
 def test_env_override_bad_value_names_path_and_variable():
     with pytest.raises(ConfigError, match=r"^\$.delivery.max_attempts: .*\(set by WORKER__DELIVERY__MAX_ATTEMPTS\)$"):
         from_dict(BASE, environ={"WORKER__DELIVERY__MAX_ATTEMPTS": "many"})
-    with pytest.raises(ConfigError, match=r"^\$.kafka.groupid: unknown key \(set by WORKER__KAFKA__GROUPID\)$"):
+    with pytest.raises(ConfigError, match=r"^\$.kafka.groupid: unknown key; did you mean `group_id`\? \(set by WORKER__KAFKA__GROUPID\)$"):
         from_dict(BASE, environ={"WORKER__KAFKA__GROUPID": "g"})
     # Not YAML: a clear error naming the variable, never a traceback (the CLI exits 2 on ConfigError).
     with pytest.raises(ConfigError, match=r"^\$.batching.lanes\[0\].topics \(from WORKER__BATCHING__LANES__0__TOPICS\): "
@@ -231,7 +231,7 @@ def test_cli_help_and_usage_errors():
 
 
 @pytest.mark.parametrize("env, message", [
-    ({"WORKER__KAFKAX__FOO": "1"}, r"^\$.kafkax: unknown key \(set by WORKER__KAFKAX__FOO\)$"),
+    ({"WORKER__KAFKAX__FOO": "1"}, r"^\$.kafkax: unknown key; did you mean `kafka`\? \(set by WORKER__KAFKAX__FOO\)$"),
     ({"WORKER__MODEL__DEVICE": "gpu"}, r"^\$.model.device: expected .* got 'gpu' \(set by WORKER__MODEL__DEVICE\)$"),
     ({"WORKER__KAFKA__OUTPUT_TOPIC": "in"},
      r"^\$.kafka.output_topic: must differ .* \(set by WORKER__KAFKA__OUTPUT_TOPIC\)$"),

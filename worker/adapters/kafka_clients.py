@@ -16,6 +16,7 @@ from confluent_kafka import Consumer, KafkaError, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from worker.config import Config
+from worker.logs import LibrdkafkaLog
 
 log = logging.getLogger("worker.kafka")
 
@@ -59,12 +60,19 @@ def _base(cfg: Config) -> dict[str, Any]:
     return {"bootstrap.servers": cfg.kafka.bootstrap_servers, "client.id": f"kiw-{socket.gethostname()}"}
 
 
+def client_log(role: str) -> LibrdkafkaLog:
+    """The ``logger`` property for a client: librdkafka's lines go through the worker's logging (level, format,
+    redaction) as ``worker.kafka.<role>``, never raw to stderr (as librdkafka writes them without one). They are
+    served by the client's poll/consume calls."""
+    return LibrdkafkaLog(f"worker.kafka.{role}")
+
+
 def consumer_config(cfg: Config, group_id: str | None = None, **extra: Any) -> dict[str, Any]:
     conf = {**_base(cfg), "group.id": group_id or cfg.kafka.group_id, **CONSUMER_DEFAULTS}
     conf.update(cfg.kafka.consumer)
     conf.update(extra)
     conf.update(CONSUMER_FIXED)
-    conf.setdefault("logger", logging.getLogger("worker.kafka.consumer"))
+    conf.setdefault("logger", client_log("consumer"))
     return conf
 
 
@@ -72,7 +80,7 @@ def producer_config(cfg: Config, **extra: Any) -> dict[str, Any]:
     conf = {**_base(cfg), **PRODUCER_DEFAULTS}
     conf.update(cfg.kafka.producer)
     conf.update(extra)
-    conf.setdefault("logger", logging.getLogger("worker.kafka.producer"))
+    conf.setdefault("logger", client_log("producer"))
     return conf
 
 
@@ -180,7 +188,7 @@ def _refusal(section: str, conf: dict[str, Any]) -> str | None:
 
 
 def admin_config(cfg: Config) -> dict[str, Any]:
-    conf = _base(cfg)
+    conf = {**_base(cfg), "logger": client_log("admin")}
     # SASL/SSL settings the user gave the consumer apply to the admin client as well.
     for k, v in cfg.kafka.consumer.items():
         if k.startswith(("security.", "sasl.", "ssl.")):
@@ -199,7 +207,7 @@ def make_producer(cfg: Config, **extra: Any) -> Producer:
 def ensure_topics(bootstrap: str | dict[str, Any], topics: dict[str, int], timeout: float = 30.0) -> None:
     """Create topics that do not exist yet (name -> partitions). Existing ones are left as they are."""
     conf = {"bootstrap.servers": bootstrap} if isinstance(bootstrap, str) else bootstrap
-    admin = AdminClient(conf)
+    admin = AdminClient({"logger": client_log("admin"), **conf})
     existing = set(admin.list_topics(timeout=timeout).topics)
     new = [NewTopic(t, num_partitions=n, replication_factor=1 if "127.0.0.1" in str(conf) else -1)
            for t, n in topics.items() if t not in existing]
