@@ -12,8 +12,9 @@ delivered.
 librdkafka gets the worker's fetch and produce settings (``worker.adapters.kafka_clients`` defaults:
 prefetch queue, fetch wait and backoff; idempotence, acks=all, linger, batch size, lz4), so that the
 comparison is of the frameworks, not of their defaults. Arroyo keeps what it requires: per-message delivery
-reports (its ``Produce`` step waits on one future per message), its strict offset reset, statistics callback
-and the range assignor. Per record it builds the same result as the raw loop (id, status, outputs, model,
+reports (its ``Produce`` step waits on one future per message; the producer makes them Arroyo's light
+``SimpleProducerFuture``, which has no condition variable), its strict offset reset, statistics callback and
+the range assignor. Per record it builds the same result as the raw loop (id, status, outputs, model,
 source).
 
 ``python -m tests.bench.arroyo_app --bootstrap B --input T --output T --group G``; SIGTERM stops it (the
@@ -115,7 +116,7 @@ def main() -> int:
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
-    producer = KafkaProducer(producer_config(args.bootstrap))
+    producer = KafkaProducer(producer_config(args.bootstrap), use_simple_futures=True)
     processor = StreamProcessor(KafkaConsumer(consumer_config(args.bootstrap, args.group)), Topic(args.input),
                                 Strategy(producer, args.output, args.batch_size, args.batch_time_ms / 1000.0),
                                 commit_policy=ONCE_PER_SECOND)
