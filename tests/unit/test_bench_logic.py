@@ -175,3 +175,69 @@ def test_a_failed_scenario_keeps_a_row_and_fails_the_run(tmp_path: Any, monkeypa
     assert run_all.label("3 / 7.2 saturated throughput") == "saturated throughput"
     assert run_all.label("7.2 batching vs seeds") == "batching vs other batchers"
     assert run_all.label("seed 000 DynamicBatcher") == "DynamicBatcher"
+
+
+def _runs(*rates_cpu: tuple[float, float]) -> list[dict[str, Any]]:
+    return [{"records_per_s": r, "cpu_us_per_record": c} for r, c in rates_cpu]
+
+
+def test_pipeline_rows_compare_the_worker_with_each_peer_best_run_against_best_run() -> None:
+    from tests.bench import pipeline
+    from tests.bench.run_all import label
+
+    res: dict[str, Any] = {"raw_runs": _runs((300_000, 3.5), (400_000, 3.2)),
+                           "worker_runs": _runs((120_000, 9.0), (100_000, 8.5)),
+                           "quix_runs": _runs((60_000, 16.0), (50_000, 17.0)),
+                           "arroyo_runs": _runs((90_000, 11.0), (70_000, 10.0))}
+    rows = pipeline.summarize(res)["rows"]
+    assert res["worker"]["records_per_s"] == 120_000 and res["raw_cpu_us_per_record"] == 3.2
+    rates = [r for r in rows if r["unit"] == "rec/s"]
+    assert [(label(r["scenario"]), r["baseline"], r["ratio"], r["target"], r["verdict"]) for r in rates] == [
+        ("pipeline overhead", "raw confluent-kafka loop", 0.3, ">= 0.6", "MISS"),
+        ("pipeline overhead", "Quix Streams app", 2.0, ">= 2", "pass"),
+        ("pipeline overhead", "Sentry Arroyo app", 1.333, ">= 1.5", "MISS")]
+    assert all(r["figure"] == "worker records/s (identity, 100 B)" and r["value"] == 120_000 for r in rates)
+    assert "arroyo runs: 90,000, 70,000/s" in rates[2]["note"]
+    cpu = [r for r in rows if r["unit"] == "us"]
+    assert [(r["baseline"], r["value"], r["baseline_value"], r["verdict"]) for r in cpu] == [
+        ("raw loop CPU us per record", 8.5, 3.2, "info"),
+        ("Quix Streams CPU us per record", 8.5, 16.0, "info"),
+        ("Sentry Arroyo CPU us per record", 8.5, 10.0, "info")]
+    # A stored run from before Arroyo joined the scenario re-renders with the rows it measured.
+    del res["arroyo_runs"], res["arroyo"]
+    assert [r["baseline"] for r in pipeline.summarize(res)["rows"]] == [
+        "raw confluent-kafka loop", "Quix Streams app", "raw loop CPU us per record",
+        "Quix Streams CPU us per record"]
+
+
+def test_the_arroyo_peer_batches_with_the_worker_lane_limits(tmp_path: Any) -> None:
+    from tests.bench import pipeline
+
+    argv = pipeline.peer_argv("arroyo", "b:1", "in", "out", "g", tmp_path)
+    assert argv[1:3] == ["-m", "tests.bench.arroyo_app"]
+    limits = dict(zip(argv[-4::2], argv[-3::2], strict=True))
+    assert limits == {"--batch-size": str(pipeline.LANE["max_batch_size"]),
+                      "--batch-time-ms": str(pipeline.LANE["max_wait_ms"])}
+    assert "--state-dir" in pipeline.peer_argv("quix", "b:1", "in", "out", "g", tmp_path)
+
+
+def test_the_arroyo_peer_builds_the_raw_loop_result_for_every_request_of_a_batch() -> None:
+    from datetime import datetime
+
+    import msgspec
+    from arroyo.backends.kafka import KafkaPayload
+    from arroyo.types import BaseValue, BrokerValue, Message, Partition, Topic, Value
+
+    from tests.bench.arroyo_app import results
+
+    part = Partition(Topic("in"), 2)
+    now = datetime(2026, 1, 1)
+    requests = [KafkaPayload(f"p-{i}".encode(), msgspec.json.encode({"id": f"p-{i}", "inputs": {"v": i}}), [])
+                for i in range(3)]
+    batch: list[BaseValue[KafkaPayload]] = [BrokerValue(r, part, 10 + i, now) for i, r in enumerate(requests)]
+    out = results(Message(Value(batch, {part: 13}, now)))
+    assert [v.payload.key for v in out] == [b"p-0", b"p-1", b"p-2"]  # type: ignore[union-attr]
+    assert [v.committable for v in out] == [{part: 11}, {part: 12}, {part: 13}]
+    assert msgspec.json.decode(out[1].payload.value) == {  # type: ignore[union-attr]
+        "id": "p-1", "status": "ok", "outputs": {"v": 1}, "model": "identity",
+        "source": {"topic": "in", "partition": 2, "offset": 11}}
