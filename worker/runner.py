@@ -40,6 +40,7 @@ from worker.core.records import Batch, Outcome, Record, TopicPartition
 from worker.core.scheduler import PriorityScheduler
 from worker.emit import Emitter, FatalDeliveryError
 from worker.intake import Intake
+from worker.pipeline.partitions import PartitionTable
 from worker.store_gate import StoreGate
 from worker.transactions import TransactionalCommitter, TransactionFailed
 
@@ -100,7 +101,8 @@ class Runner:
         self._model_arg = model
         self._device_specs = devices
         self.stop_at = stop_at  # backfill: stop when every partition reaches these end offsets
-        self.reached: set[TopicPartition] = set(reached or ())  # backfill: partitions read up to stop_at
+        # Every per-partition fact (epochs, pauses, positions, commits, a backfill's ends).
+        self.partitions = PartitionTable(reached or ())
         self._on_assign_offsets = on_assign_offsets
         self.group_id = group_id or cfg.kafka.group_id
 
@@ -114,25 +116,13 @@ class Runner:
         self._stop = threading.Event()
         self._fatal: str | None = None
         self.stats = RunStats()
-        self.assigned: set[TopicPartition] = set()
-        self.epochs: Counter[TopicPartition] = Counter()
-        self.paused: set[TopicPartition] = set()
         self.models_loaded = False  # set once every device's model is set up (signals: nothing left to wait for)
         # The backpressure decision's hysteresis, per reason (worker/core/backpressure.py): the in-flight bound
         # holds every partition, partitions held for their uncommitted span, lanes held full.
         self._holding = False
-        self._span_held: set[TopicPartition] = set()
         self._full_lanes: set[str] = set()
-        self._tps: dict[tuple[str, int], TopicPartition] = {}
         self._commit_in_flight: dict[TopicPartition, int] | None = None  # an asynchronous commit not yet reported
         self._commit_sent_at = 0.0
-        self.position: dict[TopicPartition, int] = {}  # next offset to read, per partition (backfill progress)
-        # Exactly-once: the first offset read per partition since its assign or last rewind, where a rewind
-        # seeks a partition without a commit (auto.offset.reset or a backfill's start put the consumer there).
-        self._first_read: dict[TopicPartition, int] = {}
-        # Exactly-once: partitions a rewind served inside consume() sought back, with the offset (None: no seek).
-        self._rewound: dict[TopicPartition, int | None] = {}
-        self.committed: dict[TopicPartition, int] = {}
         # Per device (by its index in workers): the batches it took and has not handed back. A device is free
         # when its own count is 0 (with several, the total said a busy device was free while another was idle);
         # all are when the sum is (a suspect runs only then).
@@ -164,7 +154,6 @@ class Runner:
         self._next_lag_report = 0.0
         self._done_at_last_lag = 0
         self._lag_turn = 0
-        self._live_high: dict[TopicPartition, int] = {}  # high watermarks a lag report asked the broker for
         from worker.adapters.metrics import DrainEstimator
 
         self._drain = DrainEstimator(window_s=60.0)
@@ -173,6 +162,20 @@ class Runner:
             # gracefully, not kill it with the default disposition.
             signal.signal(signal.SIGTERM, self.stop)
             signal.signal(signal.SIGINT, self.stop)
+
+    @property
+    def assigned(self) -> frozenset[TopicPartition]:
+        return self.partitions.assigned
+
+    @property
+    def committed(self) -> dict[TopicPartition, int]:
+        """What this worker last committed, per partition (released ones too)."""
+        return self.partitions.committed
+
+    @property
+    def reached(self) -> set[TopicPartition]:
+        """Backfill: the partitions read up to ``stop_at``."""
+        return self.partitions.reached
 
     # ------------------------------------------------------------------ setup
     def _build_models(self) -> None:
@@ -237,11 +240,11 @@ class Runner:
             now = time.monotonic()
             was_ahead = self.scheduler.start(batch)
             current = batch
-            epochs = self.epochs
-            if any(epochs[r.tp] != r.epoch for r in batch.records):
+            current_rec = self.partitions.is_current
+            if not all(current_rec(r) for r in batch.records):
                 # Their partition was released since the batch was taken (revoke, loss, rewind): those records
                 # belong to the new owner or the rewound reader now; not to expire, requeue or run here.
-                current = batch.with_records([r for r in batch.records if epochs[r.tp] == r.epoch])
+                current = batch.with_records([r for r in batch.records if current_rec(r)])
             # Taken up to a batch-time ago: records whose deadline passed meanwhile are expired, not run.
             trimmed = self.scheduler.drop_expired(current, now)
             if trimmed is not None:  # (possibly empty: every record expired)
@@ -268,7 +271,7 @@ class Runner:
         with self.cv:
             while True:
                 now = time.monotonic()
-                while self._suspects and self.epochs[self._suspects[0].tp] != self._suspects[0].epoch:
+                while self._suspects and not self.partitions.is_current(self._suspects[0]):
                     self._suspects.popleft()  # revoked meanwhile
                 batch = None
                 if self._suspects:
@@ -343,7 +346,7 @@ class Runner:
                                getattr(self.model, "name", "model"),
                                self.cfg.model.version or getattr(self.model, "version", None),
                                self.cfg.delivery.format, on_done=self._record_done, on_failed=self._record_failed,
-                               is_stale=lambda r: self.epochs[r.tp] != r.epoch,
+                               is_stale=lambda r: not self.partitions.is_current(r),
                                max_message_bytes=int(self.cfg.kafka.producer.get("message.max.bytes", 1_000_000)),
                                spare_producer=self.spare_producer, on_wait=self._beat,
                                new_producer=(lambda: make_producer(self.cfg)) if self.txn is None else None,
@@ -437,10 +440,11 @@ class Runner:
             room = max(1, self.cfg.batching.max_in_flight - self.tracker.in_flight())
             want = min(self.cfg.kafka.poll_max_records, room)
             if first is not None and want > 1:
-                self._rewound = {}
+                self.partitions.clear_rewound()
                 msgs.extend(self.consumer.consume(want - 1, 0))
-                if self._rewound:
-                    msgs = self._drop_rewound(msgs)
+                rewound = self.partitions.take_rewound()
+                if rewound:
+                    msgs = self._drop_rewound(msgs, rewound)
             if msgs:
                 self._broker_ok = True
                 self._ingest(msgs)
@@ -467,19 +471,18 @@ class Runner:
                     tp.topic, tp.partition, offset)
         return []
 
-    def _drop_rewound(self, msgs: list[Any]) -> list[Any]:
+    def _drop_rewound(self, msgs: list[Any], rewound: dict[TopicPartition, int | None]) -> list[Any]:
         """A rewind served inside consume() (a revoke whose checkpoint failed) sought partitions back, but
         poll() had already returned a record of them, and consume() may return some read before the callback:
         tracked under the new epoch they would be processed twice (or out of order). Drop every message of
         those partitions from this turn and seek to the first one dropped where that is before the rewind's
         target (or where the rewind had nothing to seek to): whatever they were, they are read again."""
-        rewound, self._rewound = self._rewound, {}
         keep: list[Any] = []
         first: dict[TopicPartition, int] = {}
         for m in msgs:
             tp = TopicPartition(m.topic(), m.partition())
             if m.error() is None and tp in rewound:
-                if tp in self.assigned and tp not in first:
+                if self.partitions.is_assigned(tp) and tp not in first:
                     first[tp] = m.offset()
                 continue
             keep.append(m)
@@ -499,8 +502,8 @@ class Runner:
         outcomes: list[Outcome] = []
         admitted: list[Record] = []
         # Locals for the per-record loop (attribute lookups are a good part of its cost).
-        tps, assigned, stop_at, position, epochs = self._tps, self.assigned, self.stop_at, self.position, self.epochs
-        track, txn, admit, first_read = self.tracker.track, self.txn, self.intake.admit, self._first_read
+        live, stop_at, reached = self.partitions.live, self.stop_at, self.partitions.mark_reached
+        track, txn, admit = self.tracker.track, self.txn, self.intake.admit
         n_in = 0
         for m in msgs:
             err = m.error()
@@ -511,26 +514,24 @@ class Runner:
                     if self.stop_at is not None:
                         eof_tp = TopicPartition(m.topic(), m.partition())
                         if m.offset() >= self.stop_at.get(eof_tp, 0):
-                            self.reached.add(eof_tp)
+                            reached(eof_tp)
                 else:
                     log.warning("consume error: %s", err)
                     if err.fatal():
                         self._fatal = f"fatal consumer error: {err}"
                 continue
-            raw_tp = (m.topic(), m.partition())
-            tp = tps.get(raw_tp)  # one TopicPartition per partition, not one per record
-            if tp is None:
-                tp = tps[raw_tp] = TopicPartition(*raw_tp)
-            if tp not in assigned:
+            part = live((m.topic(), m.partition()))
+            if part is None:
                 continue  # a message of a partition revoked while it was in the fetch batch
+            tp = part.tp  # one TopicPartition per partition, not one per record
             offset = m.offset()
             if stop_at is not None:
                 if offset >= stop_at.get(tp, 0):
                     # Backfill: past the end snapshot taken at start; leave it for the live workers.
-                    self.reached.add(tp)
+                    part.reached = True
                     continue
                 if offset + 1 >= stop_at.get(tp, 0):
-                    self.reached.add(tp)
+                    part.reached = True
             if not track(tp, offset):
                 if txn is not None:
                     # Exactly-once: read again, already tracked (and processed, or on its way) after a rewind
@@ -539,17 +540,17 @@ class Runner:
                 # At-least-once: librdkafka moved the position back by itself (log truncation after an unclean
                 # leader election, a topic deleted and recreated): the records at those offsets are new data.
                 self._position_moved_back(tp, offset)
-            position[tp] = offset + 1
+            part.position = offset + 1
             if txn is not None:
                 txn.track(tp, offset)
-                if tp not in first_read:
-                    first_read[tp] = offset
+                if part.first_read is None:
+                    part.first_read = offset
             ts_type, ts = m.timestamp()
             try:
                 headers = m.headers() or []
             except Exception:  # noqa: BLE001 - one record's headers must not stop the partition for good
                 headers = self._unreadable_headers(tp, offset)
-            rec = Record(tp, offset, m.value(), m.key(), headers, now, ts if ts_type else None, epochs[tp])
+            rec = Record(tp, offset, m.value(), m.key(), headers, now, ts if ts_type else None, part.epoch)
             n_in += 1
             bad = admit(rec, now)
             if bad is not None:
@@ -635,13 +636,13 @@ class Runner:
         # Without a transaction ok results go straight to the emitter's hot path: no Outcome per record,
         # metrics and stats once per batch. In exactly-once mode every outcome goes through the reorder buffer.
         wall_ms = time.time() * 1000.0
-        epochs = self.epochs
+        current = self.partitions.is_current
         closed = batch.closed_at
         outcomes: list[Outcome] = []
         ok_recs: list[Record] = []
         ok_outs: list[Any] = []
         for rec, out in zip(batch.records, outputs, strict=True):
-            if epochs[rec.tp] != rec.epoch:
+            if not current(rec):
                 continue  # partition revoked meanwhile: the new owner reprocesses it
             if isinstance(out, BaseException):
                 outcomes.append(Outcome(rec, "error", error=f"{type(out).__name__}: {out}", dlq_stage="inference",
@@ -678,7 +679,7 @@ class Runner:
         # and a histogram observe() per record costs about 5 us.
         out_counts: Counter[tuple[str, str]] = Counter()
         e2e_s: dict[str, list[float]] = {}
-        epochs = self.epochs
+        current = self.partitions.is_current
         emit = self.emitter.emit
 
         def count(o: Outcome) -> None:
@@ -699,7 +700,7 @@ class Runner:
                 e2e_s.setdefault(rec.lane, []).append((wall_ms - rec.produced_at_ms) / 1000.0)
 
         for o in outcomes:
-            if epochs[o.record.tp] != o.record.epoch:
+            if not current(o.record):
                 # Its partition was released since it was read (revoke, loss, rewind): the new owner or the
                 # rewound reader processes it again. An outcome from here would be a second, conflicting
                 # result, and in exactly-once mode it would take the re-read record's place in the order.
@@ -715,14 +716,14 @@ class Runner:
             self.metrics.end_to_end_many(lane, xs)
 
     def _record_done(self, rec: Record) -> None:
-        if self.epochs[rec.tp] == rec.epoch:
+        if self.partitions.is_current(rec):
             self.tracker.ack(rec.tp, rec.offset)
         else:
             self.tracker.ack_lost(rec.tp, rec.offset)  # its partition was lost: see _resume_lost
         self.gate.delivered(rec)
 
     def _record_failed(self, rec: Record, err: str) -> None:
-        if self.epochs[rec.tp] != rec.epoch:
+        if not self.partitions.is_current(rec):
             return  # its partition was revoked meanwhile: the new owner processes it again
         if self.txn is not None and self._delivery_aborts < DELIVERY_ABORTS_MAX:
             # Exactly-once: abort the transaction and read again from the last commit, at the end of this loop
@@ -772,24 +773,26 @@ class Runner:
         # librdkafka's cached high watermark comes with fetch responses, and a paused partition (backpressure)
         # fetches nothing: its lag froze exactly when the HPA needed it. A few paused partitions per report, in
         # turn, ask the broker (a round trip each); the others use the latest of that answer and the cache.
-        paused = sorted(self.paused & self.assigned)
+        paused = sorted(self.partitions.paused)
         ask = {paused[(self._lag_turn + i) % len(paused)] for i in range(min(LAG_QUERIES, len(paused)))}
         self._lag_turn += len(ask)
-        for tp in list(self.assigned):
+        for part in self.partitions.live_partitions():
+            tp = part.tp
             try:
                 if tp in ask:
                     _lo, hi = self.consumer.get_watermark_offsets(KTP(tp.topic, tp.partition),
                                                                   timeout=LAG_QUERY_TIMEOUT_S, cached=False)
-                    self._live_high[tp] = hi
+                    part.live_high = hi
                 else:
                     _lo, hi = self.consumer.get_watermark_offsets(KTP(tp.topic, tp.partition), cached=True)
-                    if tp in self._live_high:
-                        hi = max(hi, self._live_high[tp]) if hi is not None else self._live_high[tp]
+                    if part.live_high is not None:
+                        hi = max(hi, part.live_high) if hi is not None else part.live_high
             except KafkaException:
                 continue
             if hi is None or hi < 0:
                 continue
-            base = self.committed.get(tp, self.position.get(tp, hi))
+            base = part.committed if part.committed is not None else (
+                part.position if part.position is not None else hi)
             lag = max(hi - base, 0)
             total += lag
             self.metrics.gauge("consumer_lag", lag, topic=tp.topic, partition=str(tp.partition))
@@ -817,27 +820,31 @@ class Runner:
         lanes_of, default_lane = self.intake.topic_lanes, self.cfg.batching.default_lane
         # Only the partitions near their bound matter (a handful of len() calls per turn otherwise).
         tracker, low = self.tracker, span_bound * ratio
-        spans = {tp: n for tp in self.assigned if (n := tracker.span(tp)) > low}
-        want, self._holding, self._span_held = partitions_to_pause(
-            in_flight=in_flight, bound=bound, resume_ratio=ratio, assigned=self.assigned, holding=self._holding,
-            reached=self.reached if self.stop_at is not None else set(), full_lanes=full,
+        parts = self.partitions
+        assigned, paused = parts.assigned, parts.paused
+        spans = {tp: n for tp in assigned if (n := tracker.span(tp)) > low}
+        want, self._holding, span_held = partitions_to_pause(
+            in_flight=in_flight, bound=bound, resume_ratio=ratio, assigned=assigned, holding=self._holding,
+            reached=parts.reached if self.stop_at is not None else set(), full_lanes=full,
             lane_of=lambda tp: lanes_of.get(tp.topic, default_lane), spans=spans, span_bound=span_bound,
-            span_held=self._span_held)
+            span_held=parts.span_held)
+        parts.set_span_held(span_held)
         for tp, n in spans.items():
-            if n >= span_bound and tp not in self.paused:
+            if n >= span_bound and tp not in paused:
                 log.warning("partition paused: %d records read since its oldest unfinished record (offset %s), "
                             "batching.max_uncommitted=%d", n, tracker.first_pending(tp), span_bound,
                             extra={"topic": tp.topic, "partition": tp.partition})
-        if want != self.paused:
-            to_pause = want - self.paused
-            to_resume = (self.paused - want) & self.assigned
+        if want != paused:
+            to_pause = want - paused
+            to_resume = (paused - want) & assigned
             if to_pause:
                 self.consumer.pause([KTP(t, p) for t, p in to_pause])
             if to_resume:
                 resumed = [KTP(t, p) for t, p in to_resume]
                 self.consumer.resume(resumed)
                 self._wake_fetcher(resumed)
-            self.paused = want
+            parts.set_paused(to_pause)
+            parts.set_paused(paused - want, False)
             self.metrics.gauge("paused_partitions", len(want))
             log.debug("backpressure: %d partitions paused (in flight %d, bound %d)", len(want), in_flight, bound)
 
@@ -917,7 +924,7 @@ class Runner:
         marker) takes any valid position: librdkafka invalidates it on assign and seek (a rewind) and moves it
         only when it serves a message, which the loop has tracked by now, or a marker."""
         tracker = self.tracker
-        idle = [tp for tp in self.assigned if tracker.span(tp) == 0]
+        idle = [tp for tp in self.partitions.assigned if tracker.span(tp) == 0]
         if not idle:
             return
         try:
@@ -932,7 +939,7 @@ class Runner:
             if base is None:
                 # Nothing tracked: the position is valid only once a marker was served. Not again what this
                 # worker committed last (the tracker keeps no commit for a partition it tracked nothing of).
-                if k.offset >= 0 and k.offset != self.committed.get(tp):
+                if k.offset >= 0 and k.offset != self.partitions.last_commit(tp):
                     offsets[tp] = k.offset
             elif k.offset > base:
                 offsets[tp] = k.offset
@@ -947,13 +954,13 @@ class Runner:
             self._commit_failed(err)
             return
         done = {tp: k.offset for k in partitions
-                if k.error is None and k.offset >= 0 and (tp := TopicPartition(k.topic, k.partition)) in self.assigned}
+                if k.error is None and k.offset >= 0 and self.partitions.is_assigned(tp := TopicPartition(k.topic, k.partition))}
         if done:
             self._committed(done, self._commit_sent_at)
 
     def _committed(self, offsets: dict[TopicPartition, int], sent_at: float) -> None:
         self.tracker.mark_committed(offsets)
-        self.committed.update(offsets)
+        self.partitions.set_committed(offsets)
         self.stats.commits += 1
         self._broker_ok = True
         self.metrics.gauge("commit_seconds", time.monotonic() - sent_at)
@@ -1004,7 +1011,7 @@ class Runner:
         if ok:
             self._delivery_aborts = 0
             self.tracker.mark_committed(offsets)
-            self.committed.update(offsets)
+            self.partitions.set_committed(offsets)
             self.stats.commits += 1
             self.metrics.gauge("commit_seconds", time.monotonic() - t0)
         else:
@@ -1028,16 +1035,14 @@ class Runner:
     def _rewind(self) -> None:
         """After an aborted transaction: forget everything in flight and read again from the committed
         offsets (results of the aborted transaction are invisible to read_committed readers)."""
-        tps = set(self.assigned)
+        tps = set(self.partitions.assigned)
         with self.cv:
             self.scheduler.revoke(tps)
             self._suspects.clear()
         self.tracker.revoke(tps)
         if self.txn is not None:
             self.txn.drop(tps)
-        for tp in tps:
-            self.epochs[tp] += 1
-        first_read = {tp: self._first_read.pop(tp) for tp in tps if tp in self._first_read}
+        first_read = self.partitions.rewind(tps)
         try:
             committed = retry_transient(self.consumer.committed, [KTP(t, p) for t, p in tps], timeout=30)
             for k in committed:
@@ -1045,11 +1050,11 @@ class Runner:
                 # Without a commit: the first offset read since the assign (or the last rewind), where
                 # auto.offset.reset or a backfill's start put the consumer; nothing read, nothing to seek.
                 to = k.offset if k.offset >= 0 else first_read.get(tp)
-                self._rewound[tp] = to
+                self.partitions.note_rewound(tp, to)
                 if to is not None:
                     self.consumer.seek(KTP(k.topic, k.partition, to))
                     # Backfill: its end counts again once re-read (the seek brings the EOF event back).
-                    self.reached.discard(tp)
+                    self.partitions.unmark_reached(tp)
         except Exception as e:
             # The consumer would go on from its fetch position with nothing tracked before it, and the next
             # checkpoint would commit past records whose results the abort discarded (never visible). Commit
@@ -1095,8 +1100,8 @@ class Runner:
         log.error("the consumer has been out of its group for %.0f s (allowed: %.0f s, kafka.rejoin_timeout_ms): "
                   "replacing it with a new one", self._rejoin.out_for(now), self._rejoin.allowance_s,
                   extra={"group": self.group_id, "replacements": self._rejoin.replacements + 1})
-        if self.assigned:
-            self._release(set(self.assigned), graceful=False)
+        if self.partitions.assigned:
+            self._release(set(self.partitions.assigned), graceful=False)
         self.consumer = self._make_consumer()
         if self.txn is not None:
             self.txn.consumer = self.consumer
@@ -1120,14 +1125,10 @@ class Runner:
     def _on_assign(self, consumer: Any, partitions: list[KTP]) -> None:
         self._rejoin.joined()
         try:
-            for p in partitions:
-                tp = TopicPartition(p.topic, p.partition)
-                self.epochs[tp] += 1
-                self.assigned.add(tp)
-                self._first_read.pop(tp, None)
+            self.partitions.assign(TopicPartition(p.topic, p.partition) for p in partitions)
             self.metrics.event("rebalances", kind="assign")
             if self.health is not None:
-                self.health.assigned = bool(self.assigned)
+                self.health.assigned = bool(self.partitions.assigned)
             log.info("partitions assigned", extra={"partitions": [f"{p.topic}[{p.partition}]" for p in partitions]})
             if self.tracker.lost():
                 try:
@@ -1144,7 +1145,7 @@ class Runner:
                 # drain's poll(0) would return its records only to drop them. Paused, it is committed where
                 # its group left it and handed over on close.
                 consumer.pause(partitions)
-                self.paused.update(TopicPartition(p.topic, p.partition) for p in partitions)
+                self.partitions.set_paused(TopicPartition(p.topic, p.partition) for p in partitions)
             elif partitions:
                 # librdkafka keeps a partition's pause through a revoke and a new assign: one paused (backpressure,
                 # a backfill's end) when it was revoked came back paused, while the runner, which forgets what it
@@ -1211,7 +1212,7 @@ class Runner:
             log.warning("partitions lost earlier are back, but committing what this worker delivered of them failed "
                         "(%s): reading on from the commits, so that is processed again", e)
             return
-        self.committed.update(moves)
+        self.partitions.set_committed(moves)
         self.metrics.event("lost_records_skipped", n=sum(skipped.values()))
         log.info("partitions lost earlier are back: going on after the records this worker already delivered",
                  extra={"skipped": skipped, "resume_at": {f"{tp.topic}[{tp.partition}]": off
@@ -1318,21 +1319,11 @@ class Runner:
             self.tracker.detach(tps)
         if self.txn is not None:
             self.txn.drop(tps)
+        self.partitions.release(tps)
         for tp in tps:
-            self.epochs[tp] += 1
-            self.position.pop(tp, None)
-            self._first_read.pop(tp, None)
-            # Backfill: assigned again, the partition is read again from its commit, which may be short of its end
-            # (records dropped above); reaching the end again says so. Kept, the partition was paused at once
-            # and its dropped records never processed.
-            self.reached.discard(tp)
             # The Prometheus adapter keeps a gauge's last value per label set: a released partition's lag
             # would stay on /metrics (and in the total lag the autoscaler reads) until the process exits.
             self.metrics.remove_lag(tp.topic, tp.partition)
-        self.assigned -= tps
-        self.paused -= tps
-        for tp in tps:
-            self._live_high.pop(tp, None)
         if self.txn is not None and not graceful:
             # The open transaction holds results of these partitions, whose offsets it can no longer commit
             # (the new owner produces them again): committed later, they would be visible twice. Abort it and
@@ -1344,15 +1335,16 @@ class Runner:
     # ------------------------------------------------------------------ backfill
     def _backfill_complete(self) -> bool:
         assert self.stop_at is not None
-        return self.reached.issuperset(self.stop_at) and self.tracker.in_flight() == 0
+        return self.partitions.reached.issuperset(self.stop_at) and self.tracker.in_flight() == 0
 
     # ------------------------------------------------------------------ shutdown
     def _shutdown(self) -> int:
         """Stop fetching, finish in-flight work within shutdown_timeout_s, commit. 0 unless a fatal error."""
         log.info("shutting down", extra={"in_flight": self.tracker.in_flight()})
-        if self.assigned:
-            self.consumer.pause([KTP(t, p) for t, p in self.assigned])
-            self.paused = set(self.assigned)
+        assigned = self.partitions.assigned
+        if assigned:
+            self.consumer.pause([KTP(t, p) for t, p in assigned])
+            self.partitions.set_paused(assigned)
         with self.cv:
             self.scheduler.flush(time.monotonic())
             self.cv.notify_all()

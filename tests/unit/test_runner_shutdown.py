@@ -372,7 +372,7 @@ def test_a_partition_assigned_while_draining_is_paused_and_not_committed_past(
 
     def assign(h: Harness) -> None:
         h.c.assign(("in", 1))
-        h.c.schedule(lambda: seen.setdefault("paused", IN1 in h.c.paused and IN1 in h.runner.paused))
+        h.c.schedule(lambda: seen.setdefault("paused", IN1 in h.c.paused and IN1 in h.runner.partitions.paused))
 
     h = _drain_with(monkeypatch, mode, assign)
     assert seen == {"paused": True}
@@ -458,7 +458,7 @@ def test_the_lag_of_a_paused_partition_follows_the_broker(monkeypatch: pytest.Mo
     h.process()
     h.commit()
     h.runner.consumer.pause([KTP("in", 0)])  # as _backpressure pauses it
-    h.runner.paused.add(IN0)
+    h.runner.partitions.set_paused([IN0])
     h.send(1000)  # arrives while in[0] is paused
     h.send(7, partition=1)
     h.c.poll(0)  # a fetch: in[1]'s cached watermark moves, in[0]'s does not
