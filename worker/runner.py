@@ -40,6 +40,7 @@ from worker.core.records import Batch, Outcome, Record, TopicPartition
 from worker.core.scheduler import PriorityScheduler
 from worker.emit import Emitter, FatalDeliveryError
 from worker.intake import Intake
+from worker.pipeline.lifecycle import Deadline, Lifecycle
 from worker.pipeline.partitions import PartitionTable
 from worker.store_gate import StoreGate
 from worker.transactions import TransactionalCommitter, TransactionFailed
@@ -113,10 +114,9 @@ class Runner:
         self.tracker = OffsetTracker()
         self.cv = threading.Condition()
         self._completions: queue.SimpleQueue[tuple[Batch, list[Any], dict[str, float]]] = queue.SimpleQueue()
-        self._stop = threading.Event()
-        self._fatal: str | None = None
+        self.lifecycle = Lifecycle()
+        self.ready = self.lifecycle.ready  # set once the clients are made and subscribed
         self.stats = RunStats()
-        self.models_loaded = False  # set once every device's model is set up (signals: nothing left to wait for)
         # The backpressure decision's hysteresis, per reason (worker/core/backpressure.py): the in-flight bound
         # holds every partition, partitions held for their uncommitted span, lanes held full.
         self._holding = False
@@ -137,8 +137,6 @@ class Runner:
         self.spare_producer: Any = None
         self._want_spare = spare_producer  # at-least-once only: see Emitter
         self.workers: list[Any] = []
-        self.ready = threading.Event()
-        self._stop_devices = False  # set on close: device threads stop asking for batches
         self.gate = StoreGate(store, cfg, self.stats, self.metrics)
         # Records that were on a device when an earlier process died (attempt count > 0): each one goes to the
         # device alone, so the innocent ones clear themselves and only the killer keeps counting.
@@ -149,7 +147,6 @@ class Runner:
         # Set when the consumer's position can no longer be trusted (a rewind that could not seek): nothing may
         # be committed any more, the worker exits 1 and the next process starts from the committed offsets.
         self._no_commit = False
-        self._shutdown_deadline: float | None = None  # revokes during shutdown (close) wait no longer than it
         self._delivery_aborts = 0  # such aborts in a row, without a commit between them
         self._next_lag_report = 0.0
         self._done_at_last_lag = 0
@@ -177,6 +174,20 @@ class Runner:
         """Backfill: the partitions read up to ``stop_at``."""
         return self.partitions.reached
 
+    @property
+    def fatal(self) -> str | None:
+        """Why the worker ends with exit 1, once it does."""
+        return self.lifecycle.fatal
+
+    _fatal = fatal  # the name tests/unit/test_emit.py reads
+
+    @property
+    def models_loaded(self) -> bool:
+        return self.lifecycle.models_loaded
+
+    def _fail(self, reason: str) -> None:
+        self.lifecycle.fail(reason)
+
     # ------------------------------------------------------------------ setup
     def _build_models(self) -> None:
         from worker.adapters.torch_engine import DeviceWorker, Engine, resolve_device
@@ -202,7 +213,7 @@ class Runner:
                                              name=f"device-{dev}"))
         self._busy_on = [0] * len(self.workers)
         self.model = self._models[0]
-        self.models_loaded = True
+        self.lifecycle.loaded()
         self.metrics.gauge("model_loaded", 1)
         # Hundreds of thousands of long-lived objects (torch, the model) would otherwise be walked by every
         # full garbage collection, which the per-record allocations trigger every few thousand records.
@@ -267,7 +278,7 @@ class Runner:
 
     def _next_batch(self, timeout: float, worker: int) -> Batch | None:
         """``worker``: the index in ``workers`` of the device asking."""
-        deadline = time.monotonic() + timeout
+        deadline = Deadline(timeout)
         with self.cv:
             while True:
                 now = time.monotonic()
@@ -294,12 +305,12 @@ class Runner:
                     self._busy_on[worker] += 1
                     batch.closed_at = now  # dispatch time: queue wait is measured up to here
                     return batch
-                if now >= deadline or self._stop_devices:
+                if now >= deadline.at or self.lifecycle.closed:
                     return None
                 # While a suspect waits or runs, no batch is taken, so no window is closed: the scheduler's
                 # wake-up stays overdue, and waiting for it spun every 0.2 ms. _done's notify is the wake-up.
                 wake = None if self._suspects or self._isolated else self.scheduler.next_wakeup(now)
-                until = deadline if wake is None else min(deadline, wake)
+                until = deadline.at if wake is None else min(deadline.at, wake)
                 self.cv.wait(max(until - now, 0.0002))
 
     def _done(self, batch: Batch, outputs: list[Any], timings: dict[str, float], worker: int) -> None:
@@ -319,13 +330,13 @@ class Runner:
     # ------------------------------------------------------------------ loop side
     def stop(self, *_: Any) -> None:
         """Ask for a graceful stop (signal-safe)."""
-        self._stop.set()
+        self.lifecycle.request_stop()
         with self.cv:
             self.cv.notify_all()
 
     def run(self) -> int:
         self._build_models()
-        if self._stop.is_set():
+        if self.lifecycle.stop_requested:
             # A stop asked for while the model loaded (which can take minutes): no clients, no group join.
             log.info("stopped during the model load")
             return 0
@@ -366,7 +377,7 @@ class Runner:
                                           "devices": [w.name for w in self.workers]})
         self.ready.set()
         try:
-            while not self._stop.is_set() and self._fatal is None:
+            while self.lifecycle.running:
                 self._iterate()
                 if self.stop_at is not None and self._backfill_complete():
                     break
@@ -375,30 +386,30 @@ class Runner:
             self._close()
 
     def _iterate(self, consume: bool = True) -> None:
-        """One loop turn. A message the producer refuses ends the turn and sets ``_fatal``: the run loop and the
+        """One loop turn. A message the producer refuses ends the turn and fails the lifecycle: the run loop and the
         shutdown drain both stop on it."""
         try:
             self._turn(consume)
         except FatalDeliveryError as e:
             self._fatal_if_refused(e)
-        if self._abort_pending is not None and self._fatal is None:
+        if self._abort_pending is not None and self.lifecycle.fatal is None:
             self._abort_for_failed_delivery()
         batch_timeout = self.cfg.model.batch_timeout_s
         for w in self.workers:
-            if batch_timeout and self._fatal is None:
+            if batch_timeout and self.lifecycle.fatal is None:
                 busy = w.busy_for(time.monotonic())
                 if busy > batch_timeout:
                     # The threads are alive and the heartbeat is fresh, but this batch will not come back: its
                     # partitions would stay unprocessed for good. Restarting is the way out (the attempt
                     # counters, with Redis, quarantine a record that hangs every time).
-                    self._fatal = (f"{w.name}: a batch has been on the device for {busy:.0f} s "
+                    self._fail(f"{w.name}: a batch has been on the device for {busy:.0f} s "
                                    f"(model.batch_timeout_s={batch_timeout:g}); its records are not committed and "
                                    "are processed again after a restart")
             err = w.error
-            if err is not None and self._fatal is None:
+            if err is not None and self.lifecycle.fatal is None:
                 # A thread of its pipeline died (a handler raised SystemExit, say): the batches it held never
                 # come back, and waiting for them would stall the worker with a healthy heartbeat.
-                self._fatal = (f"{w.name}: a device pipeline thread failed ({type(err).__name__}: {err}); its "
+                self._fail(f"{w.name}: a device pipeline thread failed ({type(err).__name__}: {err}); its "
                                "records are not committed and are processed again after a restart")
 
     def _abortable(self, e: FatalDeliveryError) -> bool:
@@ -493,8 +504,8 @@ class Runner:
                 self.consumer.seek(KTP(tp.topic, tp.partition, to))
             except Exception as e:
                 self._no_commit = True
-                self._fatal = f"exactly-once: could not rewind {tp.topic}[{tp.partition}] after an abort: {e}"
-                log.error(self._fatal)
+                self._fail(f"exactly-once: could not rewind {tp.topic}[{tp.partition}] after an abort: {e}")
+                log.error(self.lifecycle.fatal)
         return keep
 
     def _ingest(self, msgs: list[Any]) -> None:
@@ -518,7 +529,7 @@ class Runner:
                 else:
                     log.warning("consume error: %s", err)
                     if err.fatal():
-                        self._fatal = f"fatal consumer error: {err}"
+                        self._fail(f"fatal consumer error: {err}")
                 continue
             part = live((m.topic(), m.partition()))
             if part is None:
@@ -732,7 +743,7 @@ class Runner:
             self._abort_pending = err
             return
         self.tracker.nack(rec.tp, rec.offset)
-        self._fatal = f"giving up delivering the result of {rec.tp.topic}[{rec.tp.partition}]@{rec.offset}: {err}"
+        self._fail(f"giving up delivering the result of {rec.tp.topic}[{rec.tp.partition}]@{rec.offset}: {err}")
 
     def _check_broker(self) -> None:
         try:
@@ -879,9 +890,9 @@ class Runner:
         self._last_commit = time.monotonic()
         if self._no_commit:
             return
-        if self._shutdown_deadline is not None:
+        if self.lifecycle.shutdown is not None:
             # Stopping: no flush waits past the shutdown deadline (the pod's grace period is counted from it).
-            flush_s = min(flush_s, max(1.0, self._shutdown_deadline - self._last_commit))
+            flush_s = self.lifecycle.shutdown.cap(flush_s, 1.0)
         # The loop's periodic commit only: every message the consumer returned has been tracked by now. Inside a
         # rebalance callback, consume() may hold fetched messages it has not returned yet while the position
         # already counts them.
@@ -1006,7 +1017,7 @@ class Runner:
         try:
             ok = self.txn.checkpoint(offsets)
         except TransactionFailed as e:
-            self._fatal = str(e)
+            self._fail(str(e))
             return
         if ok:
             self._delivery_aborts = 0
@@ -1026,7 +1037,7 @@ class Runner:
         try:
             self.txn.abort()
         except TransactionFailed as e:
-            self._fatal = str(e)
+            self._fail(str(e))
             return
         self._abort_pending = None  # the failed deliveries were in the aborted transaction
         self.metrics.event("commit_failures")
@@ -1060,8 +1071,8 @@ class Runner:
             # checkpoint would commit past records whose results the abort discarded (never visible). Commit
             # nothing more and exit 1: the next process starts from the committed offsets.
             self._no_commit = True
-            self._fatal = f"exactly-once: could not rewind to the committed offsets after an abort: {e}"
-            log.error(self._fatal)
+            self._fail(f"exactly-once: could not rewind to the committed offsets after an abort: {e}")
+            log.error(self.lifecycle.fatal)
             return
         log.warning("rewound to the committed offsets after an aborted transaction", extra={"partitions": len(tps)})
 
@@ -1140,7 +1151,7 @@ class Runner:
                     self._on_assign_offsets(consumer, partitions)
                 except Exception:  # the pause / resume below must still happen, or a paused partition stays so
                     log.exception("error in on_assign (choosing start offsets)")
-            if partitions and self._shutdown_deadline is not None:
+            if partitions and self.lifecycle.stopping:
                 # Assigned while shutting down (a peer left during the drain): nothing more is read, and the
                 # drain's poll(0) would return its records only to drop them. Paused, it is committed where
                 # its group left it and handed over on close.
@@ -1179,9 +1190,9 @@ class Runner:
         # another member comes back, if ever, after that member committed what it did; meanwhile its offsets
         # may have been reset or its topic recreated, and what this worker read then says nothing of them.
         self.tracker.forget_lost()
-        if not held or self._shutdown_deadline is not None:
+        if not held or self.lifecycle.stopping:
             return
-        deadline = time.monotonic() + RESUME_QUERY_TIMEOUT_S  # for all the reads together
+        deadline = Deadline(RESUME_QUERY_TIMEOUT_S)  # for all the reads together
         try:
             group = consumer.committed([KTP(tp.topic, tp.partition) for tp in held], timeout=RESUME_QUERY_TIMEOUT_S)
         except KafkaException as e:
@@ -1195,7 +1206,7 @@ class Runner:
             first, done = held.get(tp, (0, -1))
             if k.error is not None:
                 continue
-            if k.offset < 0 and self._still_holds(consumer, k, first, done, deadline - time.monotonic()):
+            if k.offset < 0 and self._still_holds(consumer, k, first, done, deadline.left()):
                 # No commit yet (lost before the first one, the usual case when it is lost early on): reading
                 # would start where auto.offset.reset says, and this worker read from ``first``.
                 moves[tp] = done
@@ -1236,7 +1247,7 @@ class Runner:
         tps = {TopicPartition(p.topic, p.partition) for p in partitions}
         try:
             # After a fatal error nothing more will complete: do not wait out revoke_timeout for it.
-            self._release(tps, graceful=self._fatal is None)
+            self._release(tps, graceful=self.lifecycle.fatal is None)
             self.metrics.event("rebalances", kind="revoke")
         except Exception as e:
             log.exception("error in on_revoke")
@@ -1262,11 +1273,11 @@ class Runner:
     def _fatal_if_refused(self, e: Exception) -> None:
         """A message the producer refuses ends the worker (exit 1), raised in a loop turn or while serving results
         inside a rebalance callback (which must not swallow it)."""
-        if isinstance(e, FatalDeliveryError) and self._fatal is None:
+        if isinstance(e, FatalDeliveryError) and self.lifecycle.fatal is None:
             if self._abortable(e):
                 self._abort_pending = str(e)  # the release that follows aborts the transaction (and clears it)
             else:
-                self._fatal = str(e)
+                self._fail(str(e))
                 if self.txn is not None:
                     # The open transaction may hold part of what the refused record owes (its error result, its
                     # dead letter refused): committed, that would be visible while the record's offset is not,
@@ -1283,10 +1294,8 @@ class Runner:
             self._suspects = deque(r for r in self._suspects if r.tp not in tps)
         dropped_per: Counter[TopicPartition] = Counter(r.tp for r in dropped)
         if graceful:
-            deadline = time.monotonic() + self.cfg.delivery.revoke_timeout_ms / 1000.0
-            if self._shutdown_deadline is not None:
-                # The revoke of consumer.close() after a shutdown: what could finish had shutdown_timeout_s.
-                deadline = min(deadline, self._shutdown_deadline)
+            # The revoke of consumer.close() after a shutdown: what could finish had shutdown_timeout_s.
+            deadline = Deadline(self.cfg.delivery.revoke_timeout_ms / 1000.0).within(self.lifecycle.shutdown)
             # Nothing at or after a partition's first dropped record can be committed now (nor, in exactly-once
             # mode, produced: it waits in the reorder buffer behind it), so only the records before it count.
             first_dropped = {tp: min(r.offset for r in dropped if r.tp == tp) for tp in dropped_per}
@@ -1303,13 +1312,13 @@ class Runner:
                 oldest = self.tracker.first_pending(tp)
                 return oldest is None or oldest >= first_dropped.get(tp, oldest + 1)
 
-            while time.monotonic() < deadline:
+            while not deadline.expired():
                 if all(settled(tp) for tp in tps):
                     break
                 self._serve_results(0.005, time.monotonic())
             if txn is None:
-                self.emitter.flush(max(0.0, deadline - time.monotonic()))
-            self._commit(only=tps, flush_s=max(1.0, deadline - time.monotonic()))
+                self.emitter.flush(deadline.left())
+            self._commit(only=tps, flush_s=deadline.left(1.0))
             self.gate.flush()  # the results that flush confirmed: the new owner's ledger skips them
         if graceful or self.txn is not None:
             self.tracker.revoke(tps)
@@ -1348,16 +1357,15 @@ class Runner:
         with self.cv:
             self.scheduler.flush(time.monotonic())
             self.cv.notify_all()
-        deadline = time.monotonic() + self.cfg.delivery.shutdown_timeout_s
-        self._shutdown_deadline = deadline
+        deadline = self.lifecycle.drain(self.cfg.delivery.shutdown_timeout_s)
         if self.txn is not None:
             self.txn.deadline = deadline
-        while self.tracker.in_flight() > 0 and time.monotonic() < deadline and self._fatal is None:
+        while self.tracker.in_flight() > 0 and not deadline.expired() and self.lifecycle.fatal is None:
             self._iterate(consume=False)
             time.sleep(0.001)
         if self.txn is None:  # a checkpoint flushes itself
-            self.emitter.flush(max(1.0, deadline - time.monotonic()))
-        self._commit(flush_s=max(1.0, deadline - time.monotonic()))
+            self.emitter.flush(deadline.left(1.0))
+        self._commit(flush_s=deadline.left(1.0))
         # What the last flush confirmed goes into the ledger now (a loop turn records it; no turn comes after):
         # results behind an unfinished record are covered by no commit, only by the ledger after a restart.
         self.gate.flush()
@@ -1365,22 +1373,22 @@ class Runner:
         if left:
             log.warning("shutdown timeout: records left uncommitted (they will be reprocessed)", extra={"count": left})
         self.intake.report_unknown_lanes(self.metrics)  # what came since the last lag report
-        if self._fatal:
-            log.error(self._fatal)
+        if self.lifecycle.fatal:
+            log.error(self.lifecycle.fatal)
             return 1
         return 0
 
     def _close(self) -> None:
-        self._stop_devices = True
+        self.lifecycle.close()  # device threads stop asking for batches
         with self.cv:
             self.cv.notify_all()
         # All devices stop at once and share one 5 s budget (one after the other, each had 5 s).
         for w in self.workers:
             w.request_stop()
-        stop_by = time.monotonic() + 5.0
+        stop_by = Deadline(5.0)
         for w in self.workers:
             try:
-                w.stop(timeout=max(0.0, stop_by - time.monotonic()))
+                w.stop(timeout=stop_by.left())
             except Exception:
                 log.exception("stopping device worker")
         if self.consumer is not None:
@@ -1390,7 +1398,7 @@ class Runner:
                 log.exception("closing consumer")
         # Both producers share one 5 s budget: with the broker gone each flush would wait it out in turn, and a
         # stop must fit in the pod's grace period (shutdown_timeout_s + a 15 s margin in the chart).
-        flush_by = time.monotonic() + 5.0
+        flush_by = Deadline(5.0)
         if self.producer is not None and self.txn is not None:
             self.txn.close()
         # The emitter's producers: one may have replaced a stalled one (whose purge left nothing to flush). No
@@ -1399,4 +1407,4 @@ class Runner:
         producers = [s.producer for s in emitter.slots] if emitter is not None else [self.producer, self.spare_producer]
         for producer in producers:
             if producer is not None:
-                producer.flush(max(0.0, flush_by - time.monotonic()))
+                producer.flush(flush_by.left())

@@ -896,12 +896,12 @@ class Harness:
                  wrap_consumer: Callable[[FakeConsumer], Any] | None = None, **runner_kw: Any) -> None:
         import worker.emit
         import worker.intake
+        import worker.pipeline.lifecycle
         import worker.runner as wr
-        import worker.transactions
 
         self.cfg = cfg if cfg is not None else make_config()
         self.clock = FakeTime()
-        for mod in (wr, worker.emit, worker.intake, worker.transactions):
+        for mod in (wr, worker.emit, worker.intake, worker.pipeline.lifecycle):
             monkeypatch.setattr(mod, "time", self.clock)
         # Built now so a test can script them before run(); make_consumer/make_producer hand them out.
         self.consumer = FakeConsumer(self.clock)

@@ -287,7 +287,7 @@ def test_a_refused_message_inside_a_revoke_stops_the_worker(monkeypatch: pytest.
     monkeypatch.setattr(h.runner, "_release", release)
     h.c.revoke(("in", 0))
     assert calls == [True, False]  # still released: the partition is gone whatever failed
-    assert "Message size too large" in (h.runner._fatal or "")
+    assert "Message size too large" in (h.runner.fatal or "")
 
 
 def process_all(h: Harness, turns: int = 6) -> None:
