@@ -207,9 +207,9 @@ def test_periodic_commit_is_asynchronous_and_counted_when_reported(monkeypatch: 
     h.clock.advance(0.2)
     h.iterate()  # the interval passed: the commit is sent, the loop does not wait for the broker
     assert all_commits(h) == [3]
-    assert h.runner._commit_in_flight is not None and h.runner.stats.commits == 0
+    assert h.runner.mode.in_flight is not None and h.runner.stats.commits == 0
     h.iterate()  # poll() serves the report
-    assert h.runner._commit_in_flight is None and h.runner.stats.commits == 1
+    assert h.runner.mode.in_flight is None and h.runner.stats.commits == 1
     assert h.runner.committed[IN0] == 3
     h.clock.advance(0.2)
     h.iterate()

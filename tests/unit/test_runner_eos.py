@@ -251,7 +251,7 @@ def test_a_batch_taken_before_its_partition_changed_hands_leaves_no_stale_outcom
         h.clock.advance(0.3)
         h.c.assign(("in", 0))
     h.clock.advance(1.5)  # the old records' deadlines pass
-    swapped = h.runner._swap(taken)
+    swapped = h.runner.dispatch.swap(taken)
     assert swapped is not None and swapped.records == []  # not expired, not requeued, not run: not ours
     h.device.finish(swapped, [])
     for _ in range(5):
@@ -402,7 +402,7 @@ def test_a_rewind_that_cannot_seek_stops_the_worker_and_commits_nothing_more(mon
     # A checkpoint fails during a graceful revoke, the abort's rewind cannot read the committed offsets. The
     # error used to be swallowed by the rebalance callback: the kept partition went on from its fetch position
     # with nothing tracked before it, and the next checkpoint committed past results the abort discarded.
-    import worker.runner as runner_mod
+    import worker.pipeline.exactly_once as runner_mod
 
     h = Harness(monkeypatch, make_config(delivery={"mode": "exactly_once", "transactional_id": "t"})).start()
     real = runner_mod.retry_transient

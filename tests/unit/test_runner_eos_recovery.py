@@ -163,7 +163,7 @@ def test_a_failure_served_by_the_checkpoint_flush_aborts_once(monkeypatch: pytes
     h.commit()
     h.iterate()
     assert h.runner.txn is not None and h.runner.txn.aborts == 1
-    assert h.runner._abort_pending is None and h.runner.fatal is None
+    assert h.runner.mode.abort_pending is None and h.runner.fatal is None
     for _ in range(3):
         h.process()
     h.commit()
@@ -192,7 +192,7 @@ def test_a_commit_that_keeps_timing_out_stops_the_worker_cleanly(monkeypatch: py
     h.process()
     for _ in range(3):
         h.p.fail_txn("commit", timed_out())
-    h.runner._last_commit = -1e9  # the periodic checkpoint
+    h.runner.mode.last_commit = -1e9  # the periodic checkpoint
     h.iterate()
     assert "could not be aborted" in (h.runner.fatal or "")
     assert "begin" not in [c[0] for c in h.p.txn_calls[2:]]  # only the first transaction's
@@ -205,7 +205,7 @@ def test_a_begin_that_fails_stops_the_worker(monkeypatch: pytest.MonkeyPatch) ->
     h.send(1)
     h.process()
     h.p.fail_txn("begin", KafkaException(KafkaError(KafkaError._STATE, "Operation not valid in state X")))
-    h.runner._last_commit = -1e9
+    h.runner.mode.last_commit = -1e9
     h.iterate()
     assert "begin_transaction failed" in (h.runner.fatal or "")
 

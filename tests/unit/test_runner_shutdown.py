@@ -181,7 +181,7 @@ def test_lag_report_reads_watermarks_of_assigned_partitions(monkeypatch: pytest.
     h.device.run_all()
     h.iterate()
     h.commit()
-    h.runner._report_lag(h.clock.t)
+    h.runner.lag.report(h.clock.t)
     assert gauges[("consumer_lag", (("partition", "0"), ("topic", "in")))] == 0
     assert gauges[("in_flight", ())] == 0
 
@@ -462,7 +462,7 @@ def test_the_lag_of_a_paused_partition_follows_the_broker(monkeypatch: pytest.Mo
     h.send(1000)  # arrives while in[0] is paused
     h.send(7, partition=1)
     h.c.poll(0)  # a fetch: in[1]'s cached watermark moves, in[0]'s does not
-    h.runner._report_lag(h.clock.t)
+    h.runner.lag.report(h.clock.t)
 
     def lag(p: int) -> float:
         return gauges[("consumer_lag", (("partition", str(p)), ("topic", "in")))]
