@@ -169,19 +169,20 @@ class Runner:
             # One handler object cannot be set up on several devices, and the others would load cfg.model,
             # which may be another model: results would depend on the device a batch happened to run on.
             raise ValueError(f"Runner(model=...) runs one device, but the config lists {len(devices)} "
-                             f"({', '.join(devices)}): pass no model (each device loads model.name) or one device")
-        dispatch = self.dispatch
+                             f"({', '.join(devices)}): pass no model (each device loads model.name) "
+                             "or one device")
+        dispatch, mcfg = self.dispatch, self.cfg.model
+        limits = {lane.name: lane.max_batch_size for lane in self.cfg.batching.lanes}
         for i, dev in enumerate(devices):
-            model = self._model_arg if (i == 0 and self._model_arg is not None) else load_model(self.cfg.model)
-            engine = Engine(model, dev, dtype=self.cfg.model.dtype, compile=self.cfg.model.compile,
-                            warmup=self.cfg.model.warmup, on_limit=dispatch.on_limit,
-                            max_batch_sizes={lane.name: lane.max_batch_size for lane in self.cfg.batching.lanes})
+            model = self._model_arg if (i == 0 and self._model_arg is not None) else load_model(mcfg)
+            engine = Engine(model, dev, dtype=mcfg.dtype, compile=mcfg.compile, warmup=mcfg.warmup,
+                            on_limit=dispatch.on_limit, max_batch_sizes=limits)
             engine.setup()
             self._models.append(model)
             i = len(self.workers)
             self.workers.append(DeviceWorker(engine, take=functools.partial(dispatch.take, worker=i),
-                                             done=functools.partial(dispatch.done, worker=i), swap=dispatch.swap,
-                                             name=f"device-{dev}"))
+                                             done=functools.partial(dispatch.done, worker=i),
+                                             swap=dispatch.swap, name=f"device-{dev}"))
         dispatch.devices(len(self.workers))
         self.model = self._models[0]
         self._loaded()
@@ -213,12 +214,13 @@ class Runner:
         loop.consumer = self.membership.make_consumer()
         self.mode.open()
         self.emitter = loop.emitter = Emitter(
-            self.mode.producer, cfg.kafka.output_topic, cfg.kafka.dlq_topic, getattr(self.model, "name", "model"),
-            cfg.model.version or getattr(self.model, "version", None), cfg.delivery.format,
-            on_done=self.results.record_done, on_failed=self.results.record_failed,
+            self.mode.producer, cfg.kafka.output_topic, cfg.kafka.dlq_topic,
+            getattr(self.model, "name", "model"), cfg.model.version or getattr(self.model, "version", None),
+            cfg.delivery.format, on_done=self.results.record_done, on_failed=self.results.record_failed,
             is_stale=lambda r: not self.partitions.is_current(r),
             max_message_bytes=int(cfg.kafka.producer.get("message.max.bytes", 1_000_000)),
-            spare_producer=self.mode.spare_producer, on_wait=self._beat, stall_s=cfg.delivery.producer_stall_s,
+            spare_producer=self.mode.spare_producer, on_wait=self._beat,
+            stall_s=cfg.delivery.producer_stall_s,
             on_replace=lambda: self.metrics.event("producer_replacements"), **self.mode.emitter_options())
 
     # ------------------------------------------------------------------ the loop
@@ -253,8 +255,8 @@ class Runner:
             self._close()
 
     def _iterate(self, consume: bool = True) -> None:
-        """One loop turn. A message the producer refuses ends the turn and fails the lifecycle: the run loop and
-        the shutdown drain both stop on it."""
+        """One loop turn. A message the producer refuses ends the turn and fails the lifecycle: the run loop
+        and the shutdown drain both stop on it."""
         try:
             self.turn(consume)
         except FatalDeliveryError as e:
@@ -310,8 +312,9 @@ class Runner:
             if err is not None and self.lifecycle.fatal is None:
                 # A thread of its pipeline died (a handler raised SystemExit, say): the batches it held never
                 # come back, and waiting for them would stall the worker with a healthy heartbeat.
-                self.lifecycle.fail(f"{w.name}: a device pipeline thread failed ({type(err).__name__}: {err}); "
-                                    "its records are not committed and are processed again after a restart")
+                self.lifecycle.fail(f"{w.name}: a device pipeline thread failed ({type(err).__name__}: "
+                                    f"{err}); its records are not committed and are processed again after a "
+                                    "restart")
 
     def _beat(self) -> None:
         """The loop is alive while it waits for room in the producer's full queue (up to message.timeout.ms,
@@ -343,12 +346,14 @@ class Runner:
             time.sleep(0.001)
         self.mode.flush(deadline.left(1.0))
         self.mode.commit(flush_s=deadline.left(1.0))
-        # What the last flush confirmed goes into the ledger now (a loop turn records it; no turn comes after):
-        # results behind an unfinished record are covered by no commit, only by the ledger after a restart.
+        # What the last flush confirmed goes into the ledger now (a loop turn records it; no turn comes
+        # after): results behind an unfinished record are covered by no commit, only by the ledger after a
+        # restart.
         self.gate.flush()
         left = self.tracker.in_flight()
         if left:
-            log.warning("shutdown timeout: records left uncommitted (they will be reprocessed)", extra={"count": left})
+            log.warning("shutdown timeout: records left uncommitted (they will be reprocessed)",
+                        extra={"count": left})
         self.intake.report_unknown_lanes(self.metrics)  # what came since the last lag report
         if self.lifecycle.fatal:
             log.error(self.lifecycle.fatal)
@@ -372,8 +377,8 @@ class Runner:
                 self.consumer.close()  # leaves the group now (no session-timeout wait for the others)
             except Exception:
                 log.exception("closing consumer")
-        # Both producers share one 5 s budget: with the broker gone each flush would wait it out in turn, and a
-        # stop must fit in the pod's grace period (shutdown_timeout_s + a 15 s margin in the chart).
+        # Both producers share one 5 s budget: with the broker gone each flush would wait it out in turn, and
+        # a stop must fit in the pod's grace period (shutdown_timeout_s + a 15 s margin in the chart).
         flush_by = Deadline(5.0)
         mode = getattr(self, "mode", None)
         if mode is not None and mode.producer is not None:

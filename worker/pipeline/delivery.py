@@ -90,7 +90,8 @@ class DeliveryMode:
 
     # ---- revoke, shutdown, commits
     def settled(self, tp: TopicPartition, first_dropped: int | None) -> bool:
-        """Revoke: everything of ``tp`` before its first dropped record is as far as it gets before a commit."""
+        """Revoke: everything of ``tp`` before its first dropped record got as far as it gets before a
+        commit."""
         raise NotImplementedError
 
     def flush(self, seconds: float) -> None:
@@ -116,8 +117,8 @@ class DeliveryMode:
         if shutdown is not None:
             # Stopping: no flush waits past the shutdown deadline (the pod's grace period is counted from it).
             flush_s = shutdown.cap(flush_s, 1.0)
-        # The loop's periodic commit only: every message the consumer returned has been tracked by now. Inside a
-        # rebalance callback, consume() may hold fetched messages it has not returned yet while the position
+        # The loop's periodic commit only: every message the consumer returned has been tracked by now. Inside
+        # a rebalance callback, consume() may hold fetched messages it has not returned yet while the position
         # already counts them.
         periodic = step and not sync and only is None and self.loop.stop_at is None
         self._commit(only, sync, flush_s, periodic)
@@ -134,15 +135,16 @@ class DeliveryMode:
         log.error(reason)
 
     def step_over_markers(self, offsets: dict[TopicPartition, int]) -> None:
-        """Where a partition has nothing unfinished, commit the consumer's position when it is past the tracker's
-        offset. librdkafka moves the position over transaction markers (and aborted records), which never reach
-        the worker: on input written by a transactional producer the commit otherwise stays one short of the
-        end for good, a lag of 1 per partition that keeps KEDA from scaling to zero and an HPA from seeing an
-        idle replica. Not in backfill (``stop_at``): records past its end are skipped untracked on purpose.
+        """Where a partition has nothing unfinished, commit the consumer's position when it is past the
+        tracker's offset. librdkafka moves the position over transaction markers (and aborted records), which
+        never reach the worker: on input written by a transactional producer the commit otherwise stays one
+        short of the end for good, a lag of 1 per partition that keeps KEDA from scaling to zero and an HPA
+        from seeing an idle replica. Not in backfill (``stop_at``): records past its end are skipped untracked
+        on purpose.
 
-        A partition of which this assignment tracked nothing (a handover, a restart, a group whose commit sits on a
-        marker) takes any valid position: librdkafka invalidates it on assign and seek (a rewind) and moves it
-        only when it serves a message, which the loop has tracked by now, or a marker."""
+        A partition of which this assignment tracked nothing (a handover, a restart, a group whose commit sits
+        on a marker) takes any valid position: librdkafka invalidates it on assign and seek (a rewind) and
+        moves it only when it serves a message, which the loop has tracked by now, or a marker."""
         tracker, parts = self.tracker, self.loop.partitions
         idle = [tp for tp in parts.assigned if tracker.span(tp) == 0]
         if not idle:
@@ -195,8 +197,9 @@ class AtLeastOnce(DeliveryMode):
         """A record at or below the last offset tracked on its partition, with no rebalance in between.
         Processed (it was skipped for a moment, losing new data); tracked afresh when nothing of the partition
         is unfinished, else untracked as before (its commit cannot wait for it)."""
-        log.warning("consumer position moved back on %s[%d] to offset %d (log truncated or topic recreated?): "
-                    "processing from there", tp.topic, tp.partition, offset,
+        log.warning("consumer position moved back on %s[%d] to offset %d "
+                    "(log truncated or topic recreated?): processing from there",
+                    tp.topic, tp.partition, offset,
                     extra={"topic": tp.topic, "partition": tp.partition, "offset": offset})
         if self.tracker.pending(tp) == 0:
             self.tracker.assign([tp])
@@ -221,8 +224,8 @@ class AtLeastOnce(DeliveryMode):
         if graceful:
             self.tracker.revoke(tps)
         else:
-            # Lost (nothing could be committed): what this worker delivered of them is kept, and the results still
-            # on their way go on marking records done, for when the partitions come back (Membership).
+            # Lost (nothing could be committed): what this worker delivered of them is kept, and the results
+            # still on their way go on marking records done, for when the partitions come back (Membership).
             self.tracker.detach(tps)
 
     def _commit(self, only: set[TopicPartition] | None, sync: bool, flush_s: float, periodic: bool) -> None:
@@ -259,8 +262,8 @@ class AtLeastOnce(DeliveryMode):
             self._failed(err)
             return
         parts = self.loop.partitions
-        done = {tp: k.offset for k in partitions
-                if k.error is None and k.offset >= 0 and parts.is_assigned(tp := TopicPartition(k.topic, k.partition))}
+        done = {tp: k.offset for k in partitions if k.error is None and k.offset >= 0
+                and parts.is_assigned(tp := TopicPartition(k.topic, k.partition))}
         if done:
             self._committed(done, self._sent_at)
 

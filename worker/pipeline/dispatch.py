@@ -54,7 +54,8 @@ class Dispatch:
             self.scheduler.set_max_batch_size(lane, new_max)
         if lowered:
             self.metrics.event("oom_splits", lane=lane)
-        log.info("batch limit of lane %s now %d", lane, new_max, extra={"lane": lane, "max_batch_size": new_max})
+        log.info("batch limit of lane %s now %d", lane, new_max,
+                 extra={"lane": lane, "max_batch_size": new_max})
 
     def take(self, timeout: float, worker: int) -> Batch | None:
         batch = self.next_batch(timeout, worker)
@@ -65,9 +66,9 @@ class Dispatch:
     def swap(self, batch: Batch) -> Batch | None:
         """The device is about to start ``batch`` (prefetched while it was busy): a higher-priority batch that
         became ready since goes first, and ``batch`` goes back to its lane (see PriorityScheduler.preempt).
-        Its records past their deadline by now are expired first, and a partial batch taken ahead that keeps its
-        place takes along what arrived since (see PriorityScheduler.top_up). Returns the batch to run instead,
-        if any."""
+        Its records past their deadline by now are expired first, and a partial batch taken ahead that keeps
+        its place takes along what arrived since (see PriorityScheduler.top_up). Returns the batch to run
+        instead, if any."""
         if batch.reason == "isolate":
             return None
         with self.cv:
@@ -130,8 +131,8 @@ class Dispatch:
                     return batch
                 if now >= deadline.at or self._lifecycle.closed:
                     return None
-                # While a suspect waits or runs, no batch is taken, so no window is closed: the scheduler's
-                # wake-up stays overdue, and waiting for it spun every 0.2 ms. _done's notify is the wake-up.
+                # While a suspect waits or runs, no batch is taken, so no window is closed and the scheduler's
+                # wake-up stays overdue: waiting for it would spin. done()'s notify is the wake-up.
                 wake = None if self._suspects or self.isolated else self.scheduler.next_wakeup(now)
                 until = deadline.at if wake is None else min(deadline.at, wake)
                 self.cv.wait(max(until - now, 0.0002))

@@ -104,9 +104,9 @@ class ExactlyOnce(DeliveryMode):
             self.abort_pending = str(e)  # the release that follows aborts the transaction (and clears it)
             return
         self.loop.lifecycle.fail(str(e))
-        # The open transaction may hold part of what the refused record owes (its error result, its dead letter
-        # refused): committed, that would be visible while the record's offset is not, and the restart would
-        # produce it again. Commit nothing more: closing aborts it.
+        # The open transaction may hold part of what the refused record owes (its error result, its dead
+        # letter refused): committed, that would be visible while the record's offset is not, and the restart
+        # would produce it again. Commit nothing more: closing aborts it.
         self.no_commit = True
 
     def _abortable(self, e: FatalDeliveryError) -> bool:
@@ -126,8 +126,8 @@ class ExactlyOnce(DeliveryMode):
     # ---- revoke, commits, rewinds
     def settled(self, tp: TopicPartition, first_dropped: int | None) -> bool:
         # Enough once every record before the first dropped one has been produced (it left the reorder
-        # buffer); the checkpoint flushes and commits them. Waiting for the one transactional producer to drain
-        # never ends while other partitions keep producing.
+        # buffer); the checkpoint flushes and commits them. Waiting for the one transactional producer to
+        # drain never ends while other partitions keep producing.
         q = self._txn.order.get(tp)
         head = q[0] if q else None
         return head is None or (first_dropped is not None and head >= first_dropped)
@@ -143,11 +143,12 @@ class ExactlyOnce(DeliveryMode):
 
     def _commit(self, only: set[TopicPartition] | None, sync: bool, flush_s: float, periodic: bool) -> None:
         """``flush_s``: how long produced results may take to be delivered (a revoke or a shutdown passes what
-        is left of its budget); later, the transaction is aborted and the records are read again. ``periodic``:
-        the loop's periodic checkpoint, which may commit past transaction markers (``step_over_markers``)."""
+        is left of its budget); later, the transaction is aborted and the records are read again.
+        ``periodic``: the loop's periodic checkpoint, which may commit past transaction markers
+        (``step_over_markers``)."""
         if self.abort_pending is not None:
-            # librdkafka refuses to commit a transaction with a failed delivery (it must be aborted): abort now
-            # rather than send a commit that fails and then abort anyway.
+            # librdkafka refuses to commit a transaction with a failed delivery (it must be aborted): abort
+            # now rather than send a commit that fails and then abort anyway.
             self._abort_for_failed_delivery()
             return
         t0 = time.monotonic()
@@ -186,7 +187,8 @@ class ExactlyOnce(DeliveryMode):
             self._rewind()
 
     def _abort_for_failed_delivery(self) -> None:
-        log.warning("exactly-once: a result was not delivered (%s); aborting the transaction", self.abort_pending)
+        log.warning("exactly-once: a result was not delivered (%s); aborting the transaction",
+                    self.abort_pending)
         self.abort_pending = None
         self.delivery_aborts += 1
         self._abort_transaction()
@@ -228,6 +230,8 @@ class ExactlyOnce(DeliveryMode):
             # The consumer would go on from its fetch position with nothing tracked before it, and the next
             # checkpoint would commit past records whose results the abort discarded (never visible). Commit
             # nothing more and exit 1: the next process starts from the committed offsets.
-            self.stop_committing(f"exactly-once: could not rewind to the committed offsets after an abort: {e}")
+            self.stop_committing(
+                f"exactly-once: could not rewind to the committed offsets after an abort: {e}")
             return
-        log.warning("rewound to the committed offsets after an aborted transaction", extra={"partitions": len(tps)})
+        log.warning("rewound to the committed offsets after an aborted transaction",
+                    extra={"partitions": len(tps)})

@@ -41,8 +41,9 @@ class FlowControl:
         parts.set_span_held(span_held)
         for tp, n in spans.items():
             if n >= span_bound and tp not in paused:
-                log.warning("partition paused: %d records read since its oldest unfinished record (offset %s), "
-                            "batching.max_uncommitted=%d", n, tracker.first_pending(tp), span_bound,
+                log.warning("partition paused: %d records read since its oldest unfinished record "
+                            "(offset %s), batching.max_uncommitted=%d",
+                            n, tracker.first_pending(tp), span_bound,
                             extra={"topic": tp.topic, "partition": tp.partition})
         if want != paused:
             to_pause = want - paused
@@ -56,12 +57,12 @@ class FlowControl:
             parts.set_paused(to_pause)
             parts.set_paused(paused - want, False)
             self.loop.metrics.gauge("paused_partitions", len(want))
-            log.debug("backpressure: %d partitions paused (in flight %d, bound %d)", len(want), in_flight, bound)
+            log.debug("backpressure: %d partitions paused (in flight %d, bound %d)", len(want), in_flight,
+                      bound)
 
     def _wake_fetcher(self, parts: list[KTP]) -> None:
         """librdkafka does not wake a broker thread that had nothing left to fetch when its partitions are
-        resumed: their first fetch waited for its next wake-up, 0.9 s on average (a bare consumer paused and
-        resumed every 12,000 records read 15k records/s; with this, 150-200k/s: ``tests/bench/resume_fetch``).
+        resumed: their first fetch would wait for its next wake-up, up to about a second (design note 13).
         Seeking a resumed partition to its own position, which is where the fetch resumes anyway, wakes its
         broker thread. A partition without a position (nothing read since it was assigned or rewound) is left
         as it is: its fetch starts where librdkafka decides, at most a wake-up later."""

@@ -22,8 +22,8 @@ def _unreadable_headers(tp: TopicPartition, offset: int) -> list[tuple[str, byte
     """confluent-kafka decodes header names as UTF-8 without checking the result (its c_headers_to_py), so a
     name another client wrote in another encoding makes ``headers()`` raise, at every restart. The record
     goes on without its headers (an ``x-priority`` among them is not seen)."""
-    log.warning("headers of %s[%d]@%d cannot be read (a header name that is not UTF-8?): processed without them",
-                tp.topic, tp.partition, offset)
+    log.warning("headers of %s[%d]@%d cannot be read (a header name that is not UTF-8?): "
+                "processed without them", tp.topic, tp.partition, offset)
     return []
 
 
@@ -150,5 +150,6 @@ class Ingest:
             self.results.emit_all(outcomes, now)
 
     def _ack_delivered_before(self, rec: Record) -> None:
-        """The ledger says the record's result was delivered before (redelivery after a crash or rebalance)."""
+        """The ledger says the record's result was delivered before (redelivery after a crash or rebalance).
+        """
         self.loop.tracker.ack(rec.tp, rec.offset)

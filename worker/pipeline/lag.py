@@ -11,7 +11,8 @@ from confluent_kafka import TopicPartition as KTP
 from worker.pipeline.context import Loop
 
 log = logging.getLogger("worker.runner")
-# Paused partitions whose high watermark one lag report asks the broker for, and how long each answer may take.
+# Paused partitions whose high watermark one lag report asks the broker for, and how long each answer may
+# take.
 LAG_QUERIES = 4
 LAG_QUERY_TIMEOUT_S = 0.5
 
@@ -41,9 +42,9 @@ class LagReport:
                 if topic not in md.topics:
                     # Not fatal: a broker with auto.create.topics.enable creates it on the first result. One
                     # without refuses the first result, and the worker stops then (FatalDeliveryError).
-                    log.warning("%s %r does not exist on the broker yet: the first message creates it if the "
-                                "broker creates topics on first use, and otherwise the worker stops", key, topic,
-                                extra={"topic": topic})
+                    log.warning("%s %r does not exist on the broker yet: the first message creates it if "
+                                "the broker creates topics on first use, and otherwise the worker stops",
+                                key, topic, extra={"topic": topic})
         self.loop.broker_ok = ok
         if self.loop.health is not None:
             self.loop.health.broker_reachable = ok
@@ -66,20 +67,21 @@ class LagReport:
         self._done_before = done
         total = 0
         # librdkafka's cached high watermark comes with fetch responses, and a paused partition (backpressure)
-        # fetches nothing: its lag froze exactly when the HPA needed it. A few paused partitions per report, in
-        # turn, ask the broker (a round trip each); the others use the latest of that answer and the cache.
+        # fetches nothing: its lag froze exactly when the HPA needed it. A few paused partitions per report,
+        # in turn, ask the broker (a round trip each); the others use the latest of that answer and the cache.
         paused = sorted(self.loop.partitions.paused)
         ask = {paused[(self._turn + i) % len(paused)] for i in range(min(LAG_QUERIES, len(paused)))}
         self._turn += len(ask)
+        consumer = self.loop.consumer
         for part in self.loop.partitions.live_partitions():
             tp = part.tp
             try:
                 if tp in ask:
-                    _lo, hi = self.loop.consumer.get_watermark_offsets(KTP(tp.topic, tp.partition),
-                                                                  timeout=LAG_QUERY_TIMEOUT_S, cached=False)
+                    _lo, hi = consumer.get_watermark_offsets(KTP(tp.topic, tp.partition),
+                                                             timeout=LAG_QUERY_TIMEOUT_S, cached=False)
                     part.live_high = hi
                 else:
-                    _lo, hi = self.loop.consumer.get_watermark_offsets(KTP(tp.topic, tp.partition), cached=True)
+                    _lo, hi = consumer.get_watermark_offsets(KTP(tp.topic, tp.partition), cached=True)
                     if part.live_high is not None:
                         hi = max(hi, part.live_high) if hi is not None else part.live_high
             except KafkaException:

@@ -49,7 +49,8 @@ class Lifecycle:
     def __init__(self) -> None:
         self.phase = Phase.LOADING
         self.fatal: str | None = None  # why the worker exits 1 (the last error that ended it)
-        self.shutdown: Deadline | None = None  # set when the drain starts: nothing the stop waits for runs past it
+        # Set when the drain starts: nothing the stop waits for runs past it.
+        self.shutdown: Deadline | None = None
         self.ready = threading.Event()  # clients made and subscribed: the loop runs
         self._stop = threading.Event()
 

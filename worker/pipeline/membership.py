@@ -36,16 +36,17 @@ class Membership:
         self._new_consumer = new_consumer
         self._on_client_error = on_client_error
         self._on_assign_offsets = on_assign_offsets
-        # A consumer out of its group too long is replaced (worker/core/membership.py); the replaced ones close
-        # on threads of their own, kept here (a close can wait for the broker).
+        # A consumer out of its group too long is replaced (worker/core/membership.py); the replaced ones
+        # close on threads of their own, kept here (a close can wait for the broker).
         self.rejoin = RejoinWatch(loop.cfg.kafka.rejoin_timeout_s())
         self.closing_consumers: list[threading.Thread] = []
 
     def _while_current(self, made: list[Any], callback: Callable[..., None]) -> Callable[..., None]:
-        """``callback`` for the consumer ``made[0]``, called only while it is the runner's consumer: a replaced
-        one closes on a thread of its own, and what that close serves (revokes, commit reports, errors) must not
-        touch the loop's state. By the object the runner holds, not the one librdkafka passes a rebalance
-        callback: the runner may hold a wrapper (tests/bench/profile_worker.py times every call)."""
+        """``callback`` for the consumer ``made[0]``, called only while it is the runner's consumer: a
+        replaced one closes on a thread of its own, and what that close serves (revokes, commit reports,
+        errors) must not touch the loop's state. By the object the runner holds, not the one librdkafka passes
+        a rebalance callback: the runner may hold a wrapper (tests/bench/profile_worker.py times every call).
+        """
 
         def call(*args: Any) -> None:
             if made[0] is self.loop.consumer:
@@ -73,8 +74,9 @@ class Membership:
         a new one subscribes in its place and the old one closes on another thread. Nothing is lost: the
         partitions were released when the assignment was lost, and the new member reads from the commits."""
         old = self.loop.consumer
-        log.error("the consumer has been out of its group for %.0f s (allowed: %.0f s, kafka.rejoin_timeout_ms): "
-                  "replacing it with a new one", self.rejoin.out_for(now), self.rejoin.allowance_s,
+        log.error("the consumer has been out of its group for %.0f s "
+                  "(allowed: %.0f s, kafka.rejoin_timeout_ms): replacing it with a new one",
+                  self.rejoin.out_for(now), self.rejoin.allowance_s,
                   extra={"group": self.group_id, "replacements": self.rejoin.replacements + 1})
         if self.loop.partitions.assigned:
             self.release(set(self.loop.partitions.assigned), graceful=False)
@@ -103,7 +105,8 @@ class Membership:
             self.loop.metrics.event("rebalances", kind="assign")
             if self.loop.health is not None:
                 self.loop.health.assigned = bool(self.loop.partitions.assigned)
-            log.info("partitions assigned", extra={"partitions": [f"{p.topic}[{p.partition}]" for p in partitions]})
+            log.info("partitions assigned",
+                     extra={"partitions": [f"{p.topic}[{p.partition}]" for p in partitions]})
             if self.loop.tracker.lost():
                 try:
                     self._resume_lost(consumer, partitions)
@@ -112,7 +115,8 @@ class Membership:
             if self._on_assign_offsets is not None:
                 try:
                     self._on_assign_offsets(consumer, partitions)
-                except Exception:  # the pause / resume below must still happen, or a paused partition stays so
+                # The pause / resume below must still happen, or a paused partition stays so.
+                except Exception:
                     log.exception("error in on_assign (choosing start offsets)")
             if partitions and self.loop.lifecycle.stopping:
                 # Assigned while shutting down (a peer left during the drain): nothing more is read, and the
@@ -121,46 +125,48 @@ class Membership:
                 consumer.pause(partitions)
                 self.loop.partitions.set_paused(TopicPartition(p.topic, p.partition) for p in partitions)
             elif partitions:
-                # librdkafka keeps a partition's pause through a revoke and a new assign: one paused (backpressure,
-                # a backfill's end) when it was revoked came back paused, while the runner, which forgets what it
-                # paused of a released partition, counted it as fetching. It was never read again by this worker.
+                # librdkafka keeps a partition's pause through a revoke and a new assign, while the partition
+                # table forgets what it paused of a released partition: resumed here, the table's "not
+                # paused" is true.
                 consumer.resume(partitions)
         except Exception:  # never let an exception escape a rebalance callback raw
             log.exception("error in on_assign")
 
     def _resume_lost(self, consumer: Any, partitions: list[KTP]) -> None:
-        """At-least-once: partitions this worker lost (its session expired, or it replaced its consumer) come back
-        to it. What it delivered of them since its last commit was never committed: read from the group's
+        """At-least-once: partitions this worker lost (its session expired, or it replaced its consumer) come
+        back to it. What it delivered of them since its last commit was never committed: read from the group's
         commit, all of it would be processed and produced a second time (after a broker restart: thousands of
         records, device time spent on answers the output topic already has). In the first assignment after the
         loss (the rejoin's; what other partitions left is dropped then), where the group's commit is still
-        inside what this worker tracked of the partition and short of the offset up to which it delivered every
-        record (results delivered after the loss count too), that offset is committed now, before librdkafka
-        fetches the commit to start from, and reading goes on there.
+        inside what this worker tracked of the partition and short of the offset up to which it delivered
+        every record (results delivered after the loss count too), that offset is committed now, before
+        librdkafka fetches the commit to start from, and reading goes on there.
 
-        Safe: every record below it has a result on the output topic, which is the guarantee (per record, not per
-        consumer). A commit outside that range is left alone: another member committed further; the offsets
-        were reset below what this worker read (an operator's rewind is honoured); the partition has no commit
-        and its log no longer spans what this worker read (a recreated topic). Exactly-once never gets here: a
-        lost partition's transaction is aborted, so nothing it produced is visible."""
+        Safe: every record below it has a result on the output topic, which is the guarantee (per record, not
+        per consumer). A commit outside that range is left alone: another member committed further; the
+        offsets were reset below what this worker read (an operator's rewind is honoured); the partition has
+        no commit and its log no longer spans what this worker read (a recreated topic). Exactly-once never
+        gets here: a lost partition's transaction is aborted, so nothing it produced is visible."""
         held: dict[TopicPartition, tuple[int, int]] = {}
         for p in partitions:
             tp = TopicPartition(p.topic, p.partition)
             span = self.loop.tracker.take_lost(tp)
             if span is not None:
                 held[tp] = span
-        # Only the assignment that follows the loss (the rejoin's) may use what it left. A partition that went to
-        # another member comes back, if ever, after that member committed what it did; meanwhile its offsets
-        # may have been reset or its topic recreated, and what this worker read then says nothing of them.
+        # Only the assignment that follows the loss (the rejoin's) may use what it left. A partition that went
+        # to another member comes back, if ever, after that member committed what it did; meanwhile its
+        # offsets may have been reset or its topic recreated, and what this worker read then says nothing of
+        # them.
         self.loop.tracker.forget_lost()
         if not held or self.loop.lifecycle.stopping:
             return
         deadline = Deadline(RESUME_QUERY_TIMEOUT_S)  # for all the reads together
         try:
-            group = consumer.committed([KTP(tp.topic, tp.partition) for tp in held], timeout=RESUME_QUERY_TIMEOUT_S)
+            group = consumer.committed([KTP(tp.topic, tp.partition) for tp in held],
+                                       timeout=RESUME_QUERY_TIMEOUT_S)
         except KafkaException as e:
-            log.warning("partitions lost earlier are back, but their commits could not be read (%s): reading on "
-                        "from the commits, so what was delivered since them is processed again", e)
+            log.warning("partitions lost earlier are back, but their commits could not be read (%s): reading "
+                        "on from the commits, so what was delivered since them is processed again", e)
             return
         moves: dict[TopicPartition, int] = {}
         skipped: dict[str, int] = {}
@@ -183,8 +189,8 @@ class Membership:
             consumer.commit(offsets=[KTP(tp.topic, tp.partition, off) for tp, off in moves.items()],
                             asynchronous=False)
         except KafkaException as e:
-            log.warning("partitions lost earlier are back, but committing what this worker delivered of them failed "
-                        "(%s): reading on from the commits, so that is processed again", e)
+            log.warning("partitions lost earlier are back, but committing what this worker delivered of them "
+                        "failed (%s): reading on from the commits, so that is processed again", e)
             return
         self.loop.partitions.set_committed(moves)
         self.loop.metrics.event("lost_records_skipped", n=sum(skipped.values()))
@@ -194,10 +200,11 @@ class Membership:
 
     @staticmethod
     def _still_holds(consumer: Any, k: KTP, first: int, done: int, timeout: float) -> bool:
-        """A partition without a commit still holds the offsets ``[first, done)`` this worker read. Why: without
-        a commit nothing tells a partition whose topic was deleted and created again (its offsets now other
-        records) from the one this worker read; a new log short of ``done``, or not reaching back to
-        ``first``, is not taken for it. No answer within ``timeout`` (what is left of the reads' 5 s): not taken."""
+        """A partition without a commit still holds the offsets ``[first, done)`` this worker read. Why:
+        without a commit nothing tells a partition whose topic was deleted and created again (its offsets now
+        other records) from the one this worker read; a new log short of ``done``, or not reaching back to
+        ``first``, is not taken for it. No answer within ``timeout`` (what is left of the reads' 5 s): not
+        taken."""
         if timeout <= 0:
             return False
         try:
@@ -242,8 +249,9 @@ class Membership:
         if graceful:
             # The revoke of consumer.close() after a shutdown: what could finish had shutdown_timeout_s.
             deadline = Deadline(loop.cfg.delivery.revoke_timeout_ms / 1000.0).within(loop.lifecycle.shutdown)
-            # Nothing at or after a partition's first dropped record can be committed now (nor, in exactly-once
-            # mode, produced: it waits in the reorder buffer behind it), so only the records before it count.
+            # Nothing at or after a partition's first dropped record can be committed now (nor, in
+            # exactly-once mode, produced: it waits in the reorder buffer behind it), so only the records
+            # before it count.
             first_dropped: dict[TopicPartition, int] = {}
             for r in dropped:
                 if r.tp not in first_dropped or r.offset < first_dropped[r.tp]:

@@ -27,7 +27,8 @@ class Results:
 
     def serve(self, poll_s: float, now: float) -> None:
         """Everything between the device and a confirmed record, once: emit what the devices finished and what
-        expired, serve failure reports (waiting up to ``poll_s``), confirm what settled, re-send what failed."""
+        expired, serve failure reports (waiting up to ``poll_s``), confirm what settled, re-send what failed.
+        """
         for batch, outputs, timings in self.loop.dispatch.finished():
             self.complete_batch(batch, outputs, timings)
         self.expire()
@@ -40,8 +41,8 @@ class Results:
         now = time.monotonic()
         expired = self.loop.dispatch.expire(now)
         if expired:
-            self.emit_all([Outcome(r, "expired", error="deadline passed before inference", dlq_stage="expired")
-                           for r in expired], now)
+            self.emit_all([Outcome(r, "expired", error="deadline passed before inference",
+                                   dlq_stage="expired") for r in expired], now)
 
     def complete_batch(self, batch: Batch, outputs: list[Any], timings: dict[str, float]) -> None:
         now = time.monotonic()
@@ -66,8 +67,9 @@ class Results:
             if not current(rec):
                 continue  # partition revoked meanwhile: the new owner reprocesses it
             if isinstance(out, BaseException):
-                outcomes.append(Outcome(rec, "error", error=f"{type(out).__name__}: {out}", dlq_stage="inference",
-                                        batch_size=n, timings={"queue": closed - rec.received_at, "infer": infer_s}))
+                outcomes.append(Outcome(rec, "error", error=f"{type(out).__name__}: {out}",
+                                        dlq_stage="inference", batch_size=n,
+                                        timings={"queue": closed - rec.received_at, "infer": infer_s}))
                 continue
             if rec.cache_key is not None:
                 loop.gate.cache_put(rec, out)
@@ -84,7 +86,8 @@ class Results:
             ok_recs = [r for i, r in enumerate(ok_recs) if i not in skip]
         if ok_recs:
             stats.results_ok += len(ok_recs)
-            # A filled batch (lane option fill_with_lower) holds records of other lanes: count each by its own.
+            # A filled batch (lane option fill_with_lower) holds records of other lanes: count each by its
+            # own.
             for lane, recs in (_by_lane(ok_recs) if batch.mixed else ((batch.lane, ok_recs),)):
                 metrics.records_out(lane, "ok", len(recs))
                 e2e_s = [(wall_ms - r.produced_at_ms) / 1000.0 for r in recs if r.produced_at_ms]
@@ -97,8 +100,8 @@ class Results:
         wall_ms = time.time() * 1000.0
         loop = self.loop
         st, metrics = loop.stats, loop.metrics
-        # Metrics once per lane (and status) as on the batch path: in exactly-once mode every result comes here,
-        # and a histogram observe() per record costs about 5 us.
+        # Metrics once per lane (and status) as on the batch path: in exactly-once mode every result comes
+        # here, and a histogram observe() per record costs about 5 us.
         out_counts: Counter[tuple[str, str]] = Counter()
         e2e_s: dict[str, list[float]] = {}
         current = loop.partitions.is_current
