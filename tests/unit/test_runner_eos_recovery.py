@@ -231,7 +231,7 @@ def test_past_the_shutdown_deadline_a_commit_that_times_out_is_not_called_again(
     for _ in range(3):
         h.p.fail_txn("commit", timed_out())
     assert h.runner.txn is not None
-    h.runner.txn.deadline = Deadline(4.0)
+    h.runner.mode.stopping(Deadline(4.0))  # what the shutdown drain sets
     h.commit()
     assert timeouts == [4.0]  # not 30, and not called again once past the deadline
     assert "could not be aborted" in (h.runner.fatal or "")  # exit 1: the next process starts from the commits
