@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,6 +24,7 @@ from confluent_kafka import KafkaException
 from confluent_kafka import TopicPartition as KTP
 
 from worker.core.records import Outcome, TopicPartition
+from worker.pipeline.lifecycle import Deadline
 
 log = logging.getLogger("worker.transactions")
 # commit_transaction / abort_transaction calls (each waits up to ``timeout_s``) before a retriable error counts as
@@ -34,7 +34,7 @@ ABORT_ATTEMPTS = 3
 
 
 def _call_again(call: Callable[[], None], what: str, attempts: int, again: Callable[[Any], bool],
-                deadline: float | None = None) -> None:
+                deadline: Deadline | None = None) -> None:
     """``call()``, called again (up to ``attempts`` calls in all, and not past ``deadline``) while it raises a
     KafkaError that ``again`` accepts; otherwise, or after the last call, its KafkaException propagates."""
     for attempt in range(1, attempts + 1):
@@ -42,7 +42,7 @@ def _call_again(call: Callable[[], None], what: str, attempts: int, again: Calla
             call()
             return
         except KafkaException as e:
-            if attempt == attempts or not again(e.args[0]) or (deadline is not None and time.monotonic() >= deadline):
+            if attempt == attempts or not again(e.args[0]) or (deadline is not None and deadline.expired()):
                 raise
             log.warning("%s did not complete (%s); calling it again", what, e.args[0])
 
@@ -61,9 +61,9 @@ class TransactionalCommitter:
         self.producer = producer
         self.consumer = consumer
         self.timeout = timeout_s
-        # Monotonic time no call may wait past, set when the worker stops: the checkpoint of a shutdown must end
-        # within delivery.shutdown_timeout_s (the pod's grace period), not 30 s per call and 3 calls per commit.
-        self.deadline: float | None = None
+        # No call waits past it, once the worker stops: the checkpoint of a shutdown ends within
+        # delivery.shutdown_timeout_s (the pod's grace period), not 30 s per call and 3 calls per commit.
+        self.deadline: Deadline | None = None
         self.order: dict[TopicPartition, deque[int]] = {}
         self.ready: dict[TopicPartition, dict[int, Outcome]] = {}
         self.in_txn = False
@@ -73,7 +73,7 @@ class TransactionalCommitter:
     def _timeout(self) -> float:
         if self.deadline is None:
             return self.timeout
-        return max(0.5, min(self.timeout, self.deadline - time.monotonic()))
+        return max(0.5, self.deadline.cap(self.timeout))
 
     def init(self) -> None:
         self.producer.init_transactions(self.timeout)

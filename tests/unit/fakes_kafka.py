@@ -844,12 +844,12 @@ class FakeDevice:
         return True
 
     def take(self) -> Batch | None:
-        return self.runner._take(0.0, worker=self.index)
+        return self.runner.dispatch.take(0.0, worker=self.index)
 
     def finish(self, batch: Batch, outputs: list[Any] | None = None, infer_s: float = 0.001) -> None:
         if outputs is None:
             outputs = self.model.run([r.item for r in batch.records])
-        self.runner._done(batch, outputs, {"infer": infer_s, "pipeline": infer_s}, worker=self.index)
+        self.runner.dispatch.done(batch, outputs, {"infer": infer_s, "pipeline": infer_s}, worker=self.index)
 
     def run_all(self) -> int:
         """Take and finish batches until none is ready. Returns the number of records run."""
@@ -896,12 +896,21 @@ class Harness:
                  wrap_consumer: Callable[[FakeConsumer], Any] | None = None, **runner_kw: Any) -> None:
         import worker.emit
         import worker.intake
+        import worker.pipeline.context
+        import worker.pipeline.delivery
+        import worker.pipeline.dispatch
+        import worker.pipeline.exactly_once
+        import worker.pipeline.ingest
+        import worker.pipeline.lifecycle
+        import worker.pipeline.membership
+        import worker.pipeline.results
         import worker.runner as wr
-        import worker.transactions
 
         self.cfg = cfg if cfg is not None else make_config()
         self.clock = FakeTime()
-        for mod in (wr, worker.emit, worker.intake, worker.transactions):
+        pipeline = worker.pipeline
+        for mod in (wr, worker.emit, worker.intake, pipeline.context, pipeline.delivery, pipeline.dispatch, pipeline.exactly_once,
+                    pipeline.ingest, pipeline.lifecycle, pipeline.membership, pipeline.results):
             monkeypatch.setattr(mod, "time", self.clock)
         # Built now so a test can script them before run(); make_consumer/make_producer hand them out.
         self.consumer = FakeConsumer(self.clock)
@@ -955,7 +964,8 @@ class Harness:
         r._models = [self.model]
         r.model = self.model
         r.workers = list(self.devices)
-        r._busy_on = [0] * len(self.devices)
+        r.dispatch.devices(len(self.devices))
+        r.lifecycle.loaded()
 
     def start(self) -> Harness:
         """Set up exactly as ``Runner.run`` does (models, intake, clients, transactions, emitter, devices,
@@ -1031,7 +1041,7 @@ class Harness:
         self.iterate()
 
     def commit(self) -> None:
-        self.runner._commit()
+        self.runner.mode.commit()
 
     def send(self, n: int, topic: str = "in", partition: int = 0, **fields: Any) -> list[int]:
         """Append ``n`` valid requests (ids ``<topic>-<partition>-<offset>``) to a partition's log."""

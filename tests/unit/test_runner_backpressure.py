@@ -75,7 +75,7 @@ def test_resume_only_touches_partitions_still_assigned(monkeypatch: pytest.Monke
     h.iterate()
     assert h.c.paused == {IN1}  # in/0 resumed; in/1 keeps the pause it had when revoked (as with librdkafka)
     assert all(IN1 not in call for call in h.c.resume_calls)
-    assert h.runner.paused == set()
+    assert h.runner.partitions.paused == set()
 
 
 def test_a_full_lane_pauses_only_its_own_topics(monkeypatch: pytest.MonkeyPatch) -> None:

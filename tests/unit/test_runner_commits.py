@@ -193,7 +193,7 @@ def test_failed_commit_is_not_fatal_and_is_retried(monkeypatch: pytest.MonkeyPat
     h.process()
     h.c.commit_failures.append(KafkaException(KafkaError(KafkaError.REBALANCE_IN_PROGRESS, "rebalancing")))
     h.commit()
-    assert h.committed() is None and h.runner._fatal is None
+    assert h.committed() is None and h.runner.fatal is None
     h.commit()
     assert h.committed() == 2
     assert all_commits(h) == [2, 2]
@@ -207,9 +207,9 @@ def test_periodic_commit_is_asynchronous_and_counted_when_reported(monkeypatch: 
     h.clock.advance(0.2)
     h.iterate()  # the interval passed: the commit is sent, the loop does not wait for the broker
     assert all_commits(h) == [3]
-    assert h.runner._commit_in_flight is not None and h.runner.stats.commits == 0
+    assert h.runner.mode.in_flight is not None and h.runner.stats.commits == 0
     h.iterate()  # poll() serves the report
-    assert h.runner._commit_in_flight is None and h.runner.stats.commits == 1
+    assert h.runner.mode.in_flight is None and h.runner.stats.commits == 1
     assert h.runner.committed[IN0] == 3
     h.clock.advance(0.2)
     h.iterate()
@@ -231,7 +231,7 @@ def test_failed_asynchronous_commit_is_counted_and_retried(monkeypatch: pytest.M
     h.clock.advance(0.2)
     h.iterate()
     h.iterate()  # the failure is reported inside poll()
-    assert h.runner._fatal is None and h.runner.stats.commits == 0
+    assert h.runner.fatal is None and h.runner.stats.commits == 0
     assert metrics.commit_failures_total._value.get() == 1
     h.clock.advance(0.2)
     h.iterate()
@@ -257,7 +257,7 @@ def test_failed_delivery_is_retried_and_blocks_the_commit_until_it_succeeds(
     h.commit()
     assert all_commits(h) == [1, 3]
     assert sorted(src_offset(p) for p in h.p.delivered) == [0, 1, 2]
-    assert h.runner._fatal is None
+    assert h.runner.fatal is None
 
 
 def test_a_record_done_only_when_its_result_and_its_dead_letter_are_delivered(
@@ -304,7 +304,7 @@ def _results_of_offset_1_never_delivered(monkeypatch: pytest.MonkeyPatch, n: int
 def _until_fatal(h: Harness) -> None:
     for _ in range(500):  # retries back off (fake time moves with each turn's poll timeout)
         h.iterate()
-        if h.runner._fatal:
+        if h.runner.fatal:
             break
 
 
@@ -312,7 +312,7 @@ def test_after_max_retries_the_runner_is_fatal_and_never_commits_past_the_record
         monkeypatch: pytest.MonkeyPatch) -> None:
     h = _results_of_offset_1_never_delivered(monkeypatch, 3)
     _until_fatal(h)
-    assert h.runner._fatal is not None and "in[0]@1" in h.runner._fatal
+    assert h.runner.fatal is not None and "in[0]@1" in h.runner.fatal
     assert len(h.p.failed) == 1 + 5  # the first try + the 5 retries README promises
     h.commit()
     assert all_commits(h) == [1]
@@ -346,7 +346,7 @@ def test_run_exits_1_after_max_retries_and_commits_only_below_the_record(
     assert h.run() == 1
     assert max(all_commits(h)) == 1 and h.committed() == 1
     assert h.c.closed and h.device.stopped
-    assert "in[0]@1" in (h.runner._fatal or "")
+    assert "in[0]@1" in (h.runner.fatal or "")
     # every other record was delivered; the failed one is left for the restart
     assert sorted(src_offset(p) for p in h.p.delivered if p.topic == "out") == [0, 2, 3]
 
@@ -382,7 +382,7 @@ def test_stale_delivery_failures_are_not_retried(monkeypatch: pytest.MonkeyPatch
     h.iterate()  # the failure report arrives now; the record is stale
     h.iterate()
     assert len(h.p.produced) == 1 and len(h.p.failed) == 1
-    assert h.runner._fatal is None
+    assert h.runner.fatal is None
     assert h.c.commit_calls == []
 
 

@@ -133,7 +133,7 @@ def test_aborted_transaction_rewinds_to_the_committed_offsets_and_ignores_stale_
     assert len(h.p.produced) == produced_before + 3  # one new result each, no stale re-send
     assert [r["source"]["offset"] for r in h.p.results()] == [0, 1, 2, 3, 4]
     assert h.p.txn_offsets()[-1] == {IN0: 5}
-    assert h.runner._fatal is None
+    assert h.runner.fatal is None
     check_transactions(h)
 
 
@@ -200,7 +200,7 @@ def test_fenced_producer_stops_the_worker_with_exit_1(monkeypatch: pytest.Monkey
     h.c.hooks.append(h.device.hook)
     h.p.hooks.append(lambda: h.p.fence() if h.p.delivered else None)
     assert h.run() == 1
-    assert "fenced" in (h.runner._fatal or "").lower()
+    assert "fenced" in (h.runner.fatal or "").lower()
     assert h.p.committed_txns == set() and h.p.results() == []
     assert h.c.closed and h.c.commit_calls == []
 
@@ -251,7 +251,7 @@ def test_a_batch_taken_before_its_partition_changed_hands_leaves_no_stale_outcom
         h.clock.advance(0.3)
         h.c.assign(("in", 0))
     h.clock.advance(1.5)  # the old records' deadlines pass
-    swapped = h.runner._swap(taken)
+    swapped = h.runner.dispatch.swap(taken)
     assert swapped is not None and swapped.records == []  # not expired, not requeued, not run: not ours
     h.device.finish(swapped, [])
     for _ in range(5):
@@ -311,7 +311,7 @@ def test_a_failed_delivery_aborts_the_transaction_and_the_records_are_redone(mon
     for _ in range(6):
         h.process()
     h.commit()
-    assert h.runner._fatal is None
+    assert h.runner.fatal is None
     assert any(c[0] == "abort" for c in h.p.txn_calls)
     assert [src(p) for p in h.p.visible("out")] == [(0, 0), (0, 1), (0, 2)] and h.committed() == 3
     check_transactions(h)
@@ -327,9 +327,9 @@ def test_a_delivery_that_fails_every_time_ends_the_worker_after_a_few_aborts(mon
                              if p.topic == "out" and src(p) == (0, 1) else None)
     for _ in range(200):
         h.process()
-        if h.runner._fatal:
+        if h.runner.fatal:
             break
-    assert h.runner._fatal is not None and "in[0]@1" in h.runner._fatal
+    assert h.runner.fatal is not None and "in[0]@1" in h.runner.fatal
     assert sum(c[0] == "abort" for c in h.p.txn_calls) == DELIVERY_ABORTS_MAX
     # Nothing at or past the record is visible or committed.
     assert all(src(p) < (0, 1) for p in h.p.visible("out")) and (h.committed() or 0) <= 1
@@ -402,7 +402,7 @@ def test_a_rewind_that_cannot_seek_stops_the_worker_and_commits_nothing_more(mon
     # A checkpoint fails during a graceful revoke, the abort's rewind cannot read the committed offsets. The
     # error used to be swallowed by the rebalance callback: the kept partition went on from its fetch position
     # with nothing tracked before it, and the next checkpoint committed past results the abort discarded.
-    import worker.runner as runner_mod
+    import worker.pipeline.exactly_once as runner_mod
 
     h = Harness(monkeypatch, make_config(delivery={"mode": "exactly_once", "transactional_id": "t"})).start()
     real = runner_mod.retry_transient
@@ -419,7 +419,7 @@ def test_a_rewind_that_cannot_seek_stops_the_worker_and_commits_nothing_more(mon
 
     monkeypatch.setattr(h.c, "committed", committed)
     h.c.revoke(("in", 0))
-    assert "could not rewind" in (h.runner._fatal or "")
+    assert "could not rewind" in (h.runner.fatal or "")
     h.send(2, partition=1)
     h.process()
     h.commit()
@@ -440,7 +440,7 @@ def test_a_refused_dead_letter_aborts_the_open_transaction(monkeypatch: pytest.M
     h.device.auto = True
     h.c.hooks.append(h.device.hook)
     assert h.run() == 1
-    assert "dlq" in (h.runner._fatal or "")
+    assert "dlq" in (h.runner.fatal or "")
     assert h.p.aborted_txns and not h.p.committed_txns
     assert h.p.visible("out") == [] and h.committed() is None  # all of it is processed again after the restart
     check_transactions(h)

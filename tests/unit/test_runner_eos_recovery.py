@@ -13,6 +13,7 @@ import worker.runner as wr
 from tests.unit.fakes_kafka import Harness, make_config
 from worker.backfill import BackfillRunner
 from worker.core.records import TopicPartition
+from worker.pipeline.lifecycle import Deadline
 
 IN0, IN1 = TopicPartition("in", 0), TopicPartition("in", 1)
 EOS = {"mode": "exactly_once", "transactional_id": "tid-1"}
@@ -139,12 +140,12 @@ def test_produce_refused_in_the_abortable_state_aborts_and_rewinds(monkeypatch: 
     h.p.hold = False
     h.p.fail_next(2)
     h.iterate()  # produces the results of 2, 3 before the failure reports are served
-    assert h.runner._fatal is None and h.runner.txn is not None and h.runner.txn.aborts == 1
+    assert h.runner.fatal is None and h.runner.txn is not None and h.runner.txn.aborts == 1
     for _ in range(4):
         h.process()
     h.commit()
     assert sources(h) == [(0, 0), (0, 1), (0, 2), (0, 3)] and h.committed() == 4
-    assert h.runner._fatal is None
+    assert h.runner.fatal is None
 
 
 def test_a_failure_served_by_the_checkpoint_flush_aborts_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -162,7 +163,7 @@ def test_a_failure_served_by_the_checkpoint_flush_aborts_once(monkeypatch: pytes
     h.commit()
     h.iterate()
     assert h.runner.txn is not None and h.runner.txn.aborts == 1
-    assert h.runner._abort_pending is None and h.runner._fatal is None
+    assert h.runner.mode.abort_pending is None and h.runner.fatal is None
     for _ in range(3):
         h.process()
     h.commit()
@@ -179,7 +180,7 @@ def test_a_commit_that_times_out_is_called_again(monkeypatch: pytest.MonkeyPatch
     h.commit()
     assert [c[0] for c in h.p.txn_calls][-3:] == ["commit", "commit", "begin"]
     assert h.runner.txn is not None and h.runner.txn.aborts == 0
-    assert sources(h) == [(0, 0), (0, 1), (0, 2)] and h.committed() == 3 and h.runner._fatal is None
+    assert sources(h) == [(0, 0), (0, 1), (0, 2)] and h.committed() == 3 and h.runner.fatal is None
 
 
 def test_a_commit_that_keeps_timing_out_stops_the_worker_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -191,9 +192,9 @@ def test_a_commit_that_keeps_timing_out_stops_the_worker_cleanly(monkeypatch: py
     h.process()
     for _ in range(3):
         h.p.fail_txn("commit", timed_out())
-    h.runner._last_commit = -1e9  # the periodic checkpoint
+    h.runner.mode.last_commit = -1e9  # the periodic checkpoint
     h.iterate()
-    assert "could not be aborted" in (h.runner._fatal or "")
+    assert "could not be aborted" in (h.runner.fatal or "")
     assert "begin" not in [c[0] for c in h.p.txn_calls[2:]]  # only the first transaction's
     assert h.p.results() == []
 
@@ -204,9 +205,9 @@ def test_a_begin_that_fails_stops_the_worker(monkeypatch: pytest.MonkeyPatch) ->
     h.send(1)
     h.process()
     h.p.fail_txn("begin", KafkaException(KafkaError(KafkaError._STATE, "Operation not valid in state X")))
-    h.runner._last_commit = -1e9
+    h.runner.mode.last_commit = -1e9
     h.iterate()
-    assert "begin_transaction failed" in (h.runner._fatal or "")
+    assert "begin_transaction failed" in (h.runner.fatal or "")
 
 
 
@@ -230,7 +231,7 @@ def test_past_the_shutdown_deadline_a_commit_that_times_out_is_not_called_again(
     for _ in range(3):
         h.p.fail_txn("commit", timed_out())
     assert h.runner.txn is not None
-    h.runner.txn.deadline = h.clock.t + 4.0
+    h.runner.mode.stopping(Deadline(4.0))  # what the shutdown drain sets
     h.commit()
     assert timeouts == [4.0]  # not 30, and not called again once past the deadline
-    assert "could not be aborted" in (h.runner._fatal or "")  # exit 1: the next process starts from the commits
+    assert "could not be aborted" in (h.runner.fatal or "")  # exit 1: the next process starts from the commits

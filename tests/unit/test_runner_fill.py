@@ -28,5 +28,5 @@ def test_a_filled_batch_reports_each_record_under_its_own_lane(monkeypatch: pyte
     assert value(m, "kiw_records_out_total", lane="hi", status="ok") == 1
     assert value(m, "kiw_end_to_end_seconds_count", lane="lo") == 3
     assert value(m, "kiw_end_to_end_seconds_count", lane="hi") == 1
-    h.runner._commit(sync=True)
+    h.runner.mode.commit(sync=True)
     assert h.c.committed_offsets.get(("in", 0)) == 4

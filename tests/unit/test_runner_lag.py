@@ -26,7 +26,7 @@ def lag_harness(monkeypatch: pytest.MonkeyPatch, **cfg: object) -> tuple[Harness
 
 def report(h: Harness, seconds: float) -> None:
     h.clock.advance(seconds)
-    h.runner._report_lag(h.clock.t)
+    h.runner.lag.report(h.clock.t)
 
 
 def test_the_periodic_commit_steps_over_transaction_markers(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -39,7 +39,7 @@ def test_the_periodic_commit_steps_over_transaction_markers(monkeypatch: pytest.
     assert h.result_ids() == ["in-0-0", "in-0-1", "in-0-2", "in-0-4", "in-0-5"]
     h.commit()  # a synchronous commit (revoke, shutdown) keeps to the tracker's offsets
     assert h.committed() == 6
-    h.runner._commit(sync=False)  # the loop's periodic commit: the consumer's position, past the marker
+    h.runner.mode.commit(sync=False)  # the loop's periodic commit: the consumer's position, past the marker
     assert h.committed() == 7
     h.iterate()  # serves the commit report
     report(h, 5)
@@ -59,11 +59,11 @@ def test_no_step_over_while_a_record_of_the_partition_is_unfinished(monkeypatch:
         h.device.finish(b)
     h.iterate()
     assert h.result_ids() == ["in-0-0", "in-0-1", "in-0-2"]
-    h.runner._commit(sync=False)
+    h.runner.mode.commit(sync=False)
     assert h.committed() == 4  # up to the unfinished record (the marker before it is a gap), not the position 5
     h.device.run_all()
     h.iterate()
-    h.runner._commit(sync=False)
+    h.runner.mode.commit(sync=False)
     assert h.committed() == 5
 
 
@@ -98,7 +98,7 @@ def test_the_step_over_a_marker_survives_a_handover(monkeypatch: pytest.MonkeyPa
     assert h.committed() == 3
     h.c.assign(("in", 0))
     h.iterate()  # the fetch serves the marker: the position is 4
-    h.runner._commit(sync=False)
+    h.runner.mode.commit(sync=False)
     h.iterate()
     assert h.committed() == 4
 
@@ -110,13 +110,13 @@ def test_a_group_whose_commit_sits_on_a_marker_steps_over_it(monkeypatch: pytest
     h.c.revoke(("in", 0))
     h.c.committed_offsets[TopicPartition("in", 0)] = 3  # committed by an earlier version: on the marker
     h.c.assign(("in", 0))
-    h.runner._commit(sync=False)  # nothing served since the assign: the position is unknown, nothing to step
+    h.runner.mode.commit(sync=False)  # nothing served since the assign: the position is unknown, nothing to step
     assert h.c.commit_calls == []
     h.iterate()
-    h.runner._commit(sync=False)
+    h.runner.mode.commit(sync=False)
     h.iterate()
     assert h.committed() == 4
-    h.runner._commit(sync=False)  # idle: not the same offset again every interval
+    h.runner.mode.commit(sync=False)  # idle: not the same offset again every interval
     assert len(h.c.commit_calls) == 1
 
 
@@ -127,7 +127,7 @@ def test_exactly_once_checkpoints_step_over_markers(monkeypatch: pytest.MonkeyPa
     h.process()
     h.commit()  # a checkpoint of a revoke or a shutdown keeps to the tracker's offsets
     assert h.committed() == 3
-    h.runner._commit(sync=False)  # the loop's periodic checkpoint
+    h.runner.mode.commit(sync=False)  # the loop's periodic checkpoint
     assert h.committed() == 4 and h.p.txn_offsets()[-1] == {TopicPartition("in", 0): 4}
 
 
@@ -139,11 +139,11 @@ def test_no_step_after_a_rewind_until_the_records_are_read_again(monkeypatch: py
     h.c.append_marker("in", 0)
     h.process()
     h.p.fail_txn("commit", KafkaException(KafkaError(KafkaError._INCONSISTENT, "x", txn_requires_abort=True)))
-    h.runner._commit(sync=False)  # aborts and rewinds to offset 0: the position is unknown again
+    h.runner.mode.commit(sync=False)  # aborts and rewinds to offset 0: the position is unknown again
     sent = len(h.p.txn_offsets())
-    h.runner._commit(sync=False)
+    h.runner.mode.commit(sync=False)
     assert h.committed() is None and len(h.p.txn_offsets()) == sent  # not the position 4 before the re-read
     for _ in range(3):
         h.process()
-    h.runner._commit(sync=False)
+    h.runner.mode.commit(sync=False)
     assert h.committed() == 4 and [r["id"] for r in h.p.results()] == ["in-0-0", "in-0-1", "in-0-2"]

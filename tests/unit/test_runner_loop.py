@@ -43,7 +43,7 @@ def test_the_loop_polls_in_short_steps_while_anything_is_in_flight(monkeypatch: 
 def test_a_batch_whose_records_expired_before_its_device_started_it_is_not_run(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The device takes its next batch while it still runs the current one (prefetch) and checks it just
-    before starting (Runner._swap): records past their deadline by then get expired results, not inference."""
+    before starting (Dispatch.swap): records past their deadline by then get expired results, not inference."""
     cfg = make_config(batching={"lanes": [{"name": "default", "max_batch_size": 4, "deadline_ms": 50}]})
     h = Harness(monkeypatch, cfg).start()
     h.c.assign(("in", 0))
@@ -52,7 +52,7 @@ def test_a_batch_whose_records_expired_before_its_device_started_it_is_not_run(
     batch = h.device.take()
     assert batch is not None and len(batch.records) == 2
     h.clock.advance(0.1)  # the batch ahead of it took that long
-    trimmed = h.runner._swap(batch)
+    trimmed = h.runner.dispatch.swap(batch)
     assert trimmed is not None and trimmed.records == []
     h.device.finish(trimmed)
     h.process()
@@ -63,7 +63,7 @@ def test_a_batch_whose_records_expired_before_its_device_started_it_is_not_run(
 
 def test_a_batch_taken_ahead_that_lost_records_to_their_deadline_is_topped_up_when_its_device_starts_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Runner._swap -> PriorityScheduler.top_up: the batch taken ahead lost two records to their deadline by the
+    """Dispatch.swap -> PriorityScheduler.top_up: the batch taken ahead lost two records to their deadline by the
     time the device could start it, and its lane received two more meanwhile. It runs with them (one batch of
     four instead of a batch of two and another of two), and every record gets one result."""
     cfg = make_config(batching={"lanes": [{"name": "default", "max_batch_size": 4, "max_wait_ms": 10,
@@ -86,7 +86,7 @@ def test_a_batch_taken_ahead_that_lost_records_to_their_deadline_is_topped_up_wh
     h.iterate()
     h.clock.advance(0.025)  # 4 and 5 are past their 50 ms deadline now
     h.device.finish(running)
-    started = h.runner._swap(ahead)
+    started = h.runner.dispatch.swap(ahead)
     assert started is not None and [r.offset for r in started.records] == [6, 7, 8, 9]
     assert h.device.take() is None  # nothing was left behind
     h.device.finish(started)
@@ -201,7 +201,7 @@ def test_no_busy_wait_while_a_suspect_runs_alone(monkeypatch: pytest.MonkeyPatch
             h.clock.advance(timeout or 0.0)  # nothing notifies: the whole timeout passes
             return False
 
-    h.runner.cv = Counting()
-    h.runner._isolated = 1  # a suspect is on the device
-    assert h.runner._next_batch(0.05, worker=0) is None
+    h.runner.dispatch.cv = Counting()
+    h.runner.dispatch.isolated = 1  # a suspect is on the device
+    assert h.runner.dispatch.next_batch(0.05, worker=0) is None
     assert len(waits) == 1 and waits[0] == pytest.approx(0.05)  # one wait for a notify (or the timeout)

@@ -205,7 +205,7 @@ def test_on_revoke_and_on_lost_errors_never_escape(monkeypatch: pytest.MonkeyPat
     h.p.flush = flush_fails  # type: ignore[method-assign]
     with caplog.at_level(logging.ERROR, logger="worker.runner"):
         h.c.revoke(("in", 0))
-        h.runner.scheduler = None  # type: ignore[assignment]  # anything inside on_lost blows up now
+        h.runner.dispatch.scheduler = None  # type: ignore[assignment]  # anything inside on_lost blows up now
         h.c.lose(("in", 1))
     assert "error in on_revoke" in caplog.text and "error in on_lost" in caplog.text
 
@@ -275,7 +275,7 @@ def test_a_refused_message_inside_a_revoke_stops_the_worker(monkeypatch: pytest.
 
     h = Harness(monkeypatch).start()
     h.c.assign(("in", 0))
-    real = h.runner._release
+    real = h.runner.membership.release
     calls: list[bool] = []
 
     def release(tps: Any, graceful: bool) -> None:
@@ -284,10 +284,10 @@ def test_a_refused_message_inside_a_revoke_stops_the_worker(monkeypatch: pytest.
             raise FatalDeliveryError("cannot produce to 'out' (kafka.output_topic): Broker: Message size too large")
         real(tps, graceful)
 
-    monkeypatch.setattr(h.runner, "_release", release)
+    monkeypatch.setattr(h.runner.membership, "release", release)
     h.c.revoke(("in", 0))
     assert calls == [True, False]  # still released: the partition is gone whatever failed
-    assert "Message size too large" in (h.runner._fatal or "")
+    assert "Message size too large" in (h.runner.fatal or "")
 
 
 def process_all(h: Harness, turns: int = 6) -> None:
@@ -501,7 +501,7 @@ def test_a_replaced_consumer_goes_on_after_what_was_delivered(monkeypatch: pytes
     h.commit()
     h.send(3)
     h.process()
-    h.runner._replace_consumer(h.clock.t)  # out of the group too long: released without a commit
+    h.runner.membership.replace_consumer(h.clock.t)  # out of the group too long: released without a commit
     assert h.c is not h.consumers[0] and h.runner.tracker.lost() == [IN0]
     h.c.assign(("in", 0))
     assert h.c.commit_calls[-1] == {IN0: 4}

@@ -26,7 +26,7 @@ def offsets_out(h: Harness) -> list[int]:
 
 
 def join_closers(h: Harness) -> None:
-    for t in h.runner.closing_consumers:
+    for t in h.runner.membership.closing_consumers:
         t.join(5)
         assert not t.is_alive()
 
@@ -135,18 +135,18 @@ def test_what_the_replaced_consumer_serves_while_closing_never_reaches_the_runne
     h.iterate()
     join_closers(h)
     r = h.runner
-    committed, broker_ok = dict(r.committed), r._broker_ok
+    committed, broker_ok = dict(r.committed), r.loop.broker_ok
     # Late callbacks of the old consumer: an assignment, a commit report, a client error.
     old.callbacks["on_assign"](old, ktps([("in", 0)]))
     old.callbacks["on_lost"](old, ktps([("in", 0)]))
     old.config["on_commit"](None, ktps([("in", 0)]))
     old.config["error_cb"](KafkaError(KafkaError._ALL_BROKERS_DOWN, "old consumer"))
-    assert r.assigned == set() and r.committed == committed and r._broker_ok is broker_ok
+    assert r.assigned == set() and r.committed == committed and r.loop.broker_ok is broker_ok
     # The same callbacks of the new consumer do reach it.
     h.c.assign(("in", 0))
     assert r.assigned == {IN0}
     h.c.config["error_cb"](KafkaError(KafkaError._ALL_BROKERS_DOWN, "new consumer"))
-    assert r._broker_ok is False
+    assert r.loop.broker_ok is False
 
 
 def test_exactly_once_commits_through_the_new_consumer(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -55,7 +55,7 @@ def test_stop_pauses_flushes_windows_finishes_in_flight_work_and_commits(monkeyp
     assert h.committed() == 5  # everything read was finished and committed; offset 5 left for later
     assert h.runner.stats.records_in == 5
     assert h.c.closed and h.device.stopped and h.p.flush_calls >= 1
-    assert h.runner._fatal is None
+    assert h.runner.fatal is None
 
 
 class GaugeMetrics:
@@ -125,7 +125,7 @@ def test_a_fatal_consumer_error_stops_with_exit_1(monkeypatch: pytest.MonkeyPatc
 
     h.on_polls({3: lambda: h.c.inject_error(KafkaError(KafkaError._FATAL, "fatal: fenced consumer", fatal=True))})
     assert h.run() == 1
-    assert "fatal consumer error" in (h.runner._fatal or "")
+    assert "fatal consumer error" in (h.runner.fatal or "")
     assert h.committed() == 2  # work done before the error is still committed on the way out
 
 
@@ -144,7 +144,7 @@ def test_a_topic_the_producer_refuses_stops_with_exit_1_and_a_clear_error(
     h.c.hooks.append(h.device.hook)
     with caplog.at_level(logging.WARNING, logger="worker.runner"):
         assert h.run() == 1
-    fatal = h.runner._fatal or ""
+    fatal = h.runner.fatal or ""
     assert f"cannot produce to '{missing}' ({key})" in fatal and "does not exist" in fatal
     assert f"{key} '{missing}' does not exist on the broker" in caplog.text
     # Offset 0 owes only a dead letter, offsets 1-3 only results: the commit stops before the first refused.
@@ -160,7 +160,7 @@ def test_transient_consume_errors_and_partition_eof_are_skipped(monkeypatch: pyt
     h.send(1)
     h.process()
     h.commit()
-    assert h.committed() == 1 and h.runner._fatal is None
+    assert h.committed() == 1 and h.runner.fatal is None
 
 
 def test_messages_of_unassigned_partitions_in_a_fetch_are_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -181,7 +181,7 @@ def test_lag_report_reads_watermarks_of_assigned_partitions(monkeypatch: pytest.
     h.device.run_all()
     h.iterate()
     h.commit()
-    h.runner._report_lag(h.clock.t)
+    h.runner.lag.report(h.clock.t)
     assert gauges[("consumer_lag", (("partition", "0"), ("topic", "in")))] == 0
     assert gauges[("in_flight", ())] == 0
 
@@ -193,7 +193,7 @@ def test_a_sigterm_before_run_is_a_graceful_stop(monkeypatch: pytest.MonkeyPatch
     try:
         h = Harness(monkeypatch, install_signals=True)
         os.kill(os.getpid(), signal.SIGTERM)
-        assert h.runner._stop.is_set()
+        assert h.runner.lifecycle.stop_requested
         h.send(2)
         h.c.schedule(lambda: h.c.assign(("in", 0)))
         assert h.run() == 0
@@ -218,7 +218,7 @@ def test_a_dead_device_thread_stops_the_worker_with_exit_1(monkeypatch: pytest.M
     h.on_polls({2: die})
     t0 = h.clock.t
     assert h.run(max_polls=200) == 1
-    assert "fake-0: a device pipeline thread failed (SystemExit: 3)" in (h.runner._fatal or "")
+    assert "fake-0: a device pipeline thread failed (SystemExit: 3)" in (h.runner.fatal or "")
     assert h.clock.t - t0 < 3.0  # did not wait out shutdown_timeout_s for the held batch
     assert h.committed() == 2
 
@@ -237,7 +237,7 @@ def test_a_batch_that_never_comes_back_from_the_device_stops_the_worker(monkeypa
 
     h.on_polls({2: hang})
     assert h.run(max_polls=100_000) == 1
-    assert "a batch has been on the device for 10 s (model.batch_timeout_s=10)" in (h.runner._fatal or "")
+    assert "a batch has been on the device for 10 s (model.batch_timeout_s=10)" in (h.runner.fatal or "")
     assert 10 <= h.clock.t - hung_at[0] < 13
     assert h.committed() == 2
 
@@ -345,7 +345,7 @@ def _drain_with(monkeypatch: pytest.MonkeyPatch, mode: str, during_drain: Any) -
     polls = {"drain": 0}
 
     def drain() -> None:
-        if not h.runner._stop.is_set():
+        if not h.runner.lifecycle.stop_requested:
             return
         polls["drain"] += 1
         if polls["drain"] == 2:
@@ -372,7 +372,7 @@ def test_a_partition_assigned_while_draining_is_paused_and_not_committed_past(
 
     def assign(h: Harness) -> None:
         h.c.assign(("in", 1))
-        h.c.schedule(lambda: seen.setdefault("paused", IN1 in h.c.paused and IN1 in h.runner.paused))
+        h.c.schedule(lambda: seen.setdefault("paused", IN1 in h.c.paused and IN1 in h.runner.partitions.paused))
 
     h = _drain_with(monkeypatch, mode, assign)
     assert seen == {"paused": True}
@@ -412,7 +412,7 @@ def test_a_record_whose_headers_the_client_cannot_decode_is_processed_without_th
     h.send(1)
     h.process()
     h.commit()
-    assert h.runner._fatal is None and h.committed() == 3
+    assert h.runner.fatal is None and h.committed() == 3
     assert [r["id"] for r in h.p.results()] == ["in-0-0", "odd", "in-0-2"]
 
 
@@ -458,11 +458,11 @@ def test_the_lag_of_a_paused_partition_follows_the_broker(monkeypatch: pytest.Mo
     h.process()
     h.commit()
     h.runner.consumer.pause([KTP("in", 0)])  # as _backpressure pauses it
-    h.runner.paused.add(IN0)
+    h.runner.partitions.set_paused([IN0])
     h.send(1000)  # arrives while in[0] is paused
     h.send(7, partition=1)
     h.c.poll(0)  # a fetch: in[1]'s cached watermark moves, in[0]'s does not
-    h.runner._report_lag(h.clock.t)
+    h.runner.lag.report(h.clock.t)
 
     def lag(p: int) -> float:
         return gauges[("consumer_lag", (("partition", str(p)), ("topic", "in")))]

@@ -362,10 +362,10 @@ def test_a_preempted_batch_goes_back_and_its_records_are_not_counted_twice(monke
     assert store.get_attempts_many(lo_keys) == [1, 1]
     h.send(1, topic="in-hi")
     h.iterate()
-    assert h.runner._swap(prefetched) is None  # its window is still open: it goes after the prefetched batch
+    assert h.runner.dispatch.swap(prefetched) is None  # its window is still open: it goes after the prefetched batch
     h.clock.advance(1.0)  # past max_wait: the high lane's batch is closed
     # Just before the device starts the prefetched batch, the high lane's batch goes first.
-    urgent = h.runner._swap(prefetched)
+    urgent = h.runner.dispatch.swap(prefetched)
     assert urgent is not None and urgent.lane == "hi" and [r.offset for r in urgent.records] == [0]
     assert store.get_attempts_many(["g:in-hi:0:0"]) == [1]
     assert h.runner.scheduler.queued("lo") == 2  # the prefetched records are queued again

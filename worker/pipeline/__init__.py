@@ -1,0 +1,1 @@
+"""The runner's loop, one room per kind of state: partitions, lifecycle, delivery, dispatch, results."""
