@@ -110,3 +110,16 @@ def test_user_pages_speak_to_the_user(page: str) -> None:
     for pattern in (r"\bI (ran|looked|measured|think)\b", r"\bat commit\b", r"\bin \d+ (of \d+ )?runs\b",
                     r"\bruns? of \d+\b", r"\bissue \d+\b"):
         assert not re.search(pattern, text), f"{page}: {pattern!r} (lab notes go in design-notes.md)"
+
+
+def test_every_module_the_architecture_page_names_exists() -> None:
+    text = (DOCS / "architecture.md").read_text()
+    named = set(re.findall(r"`((?:worker/)?(?:core|pipeline|adapters)/[a-z_]+\.py)`", text))
+    named |= {f"worker/{m}" for m in re.findall(r"`([a-z_]+\.py)`", text) if (ROOT / "worker" / m).exists()}
+    assert len(named) > 20
+    missing = sorted(n for n in named if not (ROOT / (n if n.startswith("worker/") else f"worker/{n}")).exists())
+    assert not missing, f"docs/architecture.md names modules that do not exist: {missing}"
+    listed = {p.relative_to(ROOT).as_posix() for d in ("core", "pipeline") for p in (ROOT / "worker" / d).glob("*.py")
+              if p.name != "__init__.py"}
+    unnamed = sorted(m for m in listed if m.split("/", 1)[1] not in text and m.rsplit("/", 1)[1] not in text)
+    assert not unnamed, f"modules of worker/core and worker/pipeline the architecture page does not name: {unnamed}"
