@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-pytest_plugins = ["tests.conftest_redis"]
+pytest_plugins = ["tests.conftest_redis", "tests.conftest_secure"]
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # KIW_TEST_SERVERS=local (set by .ci/run): always the local broker and redis-server processes, never one named

@@ -21,6 +21,7 @@ from confluent_kafka import TopicPartition as KTP
 
 from schemas import DeadLetter, ErrorStage
 from worker.adapters.kafka_clients import make_consumer, producer_config, retry_transient
+from worker.broker_access import check_access
 from worker.config import Config
 
 CONNECT_TIMEOUT_S = 30.0  # for the broker to answer the first metadata request
@@ -35,6 +36,7 @@ def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_
     if stage is not None and stage not in get_args(ErrorStage):
         # No dead letter carries it: every one would be skipped, and committed past.
         raise ValueError(f"unknown error stage {stage!r}; expected one of {', '.join(get_args(ErrorStage))}")
+    check_access(cfg)  # a refused login or certificate: exit 2 naming the key, not 30 s of "cannot reach"
     topic = cfg.kafka.dlq_topic
     # A partition the replay group never committed starts at its first dead letter, whatever the config's
     # auto.offset.reset says: with "latest" a first run started at the end, replayed nothing and exited 0.
