@@ -698,7 +698,10 @@ def load(path: str | Path | None, environ: dict[str, str] | None = None, *, chec
         raise ConfigError(f"cannot read config file {str(p)!r}: {_not_utf8(e)}") from None
     # What yaml.load does, keeping the composed tree (to name a repeated key by its path) and the file's
     # name (positions in errors say 'in "worker.yaml", line 3' rather than 'in "<unicode string>"').
-    loader = _UniqueKeyLoader(text)
+    try:
+        loader = _UniqueKeyLoader(text)  # checks the characters first: a NUL or another control one is refused
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from None
     loader.name = str(p)
     root: yaml.Node | None = None
     try:
