@@ -101,7 +101,8 @@ def secure_kafka(secure_certs: CertSet) -> Iterator[SecureKafka]:
             raise
         unavailable(f"cannot start the secured local Kafka broker: {e}")
         return
-    print(f"\n[kafka] secured local broker: SASL_SSL {broker.sasl_ssl_bootstrap}, mTLS {broker.ssl_bootstrap}")
+    print(f"\n[kafka] secured local broker: SASL_SSL {broker.sasl_ssl_bootstrap}, "
+          f"mTLS {broker.ssl_bootstrap}")
     try:
         yield SecureKafka(broker=broker, certs=secure_certs, user=KAFKA_USER, password=password)
     finally:
@@ -154,7 +155,8 @@ def redis_section(sr: SecureRedis, tmp: Path, prefix: str, **extra: Any) -> dict
     pw_file.write_text(sr.password + "\n")
     pw_file.chmod(0o600)
     url = f"rediss://{sr.user}:${{file:{pw_file}}}@127.0.0.1:{sr.server.port}/0"
-    return {"url": url, "tls_ca_file": str(sr.certs.ca_file), "key_prefix": prefix, "timeout_ms": 2000, **extra}
+    return {"url": url, "tls_ca_file": str(sr.certs.ca_file), "key_prefix": prefix, "timeout_ms": 2000,
+            **extra}
 
 
 def secrets_of(sk: SecureKafka, sr: SecureRedis | None = None, *extra: str) -> list[bytes]:
@@ -164,7 +166,8 @@ def secrets_of(sk: SecureKafka, sr: SecureRedis | None = None, *extra: str) -> l
     if sr is not None:
         found.append(sr.password.encode())
     for key in (sk.certs.server_key, sk.certs.client_key):
-        found += [ln.encode() for ln in key.read_text().splitlines() if not ln.startswith("-----") and len(ln) >= 40]
+        found += [ln.encode() for ln in key.read_text().splitlines()
+                  if not ln.startswith("-----") and len(ln) >= 40]
     return found
 
 
@@ -193,9 +196,9 @@ def run_command(cfg: dict[str, Any], tmp: Path, command: str, *args: str, env: d
 
 
 def check_config_print(config_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run([sys.executable, "-m", "worker", "check-config", "--config", str(config_path), "--print"],
-                          capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT), **env}, cwd=str(ROOT),
-                          timeout=120)
+    cmd = [sys.executable, "-m", "worker", "check-config", "--config", str(config_path), "--print"]
+    return subprocess.run(cmd, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+                          cwd=str(ROOT), timeout=120)
 
 
 def http_get(url: str) -> tuple[int, bytes]:
@@ -207,8 +210,8 @@ def http_get(url: str) -> tuple[int, bytes]:
 
 
 def metrics_base(w: WorkerProcess) -> str:
-    wait_for(lambda: "metrics and health on port" in w.log() or (w.proc is not None and w.proc.poll() is not None),
-             90, what="the metrics port in the log")
+    wait_for(lambda: "metrics and health on port" in w.log()
+             or (w.proc is not None and w.proc.poll() is not None), 90, what="the metrics port in the log")
     m = re.search(r"metrics and health on port (\d+)", w.log())
     assert m is not None, w.log()[-3000:]
     return f"http://127.0.0.1:{m.group(1)}"

@@ -41,7 +41,8 @@ def refusal(err: KafkaError) -> tuple[tuple[str, ...], str] | None:
         if "mechanism" in low and "invalid credentials" not in low:
             return ("sasl.mechanism",), "the broker does not offer this SASL mechanism"
         return (("sasl.username", "sasl.password"),
-                "the broker refused the SASL login (an unknown user or a wrong password; it does not say which)")
+                "the broker refused the SASL login (an unknown user or a wrong password; it does not say "
+                "which)")
     if code == KafkaError._SSL:
         if "hostname" in low or "ip address mismatch" in low:
             return (("ssl.endpoint.identification.algorithm",),
@@ -52,7 +53,8 @@ def refusal(err: KafkaError) -> tuple[tuple[str, ...], str] | None:
     if code == KafkaError._TRANSPORT and re.search(r"alert (bad certificate|certificate required|unknown ca|"
                                                    r"certificate unknown|handshake failure)", low):
         return (("ssl.certificate.location", "ssl.key.location"),
-                "the broker requires a client certificate signed by a CA it trusts, and refused this one (or none)")
+                "the broker requires a client certificate signed by a CA it trusts, and refused this one "
+                "(or none)")
     return None
 
 
@@ -78,7 +80,8 @@ def _probe(props: dict[str, Any], wait_s: float) -> KafkaError | None:
 
 def check_access(cfg: Config, wait_s: float = WAIT_S) -> None:
     """Raises ConfigError naming ``$.kafka.<consumer|producer>.<key>`` when the broker refuses the consumer's
-    or the producer's properties. Returns when both got in, or when the broker did not answer in ``wait_s``."""
+    or the producer's properties. Returns when both got in, or when the broker did not answer in
+    ``wait_s``."""
     seen: list[dict[str, Any]] = []
     for section, props in (("consumer", consumer_config(cfg)), ("producer", producer_config(cfg))):
         access = {k: v for k, v in props.items() if k.startswith(_ACCESS_PREFIXES) and k != "client.id"}

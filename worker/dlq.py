@@ -145,16 +145,19 @@ _SHOWN_MAX = 200  # characters of a header quoted in a line of output
 
 class Examined(NamedTuple):
     """What replay does with one record of the DLQ topic: ``skip`` None replays ``letter``; otherwise it is
-    skipped, with ``skip`` the rest of the line that says why (empty: skipped without a word, another stage)."""
+    skipped, with ``skip`` the rest of the line that says why (empty: skipped without a word: another
+    stage)."""
 
     letter: DeadLetter | None
     skip: str | None
     no_bytes: bool = False
 
 
-def examine(headers: list[tuple[str, bytes | None]] | None, value: bytes | None, stage: str | None) -> Examined:
-    """Reads a dead letter's headers (written by the worker, or by anyone else who can write to the topic) into
-    the decision to replay it or not; never raises. The lines it makes quote header text only through _shown."""
+def examine(headers: list[tuple[str, bytes | None]] | None, value: bytes | None,
+            stage: str | None) -> Examined:
+    """Reads a dead letter's headers (written by the worker, or by anyone else who can write to the topic)
+    into the decision to replay it or not; never raises. The lines it makes quote header text only through
+    _shown."""
     try:
         dl = DeadLetter.from_headers(headers)  # type: ignore[arg-type]
     except ValueError as e:
@@ -172,7 +175,8 @@ def examine(headers: list[tuple[str, bytes | None]] | None, value: bytes | None,
 
 def replay_headers(headers: list[tuple[str, bytes | None]] | None) -> list[tuple[str, bytes | None]]:
     """The record's own headers, without the ones the worker added to the dead letter."""
-    return [(k, v) for k, v in (headers or []) if not k.startswith(("x-error", "x-source")) and k != "x-attempts"]
+    return [(k, v) for k, v in (headers or [])
+            if not k.startswith(("x-error", "x-source")) and k != "x-attempts"]
 
 
 def source(dl: DeadLetter) -> str:

@@ -20,7 +20,8 @@ from worker.config import Config, ConfigError, load
 BOUND_S = 5.0
 
 _KEYS = ["kafka", "batching", "delivery", "redis", "metrics", "logging", "model", "lanes", "name", "topics",
-         "input_topics", "consumer", "producer", "bootstrap_servers", "group_id", "url", "password", "max_wait_ms",
+         "input_topics", "consumer", "producer", "bootstrap_servers", "group_id", "url", "password",
+         "max_wait_ms",
          "max_batch_size", "weight", "deadline_ms", "default_lane", "mode", "format", "port", "tls", "<<"]
 _scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats()
             | st.sampled_from(["${env:NOPE}", "${file:/nonexistent}", "${env:", ".inf", "-.nan", "~", "",
@@ -31,7 +32,8 @@ _docs = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=4)
                      max_leaves=40)
 _fragments = st.sampled_from([b"&a [*a]", b"a: &x {b: *x}", b"<<: *nope", b"!!python/object:os.system x",
                               b"a: 1\na: 2", b"\t", b"- - - -", b"{{{{", b"key: !!binary AAAA", b"? [a]\n: b",
-                              b"%YAML 1.1\n---", b"...", b"\xef\xbb\xbf", b"\xff\xfe", b"kafka: {consumer: {a: [1]}}"])
+                              b"%YAML 1.1\n---", b"...", b"\xef\xbb\xbf", b"\xff\xfe",
+                              b"kafka: {consumer: {a: [1]}}"])
 
 
 @st.composite

@@ -17,9 +17,10 @@ from worker.dlq import examine, replay_headers, source
 
 _numbers = st.integers(-(2**70), 2**70).map(lambda i: str(i).encode())
 _text = st.text(max_size=30).map(str.encode)
-_values = (_numbers | _text | st.binary(max_size=30) | st.sampled_from([b"", b" 7 ", b"1_0", b"\xd9\xa1", b"9" * 5000])
-           | st.none())
-_topics = (st.sampled_from([b"in", b"in.a-b_c", b"", b"a" * 250, b"bad topic", b"x\x00y", b"\x1b[2J", b"\xff"])
+_values = (_numbers | _text | st.binary(max_size=30) | st.none()
+           | st.sampled_from([b"", b" 7 ", b"1_0", b"\xd9\xa1", b"9" * 5000]))
+_topics = (st.sampled_from([b"in", b"in.a-b_c", b"", b"a" * 250, b"bad topic", b"x\x00y", b"\x1b[2J",
+                            b"\xff"])
            | st.text(max_size=20).map(str.encode))
 _stages = st.sampled_from([b"decode", b"validate", b"size", b"bogus", b"", b"\x1b]0;x\x07"])
 
@@ -45,7 +46,9 @@ def dead_letters(draw: st.DrawFn) -> tuple[list[tuple[str, bytes | None]], bytes
         headers.insert(draw(st.integers(0, len(headers))), h)
     value = draw(st.none() | st.just(b"") | st.binary(max_size=64))
     stage = draw(st.none() | st.sampled_from(["decode", "validate"]))
-    return (None if not headers and draw(st.booleans()) else headers), value, stage  # type: ignore[return-value]
+    if not headers and draw(st.booleans()):
+        return None, value, stage  # type: ignore[return-value]
+    return headers, value, stage
 
 
 _PRODUCER: list[Any] = []

@@ -35,13 +35,15 @@ BOUND_S = 2.0  # for one record through admit() and emit(); the worst seen is fa
 class CaptureProducer:
     """Takes what the Emitter produces and checks it as librdkafka's produce() would (the size)."""
 
-    def __init__(self) -> None:
+    def __init__(self, message_max: int = MESSAGE_MAX) -> None:
+        self.message_max = message_max
         self.sent: list[tuple[str, bytes | None, bytes | None, list[tuple[str, bytes]] | None]] = []
 
     def produce(self, topic: str, value: bytes | None = None, key: bytes | None = None, *args: Any,
                 headers: list[tuple[str, bytes]] | None = None, **_kw: Any) -> None:
         size = Emitter._size(key, value, headers)
-        assert size <= MESSAGE_MAX, f"a {size}-byte message to {topic} (message.max.bytes={MESSAGE_MAX})"
+        assert size <= self.message_max, (
+            f"a {size}-byte message to {topic} (message.max.bytes={self.message_max})")
         self.sent.append((topic, key, value, headers))
 
     def poll(self, _timeout: float = 0) -> int:
@@ -61,19 +63,19 @@ def _model() -> Any:
 
 
 _MODEL: list[Any] = []
-_INTAKES: dict[str, Intake] = {}
+_INTAKES: dict[tuple[str, int], Intake] = {}
 
 
-def intake(fmt: str) -> Intake:
-    if fmt not in _INTAKES:
+def intake(fmt: str, max_input_bytes: int = MAX_BYTES) -> Intake:
+    if (fmt, max_input_bytes) not in _INTAKES:
         if not _MODEL:
             _MODEL.append(_model())
         cfg = from_dict({"kafka": {"input_topics": ["in", "in-unknown"]},
                          "batching": {"lanes": LANES},
-                         "delivery": {"format": fmt, "max_input_bytes": MAX_BYTES},
+                         "delivery": {"format": fmt, "max_input_bytes": max_input_bytes},
                          "redis": {"cache": True}}, environ={})
-        _INTAKES[fmt] = Intake(cfg, _MODEL[0])
-    return _INTAKES[fmt]
+        _INTAKES[fmt, max_input_bytes] = Intake(cfg, _MODEL[0])
+    return _INTAKES[fmt, max_input_bytes]
 
 
 # ------------------------------------------------------------------------------------------- strategies
@@ -101,7 +103,8 @@ def requests(draw: st.DrawFn, fmt: str) -> bytes:
     """A request-shaped value: mostly well-formed, with hostile fields, then maybe mutated bytes."""
     values = _json_values if fmt == "json" else _msgpack_values
     if draw(st.integers(0, 9)) == 0:
-        return _deep(fmt, draw(st.integers(1, 5000)), draw(st.sampled_from(["inputs", "meta", "priority", "x"])))
+        field = draw(st.sampled_from(["inputs", "meta", "priority", "x"]))
+        return _deep(fmt, draw(st.integers(1, 5000)), field)
     body: dict[str, Any] = {}
     if draw(st.integers(0, 9)):
         body["id"] = draw(st.text(max_size=20) | st.text(min_size=500, max_size=600) | values)
@@ -145,11 +148,14 @@ def records(fmt: str) -> st.SearchStrategy[tuple[bytes | None, bytes | None, lis
 
 
 # ------------------------------------------------------------------------------------------------ check
-def check(fmt: str, value: bytes | None, key: bytes | None, hdrs: list[tuple[str, bytes]], topic: str) -> None:
-    it = intake(fmt)
+def check(fmt: str, value: bytes | None, key: bytes | None, hdrs: list[tuple[str, bytes]], topic: str, *,
+          max_input_bytes: int = MAX_BYTES, message_max: int = MESSAGE_MAX,
+          bound_s: float = BOUND_S) -> Outcome:
+    """The checks above for one record; returns the outcome as the Emitter sent it."""
+    it = intake(fmt, max_input_bytes)
     now, wall_ms = 5000.0, time.time() * 1000
-    rec = Record(tp=TopicPartition(topic, 3), offset=41, value=value, key=key, headers=list(hdrs),  # type: ignore[arg-type]
-                 received_at=now - 0.001)
+    rec = Record(tp=TopicPartition(topic, 3), offset=41, value=value,  # type: ignore[arg-type]
+                 key=key, headers=list(hdrs), received_at=now - 0.001)
     t0 = time.perf_counter()
     o = it.admit(rec, now)
     assert rec.lane in it.lanes, rec.lane
@@ -158,12 +164,12 @@ def check(fmt: str, value: bytes | None, key: bytes | None, hdrs: list[tuple[str
         o = Outcome(rec, "ok", output=[0.25] * 4, batch_size=1, timings={"queue": 0.001, "infer": 0.002})
     else:
         assert o.dlq_stage in STAGES and o.error, (o.dlq_stage, o.error)
-    producer = CaptureProducer()
+    producer = CaptureProducer(message_max)
     emitter = Emitter(producer, "out", "dlq", "tiny", "1", fmt, on_done=lambda r: None,
-                      on_failed=lambda r, why: None, max_message_bytes=MESSAGE_MAX)
+                      on_failed=lambda r, why: None, max_message_bytes=message_max)
     sent = emitter.emit(o, now, wall_ms)
     took = time.perf_counter() - t0
-    assert took < BOUND_S, f"{took:.2f} s for one record"
+    assert took < bound_s, f"{took:.2f} s for one record"
     dec = msgspec.json.Decoder(Result) if fmt == "json" else msgspec.msgpack.Decoder(Result)
     to_dlq = [m for m in producer.sent if m[0] == "dlq"]
     results = [m for m in producer.sent if m[0] == "out"]
@@ -178,3 +184,4 @@ def check(fmt: str, value: bytes | None, key: bytes | None, hdrs: list[tuple[str
         assert v is not None
         res = dec.decode(v)
         assert res.id == (rec.id or "") and res.status == sent.status
+    return sent

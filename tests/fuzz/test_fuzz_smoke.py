@@ -13,7 +13,8 @@ SMOKE = settings(max_examples=150, deadline=None, suppress_health_check=[HealthC
                                                                          HealthCheck.data_too_large])
 
 
-def _letter(topic: bytes, stage: bytes = b"decode", error: bytes = b"undecodable json") -> list[tuple[str, bytes]]:
+def _letter(topic: bytes, stage: bytes = b"decode",
+            error: bytes = b"undecodable json") -> list[tuple[str, bytes]]:
     good = DeadLetter(error="e", error_stage="decode", source_topic="in", source_partition=0, source_offset=1)
     out = dict(good.headers())
     out.update({"x-source-topic": topic, "x-error-stage": stage, "x-error": error})  # type: ignore[dict-item]

@@ -54,8 +54,9 @@ def test_run_replay_and_backfill_over_a_secured_listener(secure_kafka, listener,
         wait_for(lambda: http_get(base + "/readyz")[0] == 200, 30, what="/readyz 200")
         # The endpoints carry state and counts, never configuration: no secret, and not even the addresses,
         # user name or certificate paths the config holds.
-        config_values = [sk.user.encode(), sk.broker.sasl_ssl_bootstrap.encode(), sk.broker.ssl_bootstrap.encode(),
-                         str(sk.certs.ca_file).encode(), str(sk.certs.client_key).encode()]
+        config_values = [sk.user.encode(), sk.broker.sasl_ssl_bootstrap.encode(),
+                         sk.broker.ssl_bootstrap.encode(), str(sk.certs.ca_file).encode(),
+                         str(sk.certs.client_key).encode()]
         for path in ("/metrics", "/healthz", "/readyz", "/nothing-here"):
             status, body = http_get(base + path)
             assert status in (200, 404), (path, status)
@@ -102,7 +103,8 @@ def test_result_cache_and_ledger_over_redis_tls_with_an_acl_user(secure_kafka, s
         base = metrics_base(w)
         assert len(read_all(bs, topic_names["out"], want=40, timeout=120)) == 40
         client = redis.Redis.from_url(sr.server.user_url(sr.user), ssl_ca_certs=str(sr.certs.ca_file))
-        wait_for(lambda: len(list(client.scan_iter(f"{prefix}delivered:*"))) == 40, 30, what="40 ledger entries")
+        wait_for(lambda: len(list(client.scan_iter(f"{prefix}delivered:*"))) == 40, 30,
+                 what="40 ledger entries")
         metrics = http_get(base + "/metrics")[1].decode()
         assert w.stop() == 0, w.log()[-3000:]
     finally:
@@ -192,8 +194,8 @@ def test_refused_access_ends_backfill_and_replay_fast(secure_kafka, command, top
 def test_readyz_body_names_checks_only(secure_kafka, topic_names, tmp_path):
     """The probe bodies hold their status fields and nothing else (no config value can slip in)."""
     sk = secure_kafka
-    cfg = secure_config(sk, "sasl_ssl", topic_names, metrics={"enabled": True, "port": 0, "host": "127.0.0.1"},
-                        model={"name": "tiny", "device": "cpu", "warmup": False})
+    cfg = secure_config(sk, "sasl_ssl", topic_names,
+                        metrics={"enabled": True, "port": 0, "host": "127.0.0.1"})
     create_topics(sk.bootstrap, {topic_names["in"]: 1, topic_names["out"]: 1, topic_names["dlq"]: 1})
     w = WorkerProcess(cfg, tmp_path, env=worker_env(sk)).start()
     try:

@@ -186,7 +186,8 @@ class LocalKafka:
         return {
             "listeners": f"{plain},{secured},{controller}",
             "advertised.listeners": f"{plain},{secured}",
-            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,SASL_SSL:SASL_SSL,SSL:SSL",
+            "listener.security.protocol.map":
+                "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,SASL_SSL:SASL_SSL,SSL:SSL",
             "sasl.enabled.mechanisms": SCRAM_MECHANISM,
             f"listener.name.sasl_ssl.{SCRAM_MECHANISM.lower()}.sasl.jaas.config":
                 "org.apache.kafka.common.security.scram.ScramLoginModule required;",
@@ -325,8 +326,8 @@ class LocalKafka:
                 raise BrokerStartError(f"cannot create SCRAM user {name!r}: {e}\n{self.log_tail()}") from None
 
     def _wait_for_metadata(self, client: dict[str, Any], deadline: float) -> None:
-        """Until a client with these properties gets metadata (the broker is up; on a secured listener, its TLS
-        and the SCRAM users work), or ``deadline`` (time.monotonic())."""
+        """Until a client with these properties gets metadata (the broker is up; on a secured listener, its
+        TLS and the SCRAM users work), or ``deadline`` (time.monotonic())."""
         from confluent_kafka.admin import AdminClient
 
         admin = AdminClient({**client, "log_level": 0})

@@ -57,8 +57,8 @@ class LocalRedis:
         self._users = dict(users or {})
         self._user_keys = user_key_pattern
         if password and self._users:
-            raise ValueError("password (the default user's) and users (which switch the default user off) exclude "
-                             "each other")
+            raise ValueError("password (the default user's) and users (which switch the default user off) "
+                             "exclude each other")
         self.tls = tls_cert_file is not None
         if self.tls and tls_key_file is None:
             raise ValueError("tls_key_file is required with tls_cert_file")
@@ -69,7 +69,8 @@ class LocalRedis:
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
-        auth = ", password=***" if self._password else (f", users={sorted(self._users)}" if self._users else "")
+        auth = ", password=***" if self._password else ""
+        auth += f", users={sorted(self._users)}" if self._users else ""
         return f"LocalRedis(127.0.0.1:{self.port}, {state}{auth}{', tls' if self.tls else ''})"
 
     @property
@@ -81,7 +82,8 @@ class LocalRedis:
     def user_url(self, user: str) -> str:
         """``redis[s]://user:password@127.0.0.1:PORT/0`` for one of the ACL ``users``."""
         secret = quote(self._users[user], safe="")
-        return f"{'rediss' if self.tls else 'redis'}://{quote(user, safe='')}:{secret}@127.0.0.1:{self.port}/0"
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://{quote(user, safe='')}:{secret}@127.0.0.1:{self.port}/0"
 
     @property
     def url_without_password(self) -> str:
