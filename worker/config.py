@@ -711,6 +711,10 @@ def load(path: str | Path | None, environ: dict[str, str] | None = None, *, chec
         raise ConfigError(f"{p}: {e.describe(root)}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    except (ValueError, OverflowError, TypeError, AttributeError) as e:
+        # PyYAML's own failures on a value it cannot build: an escape past U+10FFFF ("\U0A0010000"), a date
+        # like 2024-13-45, "!!timestamp x", "!!int 0x".
+        raise ConfigError(f"{p}: not valid YAML: a value PyYAML cannot read ({type(e).__name__}: {e})") from None
     finally:
         loader.dispose()
     if data is None:

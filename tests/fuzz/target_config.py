@@ -33,7 +33,9 @@ _docs = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=4)
 _fragments = st.sampled_from([b"&a [*a]", b"a: &x {b: *x}", b"<<: *nope", b"!!python/object:os.system x",
                               b"a: 1\na: 2", b"\t", b"- - - -", b"{{{{", b"key: !!binary AAAA", b"? [a]\n: b",
                               b"%YAML 1.1\n---", b"...", b"\xef\xbb\xbf", b"\xff\xfe",
-                              b"kafka: {consumer: {a: [1]}}"])
+                              b"kafka: {consumer: {a: [1]}}",
+                              b'"\\U0010FFFF"', b'"\\x"', b"!!timestamp 2024-02-30", b"!!float", b"!!int",
+                              b"!!binary", b"!!set", b"!!omap", b"2024-13-45"])
 
 
 @st.composite

@@ -37,6 +37,13 @@ def test_intake_smoke(fmt: str) -> None:
 # outside the error handling, and check-config / run ended with a traceback (exit 1) instead of exit 2.
 @example(b"\x00")
 @example(b"kafka: {input_topics: [in]}\n\x1b[2J")
+# PyYAML raised ValueError / OverflowError / AttributeError (not YAMLError) for these values: a traceback and
+# exit 1. Found by `make fuzz` (config, 5 min): the two escapes; the others are of the same kind.
+@example(b'batching: "\\U0A0010000"\nkafka:\n  input_topics:\n  - in\n')
+@example(b'batching: "\\UA00010000"\nkafka:\n  input_topics:\n  - in\n')
+@example(b"kafka: {input_topics: [in]}\nmodel: {version: 2024-13-45}")
+@example(b"kafka: {input_topics: [in]}\nmodel: {version: !!timestamp x}")
+@example(b"kafka: {input_topics: [in]}\nmodel: {version: !!int 0x}")
 def test_config_smoke(data: bytes) -> None:
     target_config.check(data)
 
