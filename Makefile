@@ -8,10 +8,13 @@ SETUP := bash worker/local/setup_env.sh
 GET_PY := PY=$$($(SETUP) | tail -n1) && [ -x "$$PY" ] \
   || { echo "make: worker/local/setup_env.sh failed (see its messages above); nothing was run" >&2; exit 1; }
 PYTEST_ARGS ?=
+# Seconds per fuzz target, and one target only, for `make fuzz`: make fuzz FUZZ_SECONDS=300 FUZZ_TARGET=config
+FUZZ_SECONDS ?= 60
+FUZZ_TARGET ?=
 # Arguments for `worker demo`, e.g. make demo DEMO_ARGS="--records 20000 --rate 5000".
 DEMO_ARGS ?=
 
-.PHONY: demo test lint unit bench schemas setup
+.PHONY: demo test lint unit bench schemas setup fuzz
 
 setup:
 	@$(SETUP) >/dev/null
@@ -44,6 +47,11 @@ DOCS_SITE ?= $(CURDIR)/site
 .PHONY: docs
 docs:
 	@$(GET_PY); cd $(CURDIR) && NO_MKDOCS_2_WARNING=1 $$PY -m mkdocs build --strict --site-dir $(DOCS_SITE)
+
+# Each fuzz target (tests/fuzz) for FUZZ_SECONDS: the inputs tried and any failure found (exit 1).
+fuzz:
+	@$(GET_PY); PYTHONPATH=$(CURDIR) $$PY -m tests.fuzz --seconds $(FUZZ_SECONDS) \
+	  $(if $(FUZZ_TARGET),--target $(FUZZ_TARGET))
 
 bench:
 	@$(GET_PY); PYTHONPATH=$(CURDIR) $$PY -m tests.bench.run_all

@@ -12,7 +12,7 @@ import pytest
 
 from tests.support import props
 
-pytest_plugins = ["tests.conftest_redis"]
+pytest_plugins = ["tests.conftest_redis", "tests.conftest_secure"]
 HYPOTHESIS_PROFILE = props.load()  # before any test module builds its @settings
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")

@@ -20,6 +20,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer
 from confluent_kafka import TopicPartition as KTP
 
 from worker.adapters.kafka_clients import consumer_config, retry_transient
+from worker.broker_access import check_access
 from worker.config import Config
 from worker.core.offsets import OffsetTracker
 from worker.core.records import TopicPartition
@@ -126,6 +127,7 @@ class BackfillRunner(Runner):
 def backfill(cfg: Config, from_beginning: bool = False, from_timestamp: int | None = None,
              group: str | None = None) -> int:
     group = group or f"{cfg.kafka.group_id}-backfill"
+    check_access(cfg)  # a refused login or certificate: exit 2 naming the key, not 30 s of "cannot reach"
     explicit = from_beginning or from_timestamp is not None
     low, end, committed = snapshot(cfg, group, from_timestamp)
     # Where the group committed at or after the start point it goes on from its commit: a retried Job (same

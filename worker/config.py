@@ -751,7 +751,10 @@ def load(path: str | Path | None, environ: dict[str, str] | None = None, *, chec
         raise ConfigError(f"cannot read config file {str(p)!r}: {_not_utf8(e)}") from None
     # What yaml.load does, keeping the composed tree (to name a repeated key by its path) and the file's
     # name (positions in errors say 'in "worker.yaml", line 3' rather than 'in "<unicode string>"').
-    loader = _UniqueKeyLoader(text)
+    try:
+        loader = _UniqueKeyLoader(text)  # checks the characters first: a NUL or another control one is refused
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from None
     loader.name = str(p)
     root: yaml.Node | None = None
     try:
@@ -761,6 +764,10 @@ def load(path: str | Path | None, environ: dict[str, str] | None = None, *, chec
         raise ConfigError(f"{p}: {e.describe(root)}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    except (ValueError, OverflowError, TypeError, AttributeError) as e:
+        # PyYAML's own failures on a value it cannot build: an escape past U+10FFFF ("\U0A0010000"), a date
+        # like 2024-13-45, "!!timestamp x", "!!int 0x".
+        raise ConfigError(f"{p}: not valid YAML: a value PyYAML cannot read ({type(e).__name__}: {e})") from None
     finally:
         loader.dispose()
     if data is None:

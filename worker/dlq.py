@@ -13,14 +13,16 @@ alone. In a shared group a later run for one of those stages would never see the
 
 from __future__ import annotations
 
+import re
 import time
-from typing import Any, get_args
+from typing import Any, NamedTuple, get_args
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka import TopicPartition as KTP
 
 from schemas import DeadLetter, ErrorStage
 from worker.adapters.kafka_clients import make_consumer, producer_config, retry_transient
+from worker.broker_access import check_access
 from worker.config import Config
 
 CONNECT_TIMEOUT_S = 30.0  # for the broker to answer the first metadata request
@@ -35,6 +37,7 @@ def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_
     if stage is not None and stage not in get_args(ErrorStage):
         # No dead letter carries it: every one would be skipped, and committed past.
         raise ValueError(f"unknown error stage {stage!r}; expected one of {', '.join(get_args(ErrorStage))}")
+    check_access(cfg)  # a refused login or certificate: exit 2 naming the key, not 30 s of "cannot reach"
     topic = cfg.kafka.dlq_topic
     # A partition the replay group never committed starts at its first dead letter, whatever the config's
     # auto.offset.reset says: with "latest" a first run started at the end, replayed nothing and exited 0.
@@ -86,30 +89,20 @@ def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_
                 if limit is not None and replayed >= limit:
                     break
                 to_commit[m.partition()] = m.offset() + 1
-                try:
-                    dl = DeadLetter.from_headers(m.headers())
-                except ValueError as e:
-                    print(f"  skip {topic}[{m.partition()}]@{m.offset()}: {e}")
+                seen = examine(m.headers(), m.value(), stage)
+                if seen.skip is not None:
                     skipped += 1
+                    no_bytes += seen.no_bytes
+                    if seen.skip:
+                        print(f"  skip {topic}[{m.partition()}]@{m.offset()}{seen.skip}")
                     continue
-                if stage is not None and dl.error_stage != stage:
-                    skipped += 1
-                    continue
-                why = _unreplayable(m.value(), dl)
-                if why is not None:
-                    # Sent back, it could only fail decoding again and come back here as a new dead letter.
-                    print(f"  skip {topic}[{m.partition()}]@{m.offset()} (from {dl.source_topic}[{dl.source_partition}]"
-                          f"@{dl.source_offset}): {why}")
-                    skipped += 1
-                    no_bytes += 1
-                    continue
-                headers = [(k, v) for k, v in (m.headers() or []) if not k.startswith(("x-error", "x-source"))
-                           and k != "x-attempts"]
+                dl = seen.letter
+                assert dl is not None
                 if dry_run:
-                    print(f"  would replay {dl.source_topic}[{dl.source_partition}]@{dl.source_offset} "
-                          f"({dl.error_stage}: {dl.error[:80]})")
+                    print(f"  would replay {source(dl)} ({_shown(dl.error_stage)}: {_shown(dl.error[:80])})")
                 else:
-                    producer.produce(dl.source_topic, value=m.value(), key=m.key(), headers=headers, on_delivery=cb)
+                    producer.produce(dl.source_topic, value=m.value(), key=m.key(),
+                                     headers=replay_headers(m.headers()), on_delivery=cb)
                 replayed += 1
             if to_commit and not dry_run:
                 left = producer.flush(60)
@@ -142,6 +135,60 @@ def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_
     print(f"dlq replay: {verb} {replayed} dead letters, skipped {skipped}"
           + (f" ({no_bytes} without the original request bytes, listed above)" if no_bytes else ""))
     return 0
+
+
+# What Kafka takes as a topic name. A dead letter naming anything else could never be delivered: replay would
+# fail on it (a NUL raises in produce(), an invalid name fails delivery) at every run, and never get past it.
+_TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
+_SHOWN_MAX = 200  # characters of a header quoted in a line of output
+
+
+class Examined(NamedTuple):
+    """What replay does with one record of the DLQ topic: ``skip`` None replays ``letter``; otherwise it is
+    skipped, with ``skip`` the rest of the line that says why (empty: skipped without a word: another
+    stage)."""
+
+    letter: DeadLetter | None
+    skip: str | None
+    no_bytes: bool = False
+
+
+def examine(headers: list[tuple[str, bytes | None]] | None, value: bytes | None,
+            stage: str | None) -> Examined:
+    """Reads a dead letter's headers (written by the worker, or by anyone else who can write to the topic)
+    into the decision to replay it or not; never raises. The lines it makes quote header text only through
+    _shown."""
+    try:
+        dl = DeadLetter.from_headers(headers)  # type: ignore[arg-type]
+    except ValueError as e:
+        return Examined(None, f": {_shown(str(e))}")
+    if stage is not None and dl.error_stage != stage:
+        return Examined(dl, "")
+    if not _TOPIC_NAME.fullmatch(dl.source_topic):
+        return Examined(dl, f": x-source-topic {_shown(dl.source_topic)!r} is not a Kafka topic name")
+    why = _unreplayable(value, dl)
+    if why is not None:
+        # Sent back, it could only fail decoding again and come back here as a new dead letter.
+        return Examined(dl, f" (from {source(dl)}): {why}", no_bytes=True)
+    return Examined(dl, None)
+
+
+def replay_headers(headers: list[tuple[str, bytes | None]] | None) -> list[tuple[str, bytes | None]]:
+    """The record's own headers, without the ones the worker added to the dead letter."""
+    return [(k, v) for k, v in (headers or [])
+            if not k.startswith(("x-error", "x-source")) and k != "x-attempts"]
+
+
+def source(dl: DeadLetter) -> str:
+    return f"{_shown(dl.source_topic)}[{dl.source_partition}]@{dl.source_offset}"
+
+
+def _shown(text: str) -> str:
+    """Header text fit for a terminal line: control and other unprintable characters escaped (a header could
+    otherwise move the cursor or rewrite the lines above), at most _SHOWN_MAX characters."""
+    cut = text[:_SHOWN_MAX]
+    shown = cut if cut.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in cut)
+    return shown + ("..." if len(text) > _SHOWN_MAX else "")
 
 
 def _unreplayable(value: bytes | None, dl: DeadLetter) -> str | None:

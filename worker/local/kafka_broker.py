@@ -4,6 +4,11 @@ Used by the tests and by ``worker demo`` when no broker address is given. The ja
 the repository (``~/.cache/kafka-inference-worker/kafka-<version>-<pom hash>/libs``); the broker runs with the
 machine's Java on 127.0.0.1, on free ports, with its data in a temporary directory and settings tuned
 for fast tests (no initial rebalance delay, replication factors of 1).
+
+With ``security=KafkaSecurity(...)`` it also listens on a SASL_SSL listener (SCRAM-SHA-512; the users are
+created through the admin API once the broker is up, so no password goes onto a command line) and on an SSL
+listener that requires a client certificate signed by the CA of ``security.certs``. The PLAINTEXT listener
+stays, for the tests' own producers and readers; the worker under test is given a secured one.
 """
 
 from __future__ import annotations
@@ -19,8 +24,11 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from worker.local.certs import CertSet
 from worker.local.process import die_with_parent, free_ports, terminate
 
 KAFKA_VERSION = "4.1.1"
@@ -29,6 +37,20 @@ POM = Path(__file__).with_name("kafka") / "pom.xml"
 
 class BrokerStartError(RuntimeError):
     """The broker did not become ready; the message carries the tail of its log."""
+
+
+SCRAM_MECHANISM = "SCRAM-SHA-512"
+
+
+@dataclass(frozen=True, kw_only=True)
+class KafkaSecurity:
+    """The secured listeners: ``certs`` for TLS on both, ``scram_users`` (name -> password) for SASL_SSL."""
+
+    certs: CertSet
+    scram_users: dict[str, str] = field(default_factory=dict)
+
+    def __repr__(self) -> str:  # the passwords stay out of test reports
+        return f"KafkaSecurity(certs={self.certs.ca_file.parent}, scram_users={sorted(self.scram_users)})"
 
 
 def cache_dir() -> Path:
@@ -124,11 +146,12 @@ class LocalKafka:
     """One KRaft broker+controller process. ``stop()`` then ``start()`` keeps data and ports (restart)."""
 
     def __init__(self, workdir: str | Path | None = None, version: str = KAFKA_VERSION,
-                 extra_props: dict[str, str] | None = None) -> None:
+                 extra_props: dict[str, str] | None = None, security: KafkaSecurity | None = None) -> None:
         self.version = version
         self._own_dir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="kiw-kafka-"))
-        self.port, self.controller_port = free_ports(2)
+        self.security = security
+        self.port, self.controller_port, self.sasl_ssl_port, self.ssl_port = free_ports(4)
         self.extra_props = extra_props or {}
         self.proc: subprocess.Popen[bytes] | None = None
         self._formatted = False
@@ -139,19 +162,67 @@ class LocalKafka:
         return f"127.0.0.1:{self.port}"
 
     @property
+    def sasl_ssl_bootstrap(self) -> str:
+        """The SASL_SSL listener (SCRAM-SHA-512); only with ``security``."""
+        return f"127.0.0.1:{self.sasl_ssl_port}"
+
+    @property
+    def ssl_bootstrap(self) -> str:
+        """The SSL listener that requires a client certificate; only with ``security``."""
+        return f"127.0.0.1:{self.ssl_port}"
+
+    @property
     def log_path(self) -> Path:
         return self.workdir / "server.log"
+
+    def _listeners(self) -> dict[str, str]:
+        plain = f"PLAINTEXT://127.0.0.1:{self.port}"
+        controller = f"CONTROLLER://127.0.0.1:{self.controller_port}"
+        if self.security is None:
+            return {"listeners": f"{plain},{controller}", "advertised.listeners": plain,
+                    "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT"}
+        certs = self.security.certs
+        secured = f"SASL_SSL://{self.sasl_ssl_bootstrap},SSL://{self.ssl_bootstrap}"
+        return {
+            "listeners": f"{plain},{secured},{controller}",
+            "advertised.listeners": f"{plain},{secured}",
+            "listener.security.protocol.map":
+                "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,SASL_SSL:SASL_SSL,SSL:SSL",
+            "sasl.enabled.mechanisms": SCRAM_MECHANISM,
+            f"listener.name.sasl_ssl.{SCRAM_MECHANISM.lower()}.sasl.jaas.config":
+                "org.apache.kafka.common.security.scram.ScramLoginModule required;",
+            "listener.name.ssl.ssl.client.auth": "required",
+            "ssl.keystore.type": "PEM",
+            "ssl.keystore.location": str(certs.server_pem),
+            "ssl.truststore.type": "PEM",
+            "ssl.truststore.location": str(certs.ca_file),
+        }
+
+    def client_config(self, listener: str, user: str | None = None) -> dict[str, Any]:
+        """librdkafka properties for a client of a secured listener: ``"sasl_ssl"`` (as ``user``, the first
+        SCRAM user by default) or ``"ssl"`` (with the client certificate)."""
+        if self.security is None:
+            raise ValueError("this broker has no secured listeners (LocalKafka(security=...))")
+        certs = self.security.certs
+        if listener == "sasl_ssl":
+            name = user or next(iter(self.security.scram_users))
+            return {"bootstrap.servers": self.sasl_ssl_bootstrap, "security.protocol": "SASL_SSL",
+                    "sasl.mechanism": SCRAM_MECHANISM, "sasl.username": name,
+                    "sasl.password": self.security.scram_users[name], "ssl.ca.location": str(certs.ca_file)}
+        if listener == "ssl":
+            return {"bootstrap.servers": self.ssl_bootstrap, "security.protocol": "SSL",
+                    "ssl.ca.location": str(certs.ca_file), "ssl.certificate.location": str(certs.client_cert),
+                    "ssl.key.location": str(certs.client_key)}
+        raise ValueError(f"listener must be 'sasl_ssl' or 'ssl', got {listener!r}")
 
     def _props(self) -> str:
         props = {
             "process.roles": "broker,controller",
             "node.id": "1",
             "controller.quorum.voters": f"1@127.0.0.1:{self.controller_port}",
-            "listeners": f"PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}",
-            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{self.port}",
+            **self._listeners(),
             "controller.listener.names": "CONTROLLER",
             "inter.broker.listener.name": "PLAINTEXT",
-            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
             "log.dirs": str(self.workdir / "data"),
             "num.partitions": "1",
             "offsets.topic.replication.factor": "1",
@@ -225,10 +296,41 @@ class LocalKafka:
         self._wait_ready(timeout)
 
     def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        self._wait_for_metadata({"bootstrap.servers": self.bootstrap}, deadline)
+        if self.security is not None:
+            self._add_scram_users()
+            for listener in ("ssl", "sasl_ssl") if self.security.scram_users else ("ssl",):
+                self._wait_for_metadata(self.client_config(listener), deadline)
+
+    def _add_scram_users(self) -> None:
+        from confluent_kafka.admin import (
+            AdminClient,
+            ScramCredentialInfo,
+            ScramMechanism,
+            UserScramCredentialUpsertion,
+        )
+
+        assert self.security is not None
+        users = self.security.scram_users
+        if not users:
+            return
+        admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 0})
+        info = ScramCredentialInfo(ScramMechanism.SCRAM_SHA_512, 4096)
+        futures = admin.alter_user_scram_credentials(
+            [UserScramCredentialUpsertion(name, info, password.encode()) for name, password in users.items()])
+        for name, fut in futures.items():
+            try:
+                fut.result(30)
+            except Exception as e:  # noqa: BLE001 - reported with the broker's log
+                raise BrokerStartError(f"cannot create SCRAM user {name!r}: {e}\n{self.log_tail()}") from None
+
+    def _wait_for_metadata(self, client: dict[str, Any], deadline: float) -> None:
+        """Until a client with these properties gets metadata (the broker is up; on a secured listener, its
+        TLS and the SCRAM users work), or ``deadline`` (time.monotonic())."""
         from confluent_kafka.admin import AdminClient
 
-        deadline = time.monotonic() + timeout
-        admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 0})
+        admin = AdminClient({**client, "log_level": 0})
         last: Exception | None = None
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
@@ -240,7 +342,8 @@ class LocalKafka:
             except Exception as e:  # noqa: BLE001 - retried until the deadline
                 last = e
             time.sleep(0.3)
-        raise BrokerStartError(f"Kafka broker not ready after {timeout:.0f}s ({last})\n{self.log_tail()}")
+        raise BrokerStartError(f"Kafka broker not ready on {client['bootstrap.servers']} ({last})\n"
+                               f"{self.log_tail()}")
 
     def log_tail(self, lines: int = 60) -> str:
         parts = []

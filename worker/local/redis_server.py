@@ -8,7 +8,9 @@ process (SIGSTOP/SIGCONT) to simulate a server that accepts connections but neve
 
 A password (``requirepass``) goes into a 0600 config file rather than onto the command line, so it does not
 show in ``ps``. TLS: pass ``tls_cert_file``/``tls_key_file`` (and ``tls_ca_file``); the server then listens
-with TLS only and :attr:`url` is ``rediss://``.
+with TLS only and :attr:`url` is ``rediss://``. ACL users: pass ``users={name: password}``; each may use every
+command on keys under ``user_key_pattern`` (``kiw*`` by default), and the ``default`` user is switched off, so
+a client that does not log in as one of them gets NOAUTH. Their passwords go into the same 0600 file.
 """
 
 from __future__ import annotations
@@ -46,11 +48,17 @@ class LocalRedis:
     def __init__(self, workdir: str | Path | None = None, *, port: int | None = None,
                  password: str | None = None, tls_cert_file: str | Path | None = None,
                  tls_key_file: str | Path | None = None, tls_ca_file: str | Path | None = None,
+                 users: dict[str, str] | None = None, user_key_pattern: str = "kiw*",
                  extra_args: list[str] | None = None) -> None:
         self._own_dir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="kiw-redis-"))
         self.port = port or free_port()
         self._password = password
+        self._users = dict(users or {})
+        self._user_keys = user_key_pattern
+        if password and self._users:
+            raise ValueError("password (the default user's) and users (which switch the default user off) "
+                             "exclude each other")
         self.tls = tls_cert_file is not None
         if self.tls and tls_key_file is None:
             raise ValueError("tls_key_file is required with tls_cert_file")
@@ -62,6 +70,7 @@ class LocalRedis:
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
         auth = ", password=***" if self._password else ""
+        auth += f", users={sorted(self._users)}" if self._users else ""
         return f"LocalRedis(127.0.0.1:{self.port}, {state}{auth}{', tls' if self.tls else ''})"
 
     @property
@@ -69,6 +78,12 @@ class LocalRedis:
         """``redis://[:password@]127.0.0.1:PORT/0`` (``rediss://`` with TLS). Contains the password if set."""
         auth = f":{quote(self._password, safe='')}@" if self._password else ""
         return f"{'rediss' if self.tls else 'redis'}://{auth}127.0.0.1:{self.port}/0"
+
+    def user_url(self, user: str) -> str:
+        """``redis[s]://user:password@127.0.0.1:PORT/0`` for one of the ACL ``users``."""
+        secret = quote(self._users[user], safe="")
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://{quote(user, safe='')}:{secret}@127.0.0.1:{self.port}/0"
 
     @property
     def url_without_password(self) -> str:
@@ -89,6 +104,12 @@ class LocalRedis:
             # Redis config strings: double quotes with backslash escapes.
             escaped = self._password.replace("\\", "\\\\").replace('"', '\\"')
             lines.append(f'requirepass "{escaped}"')
+        for name, secret in self._users.items():
+            if not name or any(c.isspace() for c in name + secret) or not secret:
+                raise ValueError("ACL user names and passwords must be non-empty and without white space")
+            lines.append(f"user {name} on >{secret} ~{self._user_keys} &* +@all")
+        if self._users:
+            lines.append("user default off")
         fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write("\n".join(lines) + "\n")
