@@ -16,6 +16,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from tests.support.props import examples
 from worker.core.batch_limit import MAX_BACKOFF, BatchLimit, LimitChange, LimitPolicy, LimitState
 
 
@@ -203,11 +204,11 @@ class LimitMachine(RuleBasedStateMachine):
         raise AssertionError(f"still limited to {lim.limit} after {changes} steps up: {lim!r}")
 
 
-LimitMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+LimitMachine.TestCase.settings = settings(max_examples=examples(150), stateful_step_count=40, deadline=None)
 TestLimitMachine = LimitMachine.TestCase
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(configured=st.integers(1, 64), extra=st.integers(1, 200))
 @example(configured=4, extra=6)  # the dict code set the limit to 5, above the lane's max of 4
 def test_a_batch_over_the_configured_max_never_lifts_the_limit_above_it(configured: int, extra: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,3 +45,11 @@ def test_ci_runs_the_ci_profile() -> None:
 def test_the_example_database_is_not_committed() -> None:
     ignored = (Path(__file__).parents[2] / ".gitignore").read_text().split()
     assert ".hypothesis/" in ignored
+
+
+def test_every_property_test_scales_with_the_profile() -> None:
+    # A literal count would not grow under the ci profile (the fuzz smoke keeps its own bounded count).
+    tests = Path(__file__).parents[1]
+    literal = [f"{p.relative_to(tests)}:{n}" for p in tests.rglob("test_*.py") if "fuzz" not in p.parts
+               for n, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"max_examples=\d", line)]
+    assert not literal, f"use max_examples=examples(n) (tests/support/props.py): {literal}"
