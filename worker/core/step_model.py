@@ -51,3 +51,23 @@ class StepModel(Protocol):
     def release(self, seq_id: int) -> None:
         """Frees the sequence's cache; the id may be reused after."""
         ...
+
+
+@runtime_checkable
+class GenerativeHandler(Protocol):
+    """A handler for a generative model: the runner gives it a generation worker instead of a batch one.
+
+    ``setup(device)`` loads the weights; ``step_model()`` then returns the model the scheduler steps.
+    """
+
+    kind: str  # "generative"
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def version(self) -> str: ...
+
+    def setup(self, device: str) -> None: ...
+
+    def step_model(self) -> StepModel: ...
