@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import logging
 import math
 import sys
-from collections.abc import Iterator, Sequence
-from typing import Any, get_args
+from collections.abc import Sequence
+from typing import get_args
 
 from schemas import ErrorStage
 from worker import __version__
+from worker.command_support import CommandError, check_devices, unreachable_broker_is_an_error
 from worker.config import Config, ConfigError, load, name_overrides
 from worker.models.registry import BUILTINS
 
@@ -24,34 +24,10 @@ WORKER__SECTION__KEY environment variables, e.g. WORKER__KAFKA__BOOTSTRAP_SERVER
 Exit codes: 0 ok, 1 runtime failure, 2 bad configuration or usage (the message names the bad key),
 130 interrupted (Ctrl-C)."""
 
-# librdkafka's codes for "no broker answered" (as opposed to e.g. an authorization failure or a missing topic).
-_UNREACHABLE = {"_TRANSPORT", "_TIMED_OUT", "_ALL_BROKERS_DOWN", "_RESOLVE", "_MSG_TIMED_OUT"}
-
-
-class CommandError(Exception):
-    """A runtime failure whose message says all there is to say (exit 1): printed as one line, no traceback,
-    unlike an unexpected exception."""
-
-
-@contextlib.contextmanager
-def unreachable_broker_is_an_error(bootstrap: str, source: str, timeout_s: float) -> Iterator[None]:
-    """Turns a KafkaException saying that no broker answered into the one message for it (demo, dlq replay,
-    backfill): where the address came from, so the reader knows what to fix. Other Kafka errors propagate."""
-    from confluent_kafka import KafkaException
-
-    try:
-        yield
-    except KafkaException as e:
-        kerr: Any = e.args[0] if e.args else None
-        if not (hasattr(kerr, "name") and kerr.name() in _UNREACHABLE):
-            raise
-        detail = kerr.str() if hasattr(kerr, "str") else str(e)
-        raise CommandError(f"cannot reach Kafka at {bootstrap} (from {source}) within {timeout_s:g} s: "
-                           f"{detail}") from None
-
-
 def _config(path: str | None, files_elsewhere: bool = False) -> Config:
-    return load(path, check_clients=True, files_elsewhere=files_elsewhere)
+    from worker.adapters.kafka_clients import config_problem
+
+    return load(path, client_check=config_problem, files_elsewhere=files_elsewhere)
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -90,22 +66,6 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         print(f"{args.config}: OK ({len(cfg.batching.lanes)} lane(s), topics {cfg.input_topics()}, "
               f"model {cfg.model.name!r} ({report.model_kind}), delivery {cfg.delivery.mode})")
     return 0
-
-
-def check_devices(cfg: Config) -> None:
-    """A device the config names but this machine lacks (cuda without CUDA, cuda:3 with two GPUs) is a
-    ConfigError naming $.model.device(s), raised before anything starts."""
-    from worker.adapters.torch_engine import resolve_device
-
-    specs = [(f"$.model.devices[{i}]", d) for i, d in enumerate(cfg.model.devices)] or [
-        ("$.model.device", cfg.model.device)]
-    for key, spec in specs:
-        try:
-            resolve_device(spec)
-        except ValueError as e:
-            # resolve_device names $.model.device whichever key the spec came from.
-            msg = str(e).removeprefix("$.model.device: ")
-            raise ConfigError(msg if msg.startswith("$.") else f"{key}: {msg}") from None
 
 
 def _setup_logging(cfg: Config, level: str | None = None) -> None:

@@ -16,6 +16,8 @@ from typing import Any
 
 import msgspec
 
+from worker.config_errors import ConfigError
+
 _AT = re.compile(r"^(.*?)(?: - at `\$([^`]*)`)?$", re.S)
 
 
@@ -78,3 +80,54 @@ def _field_problems(value: Any, tp: Any, path: str) -> list[str]:
             return [p for i, v in enumerate(value) for p in _field_problems(v, item, f"{path}[{i}]")]
     problem = _value_problem(value, tp, path)
     return [problem] if problem else []
+
+
+def merge(base: Any, over: Any) -> Any:
+    """Mappings merge key by key; anything else (lists included) in ``over`` replaces ``base``."""
+    if isinstance(base, dict) and isinstance(over, dict):
+        out = dict(base)
+        for k, v in over.items():
+            out[k] = merge(base[k], v) if k in base else v
+        return out
+    return over
+
+
+def check_shape(value: Any, path: str, above: tuple[int, ...] = ()) -> None:
+    """Keys are text, and no mapping or list contains itself. msgspec names a key that is not text only by its
+    section ("Expected `str` - at `key` in `$.kafka`"), and a YAML alias to an anchor above it (``kafka: &k
+    {consumer: *k}``) makes a structure with no end: the checks after this one would recurse until Python gives
+    up (RecursionError, exit 1)."""
+    if not isinstance(value, dict | list):
+        return
+    if id(value) in above:
+        raise ConfigError(f"{path}: contains itself (a YAML alias to an anchor around it); copy the values instead")
+    if len(above) > 100:
+        raise ConfigError(f"{path}: nested more than 100 levels deep")
+    above = (*above, id(value))
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            check_shape(item, f"{path}[{i}]", above)
+        return
+    for k, v in value.items():
+        if not isinstance(k, str):
+            shown = "null" if k is None else str(k)
+            raise ConfigError(f"{path}: the key {shown} is not text but {type(k).__name__}; in YAML, quote it: "
+                              f"'{shown}':")
+        check_shape(v, f"{path}.{k}", above)
+
+
+def explain(msg: str) -> str:
+    # msgspec: "Object contains unknown field `x` - at `$.kafka`" -> put the path first.
+    m = re.match(r"(.*) - at `(\$[^`]*)`$", msg)
+    if m:
+        what, path = m.groups()
+        u = re.match(r"Object contains unknown field `([^`]+)`", what)
+        if u:
+            return f"{path}.{u.group(1)}: unknown key"
+        if what == "Expected `str` of length >= 1":
+            return f"{path}: must not be empty"
+        return f"{path}: {what}"
+    u = re.match(r"Object contains unknown field `([^`]+)`", msg)
+    if u:
+        return f"$.{u.group(1)}: unknown key"
+    return f"$: {msg}"

@@ -31,7 +31,7 @@ def demo(records: int = 5000, model: str = "tiny", bootstrap: str | None = None,
     from confluent_kafka import Consumer
 
     from worker.adapters.kafka_clients import ensure_topics
-    from worker.cli import unreachable_broker_is_an_error
+    from worker.command_support import unreachable_broker_is_an_error
     from worker.load import load_producer, produce, requests
     from worker.runner import Runner
 

@@ -44,7 +44,7 @@ def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_
     consumer = make_consumer(cfg, **{"group.id": replay_group(cfg, stage), "enable.partition.eof": True,
                                      "partition.assignment.strategy": "range", "auto.offset.reset": "earliest"})
     producer = Producer(producer_config(cfg))
-    from worker.cli import unreachable_broker_is_an_error
+    from worker.command_support import unreachable_broker_is_an_error
 
     with unreachable_broker_is_an_error(cfg.kafka.bootstrap_servers, "$.kafka.bootstrap_servers", CONNECT_TIMEOUT_S):
         try:

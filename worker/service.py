@@ -15,7 +15,7 @@ log = logging.getLogger("worker.service")
 
 
 def run_service(cfg: Config, metrics_port: int | None = None) -> int:
-    from worker.cli import CommandError, check_devices
+    from worker.command_support import CommandError, check_devices
 
     # The service's own handlers, installed first: a SIGTERM can come while the process is still starting (a
     # rolling update, a scale-in) or loading the model (seconds to minutes, not interruptible). Either way it
@@ -43,7 +43,7 @@ def run_service(cfg: Config, metrics_port: int | None = None) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    from worker.adapters.memory_store import make_store
+    from worker.adapters.stores import make_store
     from worker.runner import Runner
 
     # Before the health port opens: a device this machine lacks is the config's fault (exit 2), not a crash.

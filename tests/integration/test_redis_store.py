@@ -14,7 +14,8 @@ import redis
 
 from tests.support import needs
 from worker.adapters.metrics import PrometheusMetrics
-from worker.adapters.redis_store import RedisStore, make_store
+from worker.adapters.redis_store import RedisStore
+from worker.adapters.stores import make_store
 from worker.config import RedisConfig
 from worker.local.redis_server import LocalRedis
 

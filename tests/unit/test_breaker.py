@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 
 from worker.adapters.memory_store import MemoryStore
-from worker.adapters.redis_store import CircuitBreaker, RedisStore, make_store, redact_url
+from worker.adapters.redis_store import CircuitBreaker, RedisStore, redact_url
+from worker.adapters.stores import make_store
 from worker.config import RedisConfig
 
 

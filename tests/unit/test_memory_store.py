@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support.props import examples
-from worker.adapters.memory_store import MemoryStore, as_time_fn, cache_key, make_store
+from worker.adapters.memory_store import MemoryStore, as_time_fn, cache_key
+from worker.adapters.stores import make_store
 from worker.config import RedisConfig
 
 

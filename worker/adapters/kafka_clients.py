@@ -21,7 +21,7 @@ from worker.logs import LibrdkafkaLog
 log = logging.getLogger("worker.kafka")
 
 # The worker's correctness depends on these: auto commit / auto offset store would commit records whose
-# results were never delivered. config._check_semantics rejects a config that turns them on.
+# results were never delivered. config_semantics rejects a config that turns them on.
 CONSUMER_FIXED = {"enable.auto.commit": False, "enable.auto.offset.store": False}
 
 CONSUMER_DEFAULTS: dict[str, Any] = {

@@ -10,43 +10,17 @@ Thread-safe (one lock): the loop thread and the inference threads may share one 
 
 from __future__ import annotations
 
-import hashlib
 import threading
-import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Generic, TypeVar
 
+from worker.adapters.store_keys import TimeSource, as_time_fn, cache_key
 from worker.config import RedisConfig
-from worker.core.ports import Clock, Metrics, Store
+
+__all__ = ["MemoryStore", "TimeSource", "as_time_fn", "cache_key"]
 
 V = TypeVar("V")
-TimeSource = Clock | Callable[[], float]
-
-
-def cache_key(model_name: str, model_version: str, input_bytes: bytes) -> str:
-    """Content hash identifying one model's result for one input: sha256 hex of name, version and bytes.
-
-    Name and version are length-prefixed so that ("ab", "c") and ("a", "bc") never collide.
-    """
-    h = hashlib.sha256()
-    for part in (model_name.encode(), model_version.encode()):
-        h.update(len(part).to_bytes(4, "big"))
-        h.update(part)
-    h.update(input_bytes)
-    return h.hexdigest()
-
-
-def as_time_fn(clock: TimeSource | None) -> Callable[[], float]:
-    """Accept a ``Clock`` (``.now()``), a plain callable, or None (``time.monotonic``)."""
-    if clock is None:
-        return time.monotonic
-    now = getattr(clock, "now", None)
-    if callable(now):
-        return now
-    if callable(clock):
-        return clock
-    raise TypeError(f"clock must have now() or be callable, got {type(clock).__name__}")
 
 
 class _TTLMap(Generic[V]):
@@ -230,13 +204,3 @@ class MemoryStore:
 
     def close(self) -> None:
         pass
-
-
-def make_store(cfg: RedisConfig, metrics: Metrics | None = None, *,
-               clock: TimeSource | None = None) -> Store:
-    """RedisStore when ``redis.url`` is set, else a per-process MemoryStore with the same TTLs."""
-    if cfg.url:
-        from worker.adapters.redis_store import RedisStore  # imports redis only when it is configured
-
-        return RedisStore(cfg, metrics, clock=clock)
-    return MemoryStore.from_config(cfg, clock=clock)

@@ -39,11 +39,12 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from worker.adapters.memory_store import TimeSource, as_time_fn, cache_key, make_store
-from worker.config import RedisConfig, redis_url_problem
+from worker.adapters.store_keys import TimeSource, as_time_fn, cache_key
+from worker.config import RedisConfig
+from worker.config_semantics import redis_url_problem
 from worker.core.ports import Metrics, NullMetrics
 
-__all__ = ["CircuitBreaker", "RedisStore", "cache_key", "make_store", "redact_url"]
+__all__ = ["CircuitBreaker", "RedisStore", "cache_key", "redact_url"]
 
 log = logging.getLogger("worker.redis")
 T = TypeVar("T")
