@@ -116,8 +116,8 @@ class BackfillRunner(Runner):
         super().__init__(*args, **kwargs)
         self.tracker: _CountingTracker = _CountingTracker()
 
-    def _shutdown(self) -> int:
-        rc = super()._shutdown()
+    def shutdown(self) -> int:
+        rc = super().shutdown()
         behind = self.tracker.committable()  # done, not committed (the last commit failed)
         self.finished = frozenset(tp for tp in self.reached & self.assigned
                                   if self.tracker.first_pending(tp) is None and tp not in behind)

@@ -26,10 +26,11 @@ from typing import Any
 from confluent_kafka import TopicPartition as KTP
 
 from worker.adapters.kafka_clients import make_consumer, make_producer
+from worker.clock import Deadline, LoopClock
 from worker.config import Config
 from worker.core.offsets import OffsetTracker
 from worker.core.ports import Metrics, Model, NullMetrics, Store
-from worker.core.records import Batch, TopicPartition
+from worker.core.records import TopicPartition
 from worker.core.scheduler import PriorityScheduler
 from worker.emit import Emitter, FatalDeliveryError
 from worker.intake import Intake
@@ -40,12 +41,11 @@ from worker.pipeline.exactly_once import DELIVERY_ABORTS_MAX, ExactlyOnce
 from worker.pipeline.flow import FlowControl
 from worker.pipeline.ingest import Ingest
 from worker.pipeline.lag import LagReport
-from worker.pipeline.lifecycle import Deadline, Lifecycle
+from worker.pipeline.lifecycle import Lifecycle
 from worker.pipeline.membership import Membership
 from worker.pipeline.partitions import PartitionTable
 from worker.pipeline.results import Results
 from worker.store_gate import StoreGate
-from worker.transactions import TransactionalCommitter
 
 __all__ = ["DELIVERY_ABORTS_MAX", "GC_THRESHOLD", "RunStats", "Runner"]
 
@@ -62,8 +62,15 @@ class Runner:
                  on_assign_offsets: Callable[[Any, list[KTP]], None] | None = None,
                  group_id: str | None = None, install_signals: bool = False,
                  health: Any = None, reached: set[TopicPartition] | None = None,
-                 spare_producer: bool = True) -> None:
+                 spare_producer: bool = True, clock: LoopClock = time,
+                 new_consumer: Callable[..., Any] = make_consumer,
+                 new_producer: Callable[..., Any] = make_producer) -> None:
+        """``clock``: where the loop reads the time (and sleeps). ``new_consumer(cfg, **props)`` and
+        ``new_producer(cfg, **props)`` make the Kafka clients (each called again for a replacement)."""
         self.cfg = cfg
+        self.clock = clock
+        self._new_consumer = new_consumer
+        self._new_producer = new_producer
         self.metrics: Metrics = metrics or NullMetrics()
         self.health = health
         self._models: list[Model] = []
@@ -73,9 +80,9 @@ class Runner:
         self._on_assign_offsets = on_assign_offsets
         self.group_id = group_id or cfg.kafka.group_id
         self._want_spare = spare_producer  # at-least-once only: see Emitter
-        self.lifecycle = Lifecycle()
+        self.lifecycle = Lifecycle(clock)
         self.ready = self.lifecycle.ready  # set once the clients are made and subscribed
-        self.stats = RunStats()
+        self.stats = RunStats(started=clock.monotonic())
         self.partitions = PartitionTable(reached or ())
         self.scheduler = PriorityScheduler(cfg.batching.lanes, cfg.batching.default_lane, cfg.batching.policy,
                                            cfg.batching.bucket_width)
@@ -83,7 +90,7 @@ class Runner:
         self.dispatch = Dispatch(self.scheduler, self.partitions, self.lifecycle, self.gate, self.metrics)
         self.loop = Loop(cfg=cfg, metrics=self.metrics, stats=self.stats, lifecycle=self.lifecycle,
                          partitions=self.partitions, tracker=OffsetTracker(), gate=self.gate,
-                         dispatch=self.dispatch, health=health, stop_at=stop_at)
+                         dispatch=self.dispatch, health=health, stop_at=stop_at, clock=clock)
         self.lag = LagReport(self.loop)
         self.flow = FlowControl(self.loop)
         self.workers: list[Any] = []
@@ -118,11 +125,6 @@ class Runner:
         return self.mode.producer if hasattr(self, "mode") else None
 
     @property
-    def txn(self) -> TransactionalCommitter | None:
-        """Exactly-once: the transaction's committer (None in at-least-once mode)."""
-        return getattr(getattr(self, "mode", None), "txn", None)
-
-    @property
     def assigned(self) -> frozenset[TopicPartition]:
         return self.partitions.assigned
 
@@ -141,22 +143,9 @@ class Runner:
         """Why the worker ends with exit 1, once it does."""
         return self.lifecycle.fatal
 
-    _fatal = fatal  # the name tests/unit/test_emit.py reads
-
     @property
     def models_loaded(self) -> bool:
         return self.lifecycle.models_loaded
-
-    @property
-    def cv(self) -> Any:  # tests/unit/test_engine.py drives the device side through these three
-        return self.dispatch.cv
-
-    @property
-    def _busy_on(self) -> list[int]:
-        return self.dispatch.busy_on
-
-    def _done(self, batch: Batch, outputs: list[Any], timings: dict[str, float], worker: int) -> None:
-        self.dispatch.done(batch, outputs, timings, worker=worker)
 
     # ------------------------------------------------------------------ setup
     def _build_models(self) -> None:
@@ -202,13 +191,13 @@ class Runner:
         """Intake, consumer, producers (through the delivery mode) and emitter, in that order."""
         cfg, loop = self.cfg, self.loop
         self.intake = loop.intake = Intake(cfg, self.model, route=self.scheduler.lane_for)
-        new_producer = lambda c, **extra: make_producer(c, **extra)  # noqa: E731 - resolved at each call
+        new_producer = self._new_producer
         self.mode = (ExactlyOnce(loop, new_producer, self.group_id) if cfg.delivery.mode == "exactly_once"
                      else AtLeastOnce(loop, new_producer, spare=self._want_spare))
         self.results = Results(loop, self.mode)
         self.ingest = Ingest(loop, self.mode, self.results)
         self.membership = Membership(loop, self.mode, self.results, group_id=self.group_id,
-                                     new_consumer=lambda c, **extra: make_consumer(c, **extra),
+                                     new_consumer=self._new_consumer,
                                      on_client_error=self.lag.on_client_error,
                                      on_assign_offsets=self._on_assign_offsets)
         loop.consumer = self.membership.make_consumer()
@@ -238,7 +227,7 @@ class Runner:
         self._open()
         for w in self.workers:
             w.start()
-        self._check_broker()
+        self.lag.check_broker()
         self.membership.subscribe()
         if self.health is not None:
             self.health.waiting_for_assignment = True
@@ -248,9 +237,9 @@ class Runner:
         try:
             while self.lifecycle.running:
                 self._iterate()
-                if self.stop_at is not None and self._backfill_complete():
+                if self.loop.backfill_complete():
                     break
-            return self._shutdown()
+            return self.shutdown()
         finally:
             self._close()
 
@@ -266,7 +255,7 @@ class Runner:
 
     def turn(self, consume: bool = True) -> None:
         """``consume=False``: a shutdown drain's turn (every partition paused; nothing is read)."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         self._heartbeat(now)
         if consume:
             self._keep_membership(now)
@@ -279,7 +268,7 @@ class Runner:
             self.lag.report(now)
         if consume:
             self.flow.apply()
-        if self.mode.commit_due(time.monotonic()):
+        if self.mode.commit_due(self.clock.monotonic()):
             self.mode.commit(sync=False, step=consume)
 
     def _heartbeat(self, now: float) -> None:
@@ -300,7 +289,7 @@ class Runner:
         batch_timeout = self.cfg.model.batch_timeout_s
         for w in self.workers:
             if batch_timeout and self.lifecycle.fatal is None:
-                busy = w.busy_for(time.monotonic())
+                busy = w.busy_for(self.clock.monotonic())
                 if busy > batch_timeout:
                     # The threads are alive and the heartbeat is fresh, but this batch will not come back: its
                     # partitions would stay unprocessed for good. Restarting is the way out (the attempt
@@ -322,28 +311,20 @@ class Runner:
         if self.health is not None:
             self.health.beat()
 
-    def _check_broker(self) -> None:
-        self.lag.check_broker()
-
-    # ------------------------------------------------------------------ backfill
-    def _backfill_complete(self) -> bool:
-        assert self.stop_at is not None
-        return self.partitions.reached.issuperset(self.stop_at) and self.tracker.in_flight() == 0
-
     # ------------------------------------------------------------------ shutdown
-    def _shutdown(self) -> int:
+    def shutdown(self) -> int:
         """Stop fetching, finish in-flight work within shutdown_timeout_s, commit. 0 unless a fatal error."""
         log.info("shutting down", extra={"in_flight": self.tracker.in_flight()})
         assigned = self.partitions.assigned
         if assigned:
             self.consumer.pause([KTP(t, p) for t, p in assigned])
             self.partitions.set_paused(assigned)
-        self.dispatch.flush(time.monotonic())
+        self.dispatch.flush(self.clock.monotonic())
         deadline = self.lifecycle.drain(self.cfg.delivery.shutdown_timeout_s)
         self.mode.stopping(deadline)
         while self.tracker.in_flight() > 0 and not deadline.expired() and self.lifecycle.fatal is None:
             self._iterate(consume=False)
-            time.sleep(0.001)
+            self.clock.sleep(0.001)
         self.mode.flush(deadline.left(1.0))
         self.mode.commit(flush_s=deadline.left(1.0))
         # What the last flush confirmed goes into the ledger now (a loop turn records it; no turn comes
@@ -366,7 +347,7 @@ class Runner:
         # All devices stop at once and share one 5 s budget.
         for w in self.workers:
             w.request_stop()
-        stop_by = Deadline(5.0)
+        stop_by = Deadline(5.0, self.clock)
         for w in self.workers:
             try:
                 w.stop(timeout=stop_by.left())
@@ -379,7 +360,7 @@ class Runner:
                 log.exception("closing consumer")
         # Both producers share one 5 s budget: with the broker gone each flush would wait it out in turn, and
         # a stop must fit in the pod's grace period (shutdown_timeout_s + a 15 s margin in the chart).
-        flush_by = Deadline(5.0)
+        flush_by = Deadline(5.0, self.clock)
         mode = getattr(self, "mode", None)
         if mode is not None and mode.producer is not None:
             mode.close()

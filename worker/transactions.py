@@ -23,8 +23,8 @@ from typing import Any
 from confluent_kafka import KafkaException
 from confluent_kafka import TopicPartition as KTP
 
+from worker.clock import Deadline
 from worker.core.records import Outcome, TopicPartition
-from worker.pipeline.lifecycle import Deadline
 
 log = logging.getLogger("worker.transactions")
 # commit_transaction / abort_transaction calls (each waits up to ``timeout_s``) before a retriable error counts as

@@ -50,7 +50,8 @@ Hook = Callable[[], None]
 
 # ----------------------------------------------------------------------------------------------- clock
 class FakeTime:
-    """Stands in for the ``time`` module of worker.runner / worker.emit / worker.intake.
+    """The clock a Runner is given (``Runner(clock=...)``), and the ``time`` module of the modules that still
+    read it (worker.emit, worker.intake, ...).
 
     ``monotonic``/``perf_counter`` start at 1000 s, ``time`` at a fixed wall clock; ``sleep`` advances
     both (and records the request), so code that waits finishes at once and a test can assert on the
@@ -894,23 +895,21 @@ class Harness:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, cfg: Any = None, *, model: FakeModel | None = None,
                  store: Any = None, devices: int = 1, metrics: Any = None, spare: bool = False,
                  wrap_consumer: Callable[[FakeConsumer], Any] | None = None, **runner_kw: Any) -> None:
+        import worker.clock
         import worker.emit
         import worker.intake
-        import worker.pipeline.context
-        import worker.pipeline.delivery
         import worker.pipeline.dispatch
-        import worker.pipeline.exactly_once
         import worker.pipeline.ingest
-        import worker.pipeline.lifecycle
-        import worker.pipeline.membership
         import worker.pipeline.results
         import worker.runner as wr
 
         self.cfg = cfg if cfg is not None else make_config()
         self.clock = FakeTime()
+        # The runner and its rooms read the clock they are given; these modules still read ``time`` itself
+        # (worker.clock: a Deadline made without a clock, as dispatch makes one).
         pipeline = worker.pipeline
-        for mod in (wr, worker.emit, worker.intake, pipeline.context, pipeline.delivery, pipeline.dispatch, pipeline.exactly_once,
-                    pipeline.ingest, pipeline.lifecycle, pipeline.membership, pipeline.results):
+        for mod in (worker.clock, worker.emit, worker.intake, pipeline.dispatch, pipeline.ingest,
+                    pipeline.results):
             monkeypatch.setattr(mod, "time", self.clock)
         # Built now so a test can script them before run(); make_consumer/make_producer hand them out.
         self.consumer = FakeConsumer(self.clock)
@@ -947,10 +946,9 @@ class Harness:
             p.transactional = "transactional.id" in extra
             return p
 
-        monkeypatch.setattr(wr, "make_consumer", make_consumer)
-        monkeypatch.setattr(wr, "make_producer", make_producer)
         self.model = model or FakeModel()
         self.runner = wr.Runner(self.cfg, self.model, store=store, metrics=metrics, spare_producer=spare,
+                                clock=self.clock, new_consumer=make_consumer, new_producer=make_producer,
                                 **runner_kw)
         self.devices = [FakeDevice(self.runner, self.model, name=f"fake-{i}", index=i) for i in range(devices)]
         self.runner._build_models = self._build_models  # no torch, no engine, no threads

@@ -81,6 +81,6 @@ def test_a_partition_added_to_the_topic_during_the_backfill_is_left_alone(monkey
     assert h.c.client_assigns[-1][0] == (IN0, 3)  # on from this run's commit
     assert h.c.client_assigns[-1][1][0] == IN1  # assigned too, where the client puts it
     h.iterate(5)
-    assert h.runner._backfill_complete()
+    assert h.runner.loop.backfill_complete()
     # Nothing past the snapshot is processed: only the 3 records of in[0] read before the rebalance.
     assert [r["id"] for r in h.p.results()] == ["in-0-0", "in-0-1", "in-0-2"] and h.committed("in", 1) is None

@@ -212,14 +212,14 @@ def test_ctrl_c_after_the_model_load_is_a_graceful_stop(tmp_path: Path, monkeypa
     """Between the model load and the loop (clients being created) the service still treated signals as 'during
     the load': it logged 'finishing the model load first', and a second Ctrl-C raised KeyboardInterrupt inside
     the runner's setup, leaving the clients it had created unclosed (exit 130)."""
-    import worker.runner as wr
+    from worker.pipeline.lag import LagReport
 
-    def two_ctrl_c(self: object) -> None:
+    def two_ctrl_c(self: object) -> None:  # the runner's first step once its clients are made
         for _ in range(2):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.2)
 
-    monkeypatch.setattr(wr.Runner, "_check_broker", two_ctrl_c)
+    monkeypatch.setattr(LagReport, "check_broker", two_ctrl_c)
     cfg = _config(tmp_path, extra="metrics: {enabled: false}\ndelivery: {shutdown_timeout_s: 1}")
     with caplog.at_level(logging.WARNING, logger="worker"):
         assert main(["run", "--config", cfg]) == 0

@@ -527,7 +527,7 @@ def _big_second_result(monkeypatch: pytest.MonkeyPatch, **sections: Any) -> Harn
 
 def _run_until_committed(h: Harness, offset: int) -> None:
     for _ in range(200):
-        if h.runner._fatal or h.committed() == offset:
+        if h.runner.fatal or h.committed() == offset:
             break
         h.process()
         h.commit()
@@ -537,7 +537,7 @@ def test_a_result_the_broker_refuses_as_too_large_becomes_an_error_result_and_a_
         monkeypatch: pytest.MonkeyPatch) -> None:
     # It was re-sent as it was, refused 6 times, and the worker stopped, at every restart.
     h = _big_second_result(monkeypatch)
-    assert h.runner._fatal is None and h.committed() == 3
+    assert h.runner.fatal is None and h.committed() == 3
     assert sum(1 for p in h.p.produced if p.topic == "out" and len(p.value or b"") > 1500) == 1  # not retried as is
     results = {r["source"]["offset"]: r for r in h.p.results()}
     assert results[1]["status"] == "error" and "refused by the broker" in results[1]["error"]
@@ -558,7 +558,7 @@ def test_a_dead_letter_the_broker_refuses_as_too_large_goes_without_the_original
     h.send(1)
     h.process()
     _run_until_committed(h, 3)
-    assert h.runner._fatal is None and h.committed() == 3
+    assert h.runner.fatal is None and h.committed() == 3
     [dead] = h.p.dead_letters()
     assert dead.value == b"" and dead.header("x-error-stage") == "validate"
     assert (dead.header("x-error") or "").startswith("original value of ")
@@ -572,7 +572,7 @@ def test_exactly_once_a_result_the_broker_refuses_as_too_large_is_redone_as_an_e
     from tests.unit.test_runner_eos import check_transactions
 
     h = _big_second_result(monkeypatch, delivery={"mode": "exactly_once", "transactional_id": "t"})
-    assert h.runner._fatal is None and h.committed() == 3
+    assert h.runner.fatal is None and h.committed() == 3
     assert h.p.aborted_txns  # the refusal aborted a transaction; the records were read again
     results = {r["source"]["offset"]: r for r in h.p.results()}
     assert [results[i]["status"] for i in range(3)] == ["ok", "error", "ok"]

@@ -1087,10 +1087,10 @@ def test_the_runner_does_not_observe_a_recovered_batch(monkeypatch: pytest.Monke
     h = Harness(monkeypatch).start()
     seen: list[tuple[str, int, float]] = []
     monkeypatch.setattr(h.runner.scheduler, "observe", lambda lane, n, s: seen.append((lane, n, s)))
-    with h.runner.cv:
-        h.runner._busy_on[0] += 2
-    h.runner._done(make_batch([1, 2]), [10, 20], {"infer": 0.5, "recovered": 1.0}, worker=0)
-    h.runner._done(make_batch([1, 2]), [10, 20], {"infer": 0.01}, worker=0)
+    with h.runner.dispatch.cv:
+        h.runner.dispatch.busy_on[0] += 2
+    h.runner.dispatch.done(make_batch([1, 2]), [10, 20], {"infer": 0.5, "recovered": 1.0}, worker=0)
+    h.runner.dispatch.done(make_batch([1, 2]), [10, 20], {"infer": 0.01}, worker=0)
     assert seen == [("default", 2, 0.01)]
 
 

@@ -298,7 +298,7 @@ def test_unknown_lanes_since_the_last_report_are_reported_at_shutdown(monkeypatc
     h.c.append("in", 0, request("x", 1, priority="nope"))
     h.iterate()  # read; the next lag report is lag_interval_s away
     assert m.registry.get_sample_value("kiw_unknown_lane_total", {"topic": "in"}) is None
-    h.runner._shutdown()
+    h.runner.shutdown()
     assert m.registry.get_sample_value("kiw_unknown_lane_total", {"topic": "in"}) == 1
 
 

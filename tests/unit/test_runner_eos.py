@@ -120,7 +120,7 @@ def test_aborted_transaction_rewinds_to_the_committed_offsets_and_ignores_stale_
     h.p.hold = True  # the broker stops answering: the results of 2..4 stay undelivered
     h.iterate()
     h.commit()  # flush times out, commit_transaction times out -> abort -> rewind
-    assert ("abort",) in h.p.txn_calls and h.runner.txn is not None and h.runner.txn.aborts == 1
+    assert ("abort",) in h.p.txn_calls and h.runner.mode.txn is not None and h.runner.mode.txn.aborts == 1
     assert h.c.seek_calls == [(IN0, 2)]  # back to the committed offset
     assert h.runner.tracker.in_flight() == 0
     h.p.hold = False
@@ -144,7 +144,7 @@ def test_an_injected_commit_failure_aborts_and_the_records_are_redone(monkeypatc
     h.process()
     h.p.fail_txn("commit", abortable("coordinator moved"))
     h.commit()
-    assert h.runner.txn is not None and h.runner.txn.aborts == 1
+    assert h.runner.mode.txn is not None and h.runner.mode.txn.aborts == 1
     assert h.p.results() == []  # the aborted transaction's results are invisible
     h.process()
     h.commit()

@@ -12,8 +12,8 @@ from confluent_kafka import KafkaError, KafkaException
 import worker.runner as wr
 from tests.unit.fakes_kafka import Harness, make_config
 from worker.backfill import BackfillRunner
+from worker.clock import Deadline
 from worker.core.records import TopicPartition
-from worker.pipeline.lifecycle import Deadline
 
 IN0, IN1 = TopicPartition("in", 0), TopicPartition("in", 1)
 EOS = {"mode": "exactly_once", "transactional_id": "tid-1"}
@@ -83,7 +83,7 @@ def test_a_rewind_inside_consume_drops_the_record_poll_returned(monkeypatch: pyt
 
     h.c.hooks.append(revoke_in_consume)
     h.iterate()
-    assert armed == -10 and h.runner.txn is not None and h.runner.txn.aborts == 1
+    assert armed == -10 and h.runner.mode.txn is not None and h.runner.mode.txn.aborts == 1
     for _ in range(4):
         h.process()
     h.commit()
@@ -140,7 +140,7 @@ def test_produce_refused_in_the_abortable_state_aborts_and_rewinds(monkeypatch: 
     h.p.hold = False
     h.p.fail_next(2)
     h.iterate()  # produces the results of 2, 3 before the failure reports are served
-    assert h.runner.fatal is None and h.runner.txn is not None and h.runner.txn.aborts == 1
+    assert h.runner.fatal is None and h.runner.mode.txn is not None and h.runner.mode.txn.aborts == 1
     for _ in range(4):
         h.process()
     h.commit()
@@ -162,7 +162,7 @@ def test_a_failure_served_by_the_checkpoint_flush_aborts_once(monkeypatch: pytes
     h.p.hooks.append(release)  # the checkpoint's own flush serves the failure
     h.commit()
     h.iterate()
-    assert h.runner.txn is not None and h.runner.txn.aborts == 1
+    assert h.runner.mode.txn is not None and h.runner.mode.txn.aborts == 1
     assert h.runner.mode.abort_pending is None and h.runner.fatal is None
     for _ in range(3):
         h.process()
@@ -179,7 +179,7 @@ def test_a_commit_that_times_out_is_called_again(monkeypatch: pytest.MonkeyPatch
     h.p.fail_txn("commit", timed_out())
     h.commit()
     assert [c[0] for c in h.p.txn_calls][-3:] == ["commit", "commit", "begin"]
-    assert h.runner.txn is not None and h.runner.txn.aborts == 0
+    assert h.runner.mode.txn is not None and h.runner.mode.txn.aborts == 0
     assert sources(h) == [(0, 0), (0, 1), (0, 2)] and h.committed() == 3 and h.runner.fatal is None
 
 
@@ -230,8 +230,8 @@ def test_past_the_shutdown_deadline_a_commit_that_times_out_is_not_called_again(
     monkeypatch.setattr(h.p, "commit_transaction", commit)
     for _ in range(3):
         h.p.fail_txn("commit", timed_out())
-    assert h.runner.txn is not None
-    h.runner.mode.stopping(Deadline(4.0))  # what the shutdown drain sets
+    assert h.runner.mode.txn is not None
+    h.runner.mode.stopping(Deadline(4.0, h.clock))  # what the shutdown drain sets
     h.commit()
     assert timeouts == [4.0]  # not 30, and not called again once past the deadline
     assert "could not be aborted" in (h.runner.fatal or "")  # exit 1: the next process starts from the commits

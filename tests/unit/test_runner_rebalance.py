@@ -329,7 +329,7 @@ def test_backfill_partition_read_to_its_end_then_revoked_is_read_again_from_its_
     h.c.assign(("in", 0))
     process_all(h)
     assert offsets_out(h) == [0, 1, 2, 3, 4, 5] and h.committed() == 6
-    assert h.runner._backfill_complete()
+    assert h.runner.loop.backfill_complete()
 
 
 def test_an_assign_hook_that_raises_still_leaves_the_partitions_resumed(monkeypatch: pytest.MonkeyPatch) -> None:

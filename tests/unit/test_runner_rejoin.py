@@ -154,7 +154,7 @@ def test_exactly_once_commits_through_the_new_consumer(monkeypatch: pytest.Monke
     h.c.lose()
     h.clock.advance(TIMEOUT_S)
     h.iterate()
-    assert h.runner.txn is not None and h.runner.txn.consumer is h.c and len(h.consumers) == 2
+    assert h.runner.mode.txn is not None and h.runner.mode.txn.consumer is h.c and len(h.consumers) == 2
     h.c.assign(("in", 0))
     h.send(2)
     h.process()

@@ -1,5 +1,5 @@
 """The state the loop's rooms share: one ``Loop`` per runner, built before the clients, filled in by
-``Runner.run`` (consumer, emitter, intake) as they are made.
+``Runner.run`` (consumer, emitter, intake) as they are made. ``clock`` is the one the runner was given.
 
 Only the loop thread reads or writes it, except ``dispatch`` (device threads, under its lock) and
 ``lifecycle.request_stop`` (signals).
@@ -8,9 +8,10 @@ Only the loop thread reads or writes it, except ``dispatch`` (device threads, un
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from worker.clock import LoopClock
 from worker.config import Config
 from worker.core.offsets import OffsetTracker
 from worker.core.ports import Metrics
@@ -31,7 +32,7 @@ class RunStats:
     batches: int = 0
     batched_records: int = 0
     commits: int = 0
-    started: float = field(default_factory=time.monotonic)
+    started: float = 0.0  # on the loop's clock
     ledger_skips: int = 0
     cache_hits: int = 0
 
@@ -56,6 +57,12 @@ class Loop:
     emitter: Any = None  # worker.emit.Emitter, made once the producers are
     intake: Any = None  # worker.intake.Intake, made once the model is loaded
     broker_ok: bool = True  # the last client call that needed a broker got an answer
+    clock: LoopClock = time  # every time the rooms read comes from it
+
+    def backfill_complete(self) -> bool:
+        """Backfill: every partition read up to ``stop_at``, and nothing left in flight."""
+        return (self.stop_at is not None and self.partitions.reached.issuperset(self.stop_at)
+                and self.tracker.in_flight() == 0)
 
     def broker_reachable(self, ok: bool) -> None:
         self.broker_ok = ok

@@ -13,17 +13,16 @@ The loop calls the same hooks in both modes: ``track`` (a record read), ``emit_o
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from confluent_kafka import KafkaException
 from confluent_kafka import TopicPartition as KTP
 
+from worker.clock import Deadline
 from worker.core.records import Outcome, Record, TopicPartition
 from worker.emit import FatalDeliveryError
 from worker.pipeline.context import Loop
-from worker.pipeline.lifecycle import Deadline
 from worker.pipeline.partitions import Partition
 
 log = logging.getLogger("worker.runner")
@@ -37,7 +36,7 @@ class DeliveryMode:
         self._make_producer = make_producer
         self.producer: Any = None
         self.spare_producer: Any = None
-        self.last_commit = time.monotonic()  # when the last commit was sent (the periodic commit's clock)
+        self.last_commit = self.loop.clock.monotonic()  # when the last commit was sent (the periodic commit's clock)
         # Set when the consumer's position can no longer be trusted (a rewind that could not seek): nothing is
         # committed any more, the worker exits 1 and the next process starts from the committed offsets.
         self.no_commit = False
@@ -110,7 +109,7 @@ class DeliveryMode:
         on, and the outcome is recorded when poll() serves its report. Revoke and shutdown commit
         synchronously: the partitions are handed over after. ``step=False``: a shutdown drain's turn, whose
         poll() tracks nothing (never step over markers)."""
-        self.last_commit = time.monotonic()
+        self.last_commit = self.loop.clock.monotonic()
         if self.no_commit:
             return
         shutdown = self.loop.lifecycle.shutdown
@@ -238,7 +237,7 @@ class AtLeastOnce(DeliveryMode):
             return
         if not sync and offsets == self.in_flight:
             return  # the same offsets are already on their way
-        t0 = time.monotonic()
+        t0 = self.loop.clock.monotonic()
         try:
             self.loop.consumer.commit(offsets=[KTP(tp.topic, tp.partition, o) for tp, o in offsets.items()],
                                       asynchronous=not sync)
@@ -273,7 +272,7 @@ class AtLeastOnce(DeliveryMode):
         loop.partitions.set_committed(offsets)
         loop.stats.commits += 1
         loop.broker_ok = True
-        loop.metrics.gauge("commit_seconds", time.monotonic() - sent_at)
+        loop.metrics.gauge("commit_seconds", loop.clock.monotonic() - sent_at)
 
     def _failed(self, err: Any) -> None:
         # Not fatal: the same (or a later) prefix is committed next time.

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -17,11 +16,11 @@ from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KTP
 
 from worker.adapters.kafka_clients import retry_transient, transactional_extra
+from worker.clock import Deadline
 from worker.core.records import Outcome, Record, TopicPartition
 from worker.emit import FatalDeliveryError
 from worker.pipeline.context import Loop
 from worker.pipeline.delivery import DeliveryMode, MakeProducer
-from worker.pipeline.lifecycle import Deadline
 from worker.pipeline.partitions import Partition
 from worker.transactions import TransactionalCommitter, TransactionFailed
 
@@ -151,7 +150,7 @@ class ExactlyOnce(DeliveryMode):
             # now rather than send a commit that fails and then abort anyway.
             self._abort_for_failed_delivery()
             return
-        t0 = time.monotonic()
+        t0 = self.loop.clock.monotonic()
         # Every produced result must be delivered before its offset can go into the transaction.
         left = self.loop.emitter.flush(flush_s)
         if left:
@@ -179,7 +178,7 @@ class ExactlyOnce(DeliveryMode):
             self.tracker.mark_committed(offsets)
             loop.partitions.set_committed(offsets)
             loop.stats.commits += 1
-            loop.metrics.gauge("commit_seconds", time.monotonic() - t0)
+            loop.metrics.gauge("commit_seconds", loop.clock.monotonic() - t0)
         else:
             # The failed commit aborted the transaction, and with it any failed delivery reported meanwhile.
             self.abort_pending = None

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import enum
 import threading
-import time
+
+from worker.clock import Deadline, LoopClock
+
+__all__ = ["Deadline", "Lifecycle", "Phase"]
 
 
 class Phase(enum.Enum):
@@ -21,32 +24,9 @@ class Phase(enum.Enum):
     CLOSED = "closed"
 
 
-class Deadline:
-    """A point on the monotonic clock that several waits share: each takes what is left of it."""
-
-    __slots__ = ("at",)
-
-    def __init__(self, seconds: float) -> None:
-        self.at = time.monotonic() + seconds
-
-    def left(self, floor: float = 0.0) -> float:
-        """Seconds left, at least ``floor`` (a flush that must at least try)."""
-        return max(floor, self.at - time.monotonic())
-
-    def expired(self) -> bool:
-        return time.monotonic() >= self.at
-
-    def within(self, other: Deadline | None) -> Deadline:
-        """The earlier of this and ``other``."""
-        return self if other is None or self.at <= other.at else other
-
-    def cap(self, seconds: float, floor: float = 0.0) -> float:
-        """``seconds``, but no more than what is left (and at least ``floor``)."""
-        return min(seconds, self.left(floor))
-
-
 class Lifecycle:
-    def __init__(self) -> None:
+    def __init__(self, clock: LoopClock | None = None) -> None:
+        self.clock = clock
         self.phase = Phase.LOADING
         self.fatal: str | None = None  # why the worker exits 1 (the last error that ended it)
         # Set when the drain starts: nothing the stop waits for runs past it.
@@ -65,7 +45,7 @@ class Lifecycle:
             self.phase = Phase.FATAL
 
     def drain(self, seconds: float) -> Deadline:
-        self.shutdown = Deadline(seconds)
+        self.shutdown = Deadline(seconds, self.clock)
         if self.phase is Phase.RUNNING:
             self.phase = Phase.DRAINING
         return self.shutdown

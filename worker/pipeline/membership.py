@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 from confluent_kafka import KafkaException
 from confluent_kafka import TopicPartition as KTP
 
+from worker.clock import Deadline
 from worker.core.membership import RejoinWatch
 from worker.core.records import TopicPartition
 from worker.pipeline.context import Loop
 from worker.pipeline.delivery import DeliveryMode
-from worker.pipeline.lifecycle import Deadline
 from worker.pipeline.results import Results
 
 log = logging.getLogger("worker.runner")
@@ -67,7 +66,8 @@ class Membership:
                                      on_assign=self._while_current(made, self._on_assign),
                                      on_revoke=self._while_current(made, self._on_revoke),
                                      on_lost=self._while_current(made, self._on_lost))
-        self.rejoin.out(time.monotonic())  # a member once its first assignment (an empty one too) comes
+        # A member once its first assignment (an empty one too) comes.
+        self.rejoin.out(self.loop.clock.monotonic())
 
     def replace_consumer(self, now: float) -> None:
         """The consumer has been out of its group longer than a rejoin can take (``kafka.rejoin_timeout_ms``):
@@ -160,7 +160,7 @@ class Membership:
         self.loop.tracker.forget_lost()
         if not held or self.loop.lifecycle.stopping:
             return
-        deadline = Deadline(RESUME_QUERY_TIMEOUT_S)  # for all the reads together
+        deadline = Deadline(RESUME_QUERY_TIMEOUT_S, self.loop.clock)  # for all the reads together
         try:
             group = consumer.committed([KTP(tp.topic, tp.partition) for tp in held],
                                        timeout=RESUME_QUERY_TIMEOUT_S)
@@ -231,7 +231,7 @@ class Membership:
                 self.mode.on_refused(e2)
 
     def _on_lost(self, consumer: Any, partitions: list[KTP]) -> None:
-        self.rejoin.out(time.monotonic())
+        self.rejoin.out(self.loop.clock.monotonic())
         try:
             tps = {TopicPartition(p.topic, p.partition) for p in partitions}
             self.release(tps, graceful=False)
@@ -248,7 +248,8 @@ class Membership:
         dropped = loop.dispatch.revoke(tps)
         if graceful:
             # The revoke of consumer.close() after a shutdown: what could finish had shutdown_timeout_s.
-            deadline = Deadline(loop.cfg.delivery.revoke_timeout_ms / 1000.0).within(loop.lifecycle.shutdown)
+            revoke = Deadline(loop.cfg.delivery.revoke_timeout_ms / 1000.0, loop.clock)
+            deadline = revoke.within(loop.lifecycle.shutdown)
             # Nothing at or after a partition's first dropped record can be committed now (nor, in
             # exactly-once mode, produced: it waits in the reorder buffer behind it), so only the records
             # before it count.
@@ -259,7 +260,7 @@ class Membership:
             while not deadline.expired():
                 if all(mode.settled(tp, first_dropped.get(tp)) for tp in tps):
                     break
-                self.results.serve(0.005, time.monotonic())
+                self.results.serve(0.005, loop.clock.monotonic())
             mode.flush(deadline.left())
             mode.commit(only=tps, flush_s=deadline.left(1.0))
             loop.gate.flush()  # the results that flush confirmed: the new owner's ledger skips them
