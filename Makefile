@@ -23,11 +23,12 @@ setup:
 demo:
 	@export KIW_SETUP_REDIS=0; $(GET_PY); PYTHONPATH=$(CURDIR) $$PY -m worker demo $(DEMO_ARGS)
 
-# Everything: lint + types, unit, integration, chaos, chart checks. Starts Kafka and Redis itself.
+# Everything: lint + types + import contracts, unit, integration, chaos, chart checks. Starts Kafka and Redis itself.
 test:
 	@$(GET_PY); cd $(CURDIR) && \
 	  $$PY -m ruff check worker schemas tests && \
 	  $$PY -m mypy && \
+	  $$(dirname $$PY)/lint-imports --no-cache --no-logo && \
 	  PYTHONPATH=$(CURDIR) $$PY -m schemas.export --check && \
 	  NO_MKDOCS_2_WARNING=1 $$PY -m mkdocs build --strict --quiet --site-dir $(DOCS_SITE) && \
 	  PYTHONPATH=$(CURDIR) $$PY -m pytest tests -p no:cacheprovider $(PYTEST_ARGS)
@@ -36,7 +37,8 @@ unit:
 	@$(GET_PY); PYTHONPATH=$(CURDIR) $$PY -m pytest tests/unit -q -p no:cacheprovider
 
 lint:
-	@$(GET_PY); $$PY -m ruff check worker schemas tests && $$PY -m mypy
+	@$(GET_PY); $$PY -m ruff check worker schemas tests && $$PY -m mypy && \
+	  $$(dirname $$PY)/lint-imports --no-cache --no-logo
 
 schemas:
 	@$(GET_PY); PYTHONPATH=$(CURDIR) $$PY -m schemas.export
