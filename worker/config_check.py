@@ -97,8 +97,8 @@ def _option_problems(spec: str, factory: Any, options: dict[str, Any]) -> list[s
                                          and all(isinstance(d, int) and not isinstance(d, bool) and d > 0
                                                  for d in value)):
             problems.append(f"$.model.options.input_shape: expected a list of positive ints, got {value!r}")
-        if key == "input_dtype" and value not in loaders._DTYPES:
-            problems.append(f"$.model.options.input_dtype: expected one of {sorted(loaders._DTYPES)}, got {value!r}")
+        if key == "input_dtype" and value not in loaders.DTYPES:
+            problems.append(f"$.model.options.input_dtype: expected one of {sorted(loaders.DTYPES)}, got {value!r}")
     kwargs = {k: v for k, v in options.items() if k not in loaders.RESERVED_OPTIONS}
     try:
         sig = inspect.signature(factory)
