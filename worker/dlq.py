@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple, get_args
 
 from confluent_kafka import KafkaError, KafkaException, Producer
@@ -23,6 +24,8 @@ from confluent_kafka import TopicPartition as KTP
 from schemas import DeadLetter, ErrorStage
 from worker.adapters.kafka_clients import make_consumer, producer_config, retry_transient
 from worker.broker_access import check_access
+from worker.clock import LoopClock
+from worker.command_support import unreachable_broker_is_an_error
 from worker.config import Config
 
 CONNECT_TIMEOUT_S = 30.0  # for the broker to answer the first metadata request
@@ -33,7 +36,11 @@ def replay_group(cfg: Config, stage: str | None) -> str:
 
 
 def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_run: bool = False,
-           timeout_s: float = 30.0) -> int:
+           timeout_s: float = 30.0, *, new_consumer: Callable[..., Any] = make_consumer,
+           new_producer: Callable[[dict[str, Any]], Any] = Producer, clock: LoopClock = time) -> int:
+    """Replays the dead letters up to the end offsets taken now; 0 when every one was replayed or skipped.
+    ``new_consumer(cfg, **props)``, ``new_producer(conf)`` and ``clock`` are the Kafka clients and the time
+    it uses."""
     if stage is not None and stage not in get_args(ErrorStage):
         # No dead letter carries it: every one would be skipped, and committed past.
         raise ValueError(f"unknown error stage {stage!r}; expected one of {', '.join(get_args(ErrorStage))}")
@@ -41,11 +48,9 @@ def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_
     topic = cfg.kafka.dlq_topic
     # A partition the replay group never committed starts at its first dead letter, whatever the config's
     # auto.offset.reset says: with "latest" a first run started at the end, replayed nothing and exited 0.
-    consumer = make_consumer(cfg, **{"group.id": replay_group(cfg, stage), "enable.partition.eof": True,
+    consumer = new_consumer(cfg, **{"group.id": replay_group(cfg, stage), "enable.partition.eof": True,
                                      "partition.assignment.strategy": "range", "auto.offset.reset": "earliest"})
-    producer = Producer(producer_config(cfg))
-    from worker.command_support import unreachable_broker_is_an_error
-
+    producer = new_producer(producer_config(cfg))
     with unreachable_broker_is_an_error(cfg.kafka.bootstrap_servers, "$.kafka.bootstrap_servers", CONNECT_TIMEOUT_S):
         try:
             md = consumer.list_topics(topic, timeout=CONNECT_TIMEOUT_S)
@@ -61,7 +66,7 @@ def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_
     done_parts = {p for p in parts if end[p] == 0}
     replayed = skipped = no_bytes = 0
     failures: list[str] = []
-    last_activity = time.monotonic()
+    last_activity = clock.monotonic()
     gave_up = False  # replayed records left undelivered: exit without waiting for them
 
     def cb(err: Any, _m: Any) -> None:
@@ -77,7 +82,7 @@ def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_
                 if err is not None and err.code() != KafkaError._PARTITION_EOF:
                     print(f"dlq replay: consume error: {err}")  # not progress: the idle timeout keeps running
                     continue
-                last_activity = time.monotonic()
+                last_activity = clock.monotonic()
                 if err is not None:  # end of partition
                     done_parts.add(m.partition())
                     continue
@@ -117,8 +122,8 @@ def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_
                     gave_up = True
                     return 1
                 consumer.commit(offsets=[KTP(topic, p, o) for p, o in to_commit.items()], asynchronous=False)
-                last_activity = time.monotonic()  # a slow delivery is progress, not a silent broker
-            if len(done_parts) < len(parts) and time.monotonic() - last_activity > timeout_s:
+                last_activity = clock.monotonic()  # a slow delivery is progress, not a silent broker
+            if len(done_parts) < len(parts) and clock.monotonic() - last_activity > timeout_s:
                 # Broker or partition leader gone, or every read failing: not "done", whatever was replayed.
                 left = sorted(set(parts) - done_parts)
                 print(f"dlq replay: nothing read for {timeout_s:.0f} s with dead letters left on partitions {left}; "

@@ -140,20 +140,20 @@ def test_dlq_replay_refuses_a_negative_limit(tmp_path: Path, capsys: pytest.Capt
 
 
 @pytest.mark.parametrize("stage", ["", "infrence", "Inference"])
-def test_dlq_replay_refuses_a_stage_no_dead_letter_has(stage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_dlq_replay_refuses_a_stage_no_dead_letter_has(stage: str, tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     """Such a filter would skip every dead letter and commit past it, then exit 0."""
     import worker.dlq
     from worker.config import load
 
-    monkeypatch.setattr(worker.dlq, "make_consumer", lambda *a, **kw: pytest.fail("connected"))
     with pytest.raises(SystemExit) as e:
         main(["dlq", "replay", "--config", _config(tmp_path), "--filter-stage", stage])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "argument --filter-stage: invalid choice" in err and "'inference'" in err
     with pytest.raises(ValueError, match="unknown error stage"):
-        worker.dlq.replay(load(_config(tmp_path), environ={}), stage=stage)
+        worker.dlq.replay(load(_config(tmp_path), environ={}), stage=stage,
+                          new_consumer=lambda *a, **kw: pytest.fail("connected"))
 
 
 def test_dlq_replay_reports_an_unreachable_broker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -9,7 +9,7 @@ from confluent_kafka import KafkaError
 
 import worker.dlq
 from schemas import DeadLetter
-from tests.unit.fakes_kafka import FakeMessage, make_config
+from tests.unit.fakes_kafka import FakeMessage, FakeTime, make_config
 from worker.adapters.kafka_clients import consumer_config
 
 
@@ -68,13 +68,14 @@ class StuckProducer:
         self.purged = True
 
 
-def test_nothing_is_committed_while_replayed_records_are_undelivered(monkeypatch: pytest.MonkeyPatch,
-                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_nothing_is_committed_while_replayed_records_are_undelivered(capsys: pytest.CaptureFixture[str]) -> None:
     consumer = ReplayConsumer()
     producers: list[StuckProducer] = []
-    monkeypatch.setattr(worker.dlq, "make_consumer", lambda cfg, **kw: consumer)
-    monkeypatch.setattr(worker.dlq, "Producer", lambda conf: producers.append(StuckProducer(conf)) or producers[-1])
-    assert worker.dlq.replay(make_config()) == 1
+    def new_producer(conf: dict[str, Any]) -> StuckProducer:
+        producers.append(StuckProducer(conf))
+        return producers[-1]
+
+    assert worker.dlq.replay(make_config(), new_consumer=lambda cfg, **kw: consumer, new_producer=new_producer) == 1
     assert [v for _, v in producers[0].produced] == [b"v0", b"v1"] and consumer.commits == []
     assert "still undelivered" in capsys.readouterr().out
     # One wait for delivery, then the exit: no second minute-long flush of what will be replayed anyway.
@@ -87,7 +88,7 @@ class OkProducer(StuckProducer):
         return 0
 
 
-def test_a_stage_filter_replays_in_a_group_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_stage_filter_replays_in_a_group_of_its_own() -> None:
     """A filtered run commits past the dead letters of other stages; in the shared replay group a later run
     for those stages would never see them."""
     groups: list[str] = []
@@ -100,11 +101,14 @@ def test_a_stage_filter_replays_in_a_group_of_its_own(monkeypatch: pytest.Monkey
             return runs[stage]
         return make
 
-    monkeypatch.setattr(worker.dlq, "Producer", lambda conf: producers.append(OkProducer(conf)) or producers[-1])
-    monkeypatch.setattr(worker.dlq, "make_consumer", consumer_for("inference"))
-    assert worker.dlq.replay(make_config(kafka={"group_id": "g"}), stage="inference") == 0
-    monkeypatch.setattr(worker.dlq, "make_consumer", consumer_for(None))
-    assert worker.dlq.replay(make_config(kafka={"group_id": "g"})) == 0
+    def new_producer(conf: dict[str, Any]) -> OkProducer:
+        producers.append(OkProducer(conf))
+        return producers[-1]
+
+    cfg = make_config(kafka={"group_id": "g"})
+    assert worker.dlq.replay(cfg, stage="inference", new_consumer=consumer_for("inference"),
+                             new_producer=new_producer) == 0
+    assert worker.dlq.replay(cfg, new_consumer=consumer_for(None), new_producer=new_producer) == 0
     assert groups == ["g-dlq-replay-inference", "g-dlq-replay"]
     assert [len(p.produced) for p in producers] == [2, 2]  # the unfiltered run sees both again
 
@@ -116,18 +120,16 @@ class SilentConsumer(ReplayConsumer):
         return [FakeMessage.failure(KafkaError(KafkaError._TRANSPORT), "dlq", 0, 0)]
 
 
-def test_no_progress_with_dead_letters_left_exits_1(monkeypatch: pytest.MonkeyPatch,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(worker.dlq, "make_consumer", lambda cfg, **kw: SilentConsumer())
-    monkeypatch.setattr(worker.dlq, "Producer", lambda conf: OkProducer(conf))
-    assert worker.dlq.replay(make_config(), timeout_s=0.05) == 1
+def test_no_progress_with_dead_letters_left_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    assert worker.dlq.replay(make_config(), timeout_s=0.05, new_consumer=lambda cfg, **kw: SilentConsumer(),
+                             new_producer=OkProducer) == 1
     out = capsys.readouterr().out
     assert "nothing read for" in out and "dead letters left on partitions [0]" in out and "consume error" in out
 
 
 @pytest.mark.parametrize("dry_run", [False, True])
 def test_dead_letters_without_their_original_bytes_are_skipped_and_listed(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], dry_run: bool) -> None:
+        capsys: pytest.CaptureFixture[str], dry_run: bool) -> None:
     """The worker writes an empty value where it dropped a request too big for its producer; a tombstone has
     none. Replayed, each could only fail decoding again and come back as a new dead letter."""
     def dead(offset: int, value: bytes | None, error: str = "boom", stage: str = "decode") -> FakeMessage:
@@ -144,9 +146,12 @@ def test_dead_letters_without_their_original_bytes_are_skipped_and_listed(
                         [FakeMessage.failure(KafkaError(KafkaError._PARTITION_EOF), "dlq", 0, 4)]]
     consumer.get_watermark_offsets = lambda tp, timeout=-1: (0, 4)  # type: ignore[method-assign]
     producers: list[OkProducer] = []
-    monkeypatch.setattr(worker.dlq, "make_consumer", lambda cfg, **kw: consumer)
-    monkeypatch.setattr(worker.dlq, "Producer", lambda conf: producers.append(OkProducer(conf)) or producers[-1])
-    assert worker.dlq.replay(make_config(), dry_run=dry_run) == 0
+    def new_producer(conf: dict[str, Any]) -> OkProducer:
+        producers.append(OkProducer(conf))
+        return producers[-1]
+
+    assert worker.dlq.replay(make_config(), dry_run=dry_run, new_consumer=lambda cfg, **kw: consumer,
+                             new_producer=new_producer) == 0
     out = capsys.readouterr().out
     assert [v for _, v in producers[0].produced] == ([] if dry_run else [b"v0"])
     assert ("skip dlq[0]@1 (from in[0]@1): nothing to replay: original value of 3000 bytes dropped (over "
@@ -159,8 +164,7 @@ def test_dead_letters_without_their_original_bytes_are_skipped_and_listed(
         assert [(o.partition, o.offset) for o in consumer.commits[-1]] == [(0, 4)]  # not to be seen again
 
 
-def test_a_first_replay_starts_at_the_earliest_dead_letter_whatever_auto_offset_reset_says(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_first_replay_starts_at_the_earliest_dead_letter_whatever_auto_offset_reset_says() -> None:
     """The replay consumer took the config's auto.offset.reset: with "latest", a first run (or a new
     --filter-stage group) started at the end, replayed nothing, committed nothing and exited 0, every time."""
     seen: dict[str, Any] = {}
@@ -169,28 +173,24 @@ def test_a_first_replay_starts_at_the_earliest_dead_letter_whatever_auto_offset_
         seen.update(consumer_config(cfg, **extra))
         return ReplayConsumer()
 
-    monkeypatch.setattr(worker.dlq, "make_consumer", make)
-    monkeypatch.setattr(worker.dlq, "Producer", OkProducer)
-    assert worker.dlq.replay(make_config(kafka={"consumer": {"auto.offset.reset": "latest"}})) == 0
+    assert worker.dlq.replay(make_config(kafka={"consumer": {"auto.offset.reset": "latest"}}), new_consumer=make,
+                             new_producer=OkProducer) == 0
     assert seen["auto.offset.reset"] == "earliest"
 
 
-def test_a_slow_delivery_that_succeeds_is_progress(monkeypatch: pytest.MonkeyPatch,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_slow_delivery_that_succeeds_is_progress(capsys: pytest.CaptureFixture[str]) -> None:
     """The idle timer ran through a flush that took 35 s and succeeded: everything was delivered and committed,
     and the replay still exited 1 with "nothing read for 30 s with dead letters left on partitions []"."""
-    clock = [1000.0]
+    clock = FakeTime(1000.0)
 
     class SlowFlush(OkProducer):
         def flush(self, timeout: float = -1) -> int:
             if self.produced:
-                clock[0] += 35.0  # acknowledged after 35 s (60 s are allowed)
+                clock.advance(35.0)  # acknowledged after 35 s (60 s are allowed)
             return super().flush(timeout)
 
     consumer = ReplayConsumer()
-    monkeypatch.setattr(worker.dlq.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(worker.dlq, "make_consumer", lambda cfg, **kw: consumer)
-    monkeypatch.setattr(worker.dlq, "Producer", SlowFlush)
-    assert worker.dlq.replay(make_config()) == 0
+    assert worker.dlq.replay(make_config(), new_consumer=lambda cfg, **kw: consumer, new_producer=SlowFlush,
+                             clock=clock) == 0
     assert [(o.partition, o.offset) for o in consumer.commits[-1]] == [(0, 2)]
     assert "replayed 2 dead letters" in capsys.readouterr().out
