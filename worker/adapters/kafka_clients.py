@@ -187,15 +187,6 @@ def _refusal(section: str, conf: dict[str, Any]) -> str | None:
     return None
 
 
-def admin_config(cfg: Config) -> dict[str, Any]:
-    conf = {**_base(cfg), "logger": client_log("admin")}
-    # SASL/SSL settings the user gave the consumer apply to the admin client as well.
-    for k, v in cfg.kafka.consumer.items():
-        if k.startswith(("security.", "sasl.", "ssl.")):
-            conf[k] = v
-    return conf
-
-
 def make_consumer(cfg: Config, **extra: Any) -> Consumer:
     return Consumer(consumer_config(cfg, **extra))
 

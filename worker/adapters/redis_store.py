@@ -102,10 +102,6 @@ class CircuitBreaker:
                 return self.HALF_OPEN
             return self._state
 
-    @property
-    def consecutive_failures(self) -> int:
-        return self._consecutive
-
     def allow(self) -> bool:
         """May a call go to the backend now? In half-open only one probe at a time gets True."""
         changed = None
@@ -197,13 +193,6 @@ class RedisStore:
         if self._cfg.tls and url.startswith("redis://"):
             url = "rediss://" + url[len("redis://"):]
         return url
-
-    def connection_kwargs(self) -> dict[str, Any]:
-        """What the client is built with (no network); the password is redacted."""
-        kw = self._client_kwargs()
-        if "password" in kw:
-            kw["password"] = "***"
-        return kw
 
     def _client_kwargs(self) -> dict[str, Any]:
         timeout = self._cfg.timeout_ms / 1000.0

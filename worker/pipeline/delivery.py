@@ -73,8 +73,8 @@ class DeliveryMode:
         raise NotImplementedError
 
     def on_failed(self, rec: Record, err: str) -> None:
-        """A result (or dead letter) of a current record could not be delivered."""
-        self.tracker.nack(rec.tp, rec.offset)
+        """A result (or dead letter) of a current record could not be delivered: the worker stops, and the
+        record, never done, is not committed past."""
         self.loop.lifecycle.fail(
             f"giving up delivering the result of {rec.tp.topic}[{rec.tp.partition}]@{rec.offset}: {err}")
 
