@@ -64,13 +64,17 @@ class Runner:
                  health: Any = None, reached: set[TopicPartition] | None = None,
                  spare_producer: bool = True, clock: LoopClock = time,
                  new_consumer: Callable[..., Any] = make_consumer,
-                 new_producer: Callable[..., Any] = make_producer) -> None:
+                 new_producer: Callable[..., Any] = make_producer,
+                 load_devices: Callable[[Dispatch], list[tuple[Model, Any]]] | None = None) -> None:
         """``clock``: where the loop reads the time (and sleeps). ``new_consumer(cfg, **props)`` and
-        ``new_producer(cfg, **props)`` make the Kafka clients (each called again for a replacement)."""
+        ``new_producer(cfg, **props)`` make the Kafka clients (each called again for a replacement).
+        ``load_devices(dispatch)``: the model and the device worker of each device, the worker taking its
+        batches from ``dispatch``; by default one torch engine per device of the config."""
         self.cfg = cfg
         self.clock = clock
         self._new_consumer = new_consumer
         self._new_producer = new_producer
+        self._load_devices = load_devices
         self.metrics: Metrics = metrics or NullMetrics()
         self.health = health
         self._models: list[Model] = []
@@ -149,6 +153,17 @@ class Runner:
 
     # ------------------------------------------------------------------ setup
     def _build_models(self) -> None:
+        pairs = self._load_devices(self.dispatch) if self._load_devices is not None else self._torch_devices()
+        self._models = [m for m, _ in pairs]
+        self.workers = [w for _, w in pairs]
+        self.dispatch.devices(len(self.workers))
+        self.model = self._models[0]
+        self.lifecycle.loaded()
+        self.metrics.gauge("model_loaded", 1)
+        if self.health is not None:
+            self.health.model_loaded = True
+
+    def _torch_devices(self) -> list[tuple[Model, Any]]:
         from worker.adapters.torch_engine import DeviceWorker, Engine, resolve_device
         from worker.models.registry import load_model
 
@@ -162,30 +177,21 @@ class Runner:
                              "or one device")
         dispatch, mcfg = self.dispatch, self.cfg.model
         limits = {lane.name: lane.max_batch_size for lane in self.cfg.batching.lanes}
+        pairs: list[tuple[Model, Any]] = []
         for i, dev in enumerate(devices):
             model = self._model_arg if (i == 0 and self._model_arg is not None) else load_model(mcfg)
             engine = Engine(model, dev, dtype=mcfg.dtype, compile=mcfg.compile, warmup=mcfg.warmup,
                             on_limit=dispatch.on_limit, max_batch_sizes=limits)
             engine.setup()
-            self._models.append(model)
-            i = len(self.workers)
-            self.workers.append(DeviceWorker(engine, take=functools.partial(dispatch.take, worker=i),
-                                             done=functools.partial(dispatch.done, worker=i),
-                                             swap=dispatch.swap, name=f"device-{dev}"))
-        dispatch.devices(len(self.workers))
-        self.model = self._models[0]
-        self._loaded()
-
-    def _loaded(self) -> None:
-        self.lifecycle.loaded()
-        self.metrics.gauge("model_loaded", 1)
+            pairs.append((model, DeviceWorker(engine, take=functools.partial(dispatch.take, worker=i),
+                                              done=functools.partial(dispatch.done, worker=i),
+                                              swap=dispatch.swap, name=f"device-{dev}")))
         # Hundreds of thousands of long-lived objects (torch, the model) would otherwise be walked by every
         # full garbage collection, which the per-record allocations trigger every few thousand records.
         gc.collect()
         gc.freeze()
         gc.set_threshold(*GC_THRESHOLD)
-        if self.health is not None:
-            self.health.model_loaded = True
+        return pairs
 
     def _open(self) -> None:
         """Intake, consumer, producers (through the delivery mode) and emitter, in that order."""
@@ -218,12 +224,14 @@ class Runner:
         self.lifecycle.request_stop()
         self.dispatch.wake()
 
-    def run(self) -> int:
+    def start(self) -> bool:
+        """Loads the models, makes the clients, starts the devices and joins the group: what ``run`` does
+        before its first turn. False when a stop came during the model load (no clients made then)."""
         self._build_models()
         if self.lifecycle.stop_requested:
             # A stop asked for while the model loaded (which can take minutes): no clients, no group join.
             log.info("stopped during the model load")
-            return 0
+            return False
         self._open()
         for w in self.workers:
             w.start()
@@ -234,16 +242,21 @@ class Runner:
         log.info("worker started", extra={"topics": self.cfg.input_topics(), "group": self.group_id,
                                           "devices": [w.name for w in self.workers]})
         self.ready.set()
+        return True
+
+    def run(self) -> int:
+        if not self.start():
+            return 0
         try:
             while self.lifecycle.running:
-                self._iterate()
+                self.step()
                 if self.loop.backfill_complete():
                     break
             return self.shutdown()
         finally:
-            self._close()
+            self.close()
 
-    def _iterate(self, consume: bool = True) -> None:
+    def step(self, consume: bool = True) -> None:
         """One loop turn. A message the producer refuses ends the turn and fails the lifecycle: the run loop
         and the shutdown drain both stop on it."""
         try:
@@ -323,7 +336,7 @@ class Runner:
         deadline = self.lifecycle.drain(self.cfg.delivery.shutdown_timeout_s)
         self.mode.stopping(deadline)
         while self.tracker.in_flight() > 0 and not deadline.expired() and self.lifecycle.fatal is None:
-            self._iterate(consume=False)
+            self.step(consume=False)
             self.clock.sleep(0.001)
         self.mode.flush(deadline.left(1.0))
         self.mode.commit(flush_s=deadline.left(1.0))
@@ -341,7 +354,7 @@ class Runner:
             return 1
         return 0
 
-    def _close(self) -> None:
+    def close(self) -> None:
         self.lifecycle.close()  # device threads stop asking for batches
         self.dispatch.wake()
         # All devices stop at once and share one 5 s budget.

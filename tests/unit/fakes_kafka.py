@@ -949,41 +949,21 @@ class Harness:
         self.model = model or FakeModel()
         self.runner = wr.Runner(self.cfg, self.model, store=store, metrics=metrics, spare_producer=spare,
                                 clock=self.clock, new_consumer=make_consumer, new_producer=make_producer,
-                                **runner_kw)
+                                load_devices=self._load_devices, **runner_kw)
         self.devices = [FakeDevice(self.runner, self.model, name=f"fake-{i}", index=i) for i in range(devices)]
-        self.runner._build_models = self._build_models  # no torch, no engine, no threads
 
     @property
     def device(self) -> FakeDevice:
         return self.devices[0]
 
-    def _build_models(self) -> None:
-        r = self.runner
-        r._models = [self.model]
-        r.model = self.model
-        r.workers = list(self.devices)
-        r.dispatch.devices(len(self.devices))
-        r.lifecycle.loaded()
+    def _load_devices(self, dispatch: Any) -> list[tuple[FakeModel, FakeDevice]]:
+        return [(self.model, d) for d in self.devices]  # no torch, no engine, no threads
 
     def start(self) -> Harness:
         """Set up exactly as ``Runner.run`` does (models, intake, clients, transactions, emitter, devices,
-        subscribe) by running it up to its first loop turn, which is cut short; no loop, no close."""
+        subscribe): ``Runner.start``; no loop, no close."""
         r = self.runner
-
-        class _SetUpDone(BaseException):
-            pass
-
-        def first_turn(consume: bool = True) -> None:
-            raise _SetUpDone
-
-        r._iterate = first_turn  # type: ignore[method-assign]
-        r._close = lambda: None  # type: ignore[method-assign]
-        try:
-            r.run()
-        except _SetUpDone:
-            pass
-        finally:
-            del r._iterate, r._close  # the class's methods again
+        assert r.start()
         assert r.ready.is_set() and getattr(r.consumer, "inner", r.consumer) is self.consumer
         assert r.producer is self.producer
         return self
@@ -1029,7 +1009,7 @@ class Harness:
 
     def iterate(self, n: int = 1, consume: bool = True) -> None:
         for _ in range(n):
-            self.runner._iterate(consume=consume)
+            self.runner.step(consume=consume)
 
     def process(self) -> None:
         """One round trip of what is already consumed: a loop turn (consume, admit, batch), every queued batch

@@ -164,7 +164,7 @@ def test_a_model_object_is_not_spread_over_several_devices() -> None:
 
     r = Runner(make_config(model={"name": "identity", "devices": ["cpu", "cpu"]}), FakeModel())
     with pytest.raises(ValueError, match="runs one device, but the config lists 2"):
-        r._build_models()
+        r.start()
 
 
 def test_a_busy_device_leaves_an_open_window_to_a_free_one(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -40,7 +40,7 @@ def test_a_stalled_producer_is_replaced_and_its_records_commit_once_sent_again(
     resent = [src(m) for p in (h.spare, *h.replacements) for m in p.produced]
     assert sorted(resent) == [0, 1, 2]
     flushes = h.replacements[0].flush_calls
-    h.runner._close()
+    h.runner.close()
     assert h.replacements[0].flush_calls > flushes  # the shutdown flushes the producer in use now
     assert h.p.flush_calls == 0  # not the purged one: it holds nothing and is never called again
 

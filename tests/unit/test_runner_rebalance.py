@@ -170,7 +170,7 @@ def test_close_revokes_like_the_real_client(monkeypatch: pytest.MonkeyPatch) -> 
     h.c.assign(("in", 0))
     h.send(2)
     h.process()
-    h.runner._close()
+    h.runner.close()
     assert h.c.closed and h.committed() == 2
     assert h.runner.assigned == set()
 
