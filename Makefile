@@ -23,7 +23,8 @@ setup:
 demo:
 	@export KIW_SETUP_REDIS=0; $(GET_PY); PYTHONPATH=$(CURDIR) $$PY -m worker demo $(DEMO_ARGS)
 
-# Everything: lint + types + import contracts, unit, integration, chaos, chart checks. Starts Kafka and Redis itself.
+# Everything: lint + types + import contracts, unit, integration, chaos, chart checks. Starts Kafka and
+# Redis itself.
 test:
 	@$(GET_PY); cd $(CURDIR) && \
 	  $$PY -m ruff check worker schemas tests && \

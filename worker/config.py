@@ -208,8 +208,8 @@ class Config(_Strict):
 
 # What a client check returns: the key librdkafka refuses and why, or None.
 ClientCheck = Callable[[Config, bool], tuple[str, str] | None]
-__all__ = ["SECRET_WORDS", "ClientCheck", "Config", "ConfigError", "from_dict", "load", "name_overrides", "redact",
-           "redact_config", "redis_url_problem", "to_dict"]
+__all__ = ["SECRET_WORDS", "ClientCheck", "Config", "ConfigError", "from_dict", "load", "name_overrides",
+           "redact", "redact_config", "redis_url_problem", "to_dict"]
 
 
 def from_dict(data: dict[str, Any] | None, environ: dict[str, str] | None = None, *,
@@ -218,8 +218,8 @@ def from_dict(data: dict[str, Any] | None, environ: dict[str, str] | None = None
     """The validated config, or a ConfigError with every problem found. ``client_check``: also ask it what the
     Kafka clients the config describes would refuse (the CLI passes ``kafka_clients.config_problem``, which
     makes them offline; tests that pair the config with fake clients may use values only the fakes take).
-    ``files_elsewhere``: the files client properties name (a CA...) may be mounted where the worker runs, not here (check-config); those
-    not here are not checked. ``notes`` (check-config): a secret reference that cannot be resolved here (it
+    ``files_elsewhere``: the files client properties name (a CA...) may be mounted where the worker runs,
+    not here (check-config); those not here are not checked. ``notes`` (check-config): a secret reference that cannot be resolved here (it
     may exist only in the pod) is appended to it instead of being an error; its key is not checked."""
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"$: expected a mapping at the top of the config, got {type(data).__name__}")
@@ -271,7 +271,8 @@ def _model_section(data: dict[str, Any]) -> ModelConfig | None:
 
 
 def load(path: str | Path | None, environ: dict[str, str] | None = None, *,
-         client_check: ClientCheck | None = None, files_elsewhere: bool = False, notes: list[str] | None = None) -> Config:
+         client_check: ClientCheck | None = None, files_elsewhere: bool = False,
+         notes: list[str] | None = None) -> Config:
     """The config in the YAML file at ``path`` (the defaults for None), as ``from_dict`` validates it."""
     if path is None:
         return from_dict({}, environ, client_check=client_check, files_elsewhere=files_elsewhere, notes=notes)
@@ -280,8 +281,9 @@ def load(path: str | Path | None, environ: dict[str, str] | None = None, *,
 
 
 def name_overrides(msg: str, environ: dict[str, str] | None = None) -> str:
-    """``msg``, an error about a key found after loading (the model and device checks: ``$.model.devices[1]:
-    ...``), with the ``WORKER__*`` variables that set the key or a section above it, as from_dict names them."""
+    """``msg``, an error about a key found after loading (the model and device checks:
+    ``$.model.devices[1]: ...``), with the ``WORKER__*`` variables that set the key or a section above it, as
+    from_dict names them."""
     return _name_overrides(Config, msg, environ)
 
 

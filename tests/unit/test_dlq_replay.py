@@ -68,14 +68,16 @@ class StuckProducer:
         self.purged = True
 
 
-def test_nothing_is_committed_while_replayed_records_are_undelivered(capsys: pytest.CaptureFixture[str]) -> None:
+def test_nothing_is_committed_while_replayed_records_are_undelivered(
+        capsys: pytest.CaptureFixture[str]) -> None:
     consumer = ReplayConsumer()
     producers: list[StuckProducer] = []
     def new_producer(conf: dict[str, Any]) -> StuckProducer:
         producers.append(StuckProducer(conf))
         return producers[-1]
 
-    assert worker.dlq.replay(make_config(), new_consumer=lambda cfg, **kw: consumer, new_producer=new_producer) == 1
+    assert worker.dlq.replay(make_config(), new_consumer=lambda cfg, **kw: consumer,
+                             new_producer=new_producer) == 1
     assert [v for _, v in producers[0].produced] == [b"v0", b"v1"] and consumer.commits == []
     assert "still undelivered" in capsys.readouterr().out
     # One wait for delivery, then the exit: no second minute-long flush of what will be replayed anyway.
@@ -173,8 +175,8 @@ def test_a_first_replay_starts_at_the_earliest_dead_letter_whatever_auto_offset_
         seen.update(consumer_config(cfg, **extra))
         return ReplayConsumer()
 
-    assert worker.dlq.replay(make_config(kafka={"consumer": {"auto.offset.reset": "latest"}}), new_consumer=make,
-                             new_producer=OkProducer) == 0
+    cfg = make_config(kafka={"consumer": {"auto.offset.reset": "latest"}})
+    assert worker.dlq.replay(cfg, new_consumer=make, new_producer=OkProducer) == 0
     assert seen["auto.offset.reset"] == "earliest"
 
 
