@@ -19,7 +19,7 @@ import msgspec
 from worker.config import Config, ModelConfig
 from worker.core.ports import Metrics, Store
 from worker.core.records import Batch, Outcome, Record
-from worker.emit import UNENCODABLE
+from worker.result_encoding import UNENCODABLE
 
 _cache_enc = msgspec.msgpack.Encoder()
 _cache_dec = msgspec.msgpack.Decoder()

@@ -23,7 +23,7 @@ from tests.bench.pipeline import requests
 from worker.adapters.kafka_clients import PRODUCER_DEFAULTS
 from worker.config import from_dict
 from worker.core.offsets import OffsetTracker
-from worker.core.records import Outcome, Record, TopicPartition
+from worker.core.records import Record, TopicPartition
 from worker.core.scheduler import PriorityScheduler
 from worker.emit import Emitter
 from worker.intake import Intake
@@ -129,23 +129,21 @@ def _round(msgs: list[_FakeMsg], n: int) -> tuple[list[tuple[str, float]], float
             batches.append(b)
 
     rows.append(("next_batch (per record, batches of 256)", timed(n, take)))
-    outcomes = [Outcome(r, "ok", output=r.item, batch_size=256, timings={"queue": 0.001, "infer": 0.0001})
-                for b in batches for r in b.records]
     done: list[Record] = []
     p_w = Producer(conf)
     em = Emitter(p_w, "out", "dlq", "identity", "1", "json", on_done=done.append, on_failed=lambda r, e: None)
     wall = time.time() * 1000
-    values: list[bytes] = []
-    rows.append(("  (of which: encoding the result, Emitter.result_bytes)",
-                 timed(n, lambda: values.extend(em.result_bytes(o, now, wall) for o in outcomes))))
     per_batch = [(b.records, [r.item for r in b.records]) for b in batches]
+    rows.append(("  (of which: encoding the results, ResultEncoder.encode_ok)",
+                 timed(n, lambda: [em.results.encode_ok(recs_b, outs_b, len(recs_b), now, 0.0001, now, wall)
+                                   for recs_b, outs_b in per_batch] and None)))
 
     def emit() -> None:
-        # What Runner._complete_batch hands the emitter per batch (it encodes the result: includes result_bytes).
+        # What Results.complete_batch hands the emitter per batch (it encodes the results too).
         for recs_b, outs_b in per_batch:
             em.emit_ok_many(recs_b, outs_b, len(recs_b), now, 0.0001, now, wall)
 
-    rows.append(("Emitter.emit_ok_many: encode + produce, the record its own callback", timed(n, emit)))
+    rows.append(("Emitter.emit_ok_many: encode + produce, one callback per batch", timed(n, emit)))
     # Settling: once the producer has drained, every record sent on it is confirmed in one loop (there is no
     # report per message to serve: delivery.report.only.error). No broker here: the drain is assumed.
     slot = em.cur
@@ -154,11 +152,11 @@ def _round(msgs: list[_FakeMsg], n: int) -> tuple[list[tuple[str, float]], float
 
     def settled() -> None:
         slot.sent = sent
-        em._confirm(slot)
+        em.settling.confirm(slot)
         for r in done:
             tracker.ack(r.tp, r.offset)
 
-    rows.append(("settling: Emitter._confirm -> on_done -> OffsetTracker.ack", timed(n, settled)))
+    rows.append(("settling: Settling.confirm -> on_done -> OffsetTracker.ack", timed(n, settled)))
     gc.collect()  # what this round kept alive goes before the next round
     return rows, raw_us
 
