@@ -58,7 +58,8 @@ class Emitter:
                  max_message_bytes: int = 1_000_000, spare_producer: Any = None,
                  on_wait: Callable[[], None] | None = None, new_producer: Callable[[], Any] | None = None,
                  stall_s: float = 0.0, on_replace: Callable[[], None] | None = None,
-                 outputs_encoding: OutputsEncoding = "lists") -> None:
+                 outputs_encoding: OutputsEncoding = "lists",
+                 on_done_many: Callable[[list[Record]], None] | None = None) -> None:
         self.output_topic = output_topic
         self.dlq_topic = dlq_topic
         self.results = ResultEncoder(model_name, model_version, fmt, outputs_encoding)
@@ -79,7 +80,7 @@ class Emitter:
         self.on_wait = on_wait
         self.settling = Settling(producer, spare_producer, clock=_monotonic, on_done=on_done,
                                  fail=self.delivery_failed, new_producer=new_producer, stall_s=stall_s,
-                                 on_replace=on_replace, forget=self.too_large)
+                                 on_replace=on_replace, forget=self.too_large, on_done_many=on_done_many)
         self.produced = 0
         self.topic_keys = {output_topic: "kafka.output_topic", dlq_topic: "kafka.dlq_topic"}  # for messages
 

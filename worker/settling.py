@@ -153,13 +153,14 @@ def _dispose(producer: Any) -> None:
 
 class Settling:
     """The emitter's producers, and which of its records they have delivered. ``clock`` is monotonic time;
-    ``on_done(record)`` fires for each delivered record; ``fail(pending, error)`` for each one a replaced
-    producer held."""
+    ``on_done(record)`` fires for each delivered record (``on_done_many(records)`` for those of a batch, when
+    given); ``fail(pending, error)`` for each one a replaced producer held."""
 
     def __init__(self, producer: Any, spare_producer: Any, *, clock: Callable[[], float],
                  on_done: Callable[[Record], None], fail: Callable[[Pending, Any], None],
                  new_producer: Callable[[], Any] | None, stall_s: float,
-                 on_replace: Callable[[], None] | None = None, forget: dict[Any, str] | None = None) -> None:
+                 on_replace: Callable[[], None] | None = None, forget: dict[Any, str] | None = None,
+                 on_done_many: Callable[[list[Record]], None] | None = None) -> None:
         # With a spare, records are confirmed while results keep flowing: one producer takes new messages
         # while the other drains. Without one (the transactional producer, which flushes at every checkpoint
         # anyway), records are confirmed whenever the producer is idle or flushed.
@@ -167,6 +168,7 @@ class Settling:
         self.cur = self.slots[0]
         self.clock = clock
         self.on_done = on_done
+        self.on_done_many = on_done_many
         self.fail = fail
         # A producer holding results undelivered for stall_s is replaced by new_producer() (0 or no factory:
         # never; the transactional producer is not: an abort, and at worst a restart, covers it).
@@ -273,7 +275,7 @@ class Settling:
     def confirm(self, slot: Slot) -> int:
         """Every record of ``slot`` whose current round went on it is done; returns how many."""
         sent, slot.sent = slot.sent, []
-        on_done = self.on_done
+        on_done, on_done_many = self.on_done, self.on_done_many
         # A record the broker refused as too large, now delivered smaller: forgotten. (An entry whose partition
         # went elsewhere before that stays: one per such refusal, rare.)
         forget = self.too_large
@@ -284,8 +286,11 @@ class Settling:
             # went on.
             if isinstance(cb, SentBatch):
                 recs = cb.records if not cb.failed else [cb.records[i] for i in cb.live()]
-                for rec in recs:
-                    on_done(rec)
+                if on_done_many is not None:
+                    on_done_many(recs)
+                else:
+                    for rec in recs:
+                        on_done(rec)
                 n += len(recs)
                 if forget:
                     for rec in recs:

@@ -199,6 +199,12 @@ class StoreGate:
             # first one killed the next process, and the two took turns for good.
             self._attempts_done.append(attempt_key(self.group_id, rec))
 
+    def delivered_many(self, recs: list[Record]) -> None:
+        """``delivered`` for each record of a delivered batch (nothing to do without a ledger or counters)."""
+        if self.ledger or self.attempts:
+            for rec in recs:
+                self.delivered(rec)
+
     def flush(self) -> None:
         st = self.store
         if st is None:

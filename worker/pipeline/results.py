@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from worker.core.records import Batch, Outcome, Record
+from worker.core.records import Batch, Outcome, Record, TopicPartition
 from worker.pipeline.context import Loop
 from worker.pipeline.delivery import DeliveryMode
 
@@ -145,6 +145,28 @@ class Results:
         else:
             loop.tracker.ack_lost(rec.tp, rec.offset)  # its partition was lost: see Membership.resume_lost
         loop.gate.delivered(rec)
+
+    def records_done(self, recs: list[Record]) -> None:
+        """``record_done`` for a delivered batch: the tracker is told once per run of one partition."""
+        loop = self.loop
+        epoch_of, tracker = loop.partitions.epoch, loop.tracker
+        run_tp: TopicPartition | None = None
+        epoch = 0
+        live: list[int] = []
+        for rec in recs:
+            tp = rec.tp
+            if tp is not run_tp and tp != run_tp:
+                if live:
+                    tracker.ack_many(run_tp, live)  # type: ignore[arg-type]
+                    live = []
+                run_tp, epoch = tp, epoch_of(tp)
+            if rec.epoch == epoch:
+                live.append(rec.offset)
+            else:
+                tracker.ack_lost(tp, rec.offset)  # its partition was lost: see Membership.resume_lost
+        if live:
+            tracker.ack_many(run_tp, live)  # type: ignore[arg-type]
+        loop.gate.delivered_many(recs)
 
     def record_failed(self, rec: Record, err: str) -> None:
         if not self.loop.partitions.is_current(rec):
