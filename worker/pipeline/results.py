@@ -147,25 +147,21 @@ class Results:
         loop.gate.delivered(rec)
 
     def records_done(self, recs: list[Record]) -> None:
-        """``record_done`` for a delivered batch: the tracker is told once per run of one partition."""
+        """``record_done`` for a delivered batch: the tracker is told once per partition."""
         loop = self.loop
-        epoch_of, tracker = loop.partitions.epoch, loop.tracker
-        run_tp: TopicPartition | None = None
-        epoch = 0
-        live: list[int] = []
+        by_tp: dict[TopicPartition, list[Record]] = {}
         for rec in recs:
-            tp = rec.tp
-            if tp is not run_tp and tp != run_tp:
-                if live:
-                    tracker.ack_many(run_tp, live)  # type: ignore[arg-type]
-                    live = []
-                run_tp, epoch = tp, epoch_of(tp)
-            if rec.epoch == epoch:
-                live.append(rec.offset)
-            else:
-                tracker.ack_lost(tp, rec.offset)  # its partition was lost: see Membership.resume_lost
-        if live:
-            tracker.ack_many(run_tp, live)  # type: ignore[arg-type]
+            group = by_tp.get(rec.tp)
+            if group is None:
+                group = by_tp[rec.tp] = []
+            group.append(rec)
+        epoch_of, tracker = loop.partitions.epoch, loop.tracker
+        for tp, group in by_tp.items():
+            epoch = epoch_of(tp)
+            tracker.ack_many(tp, [r.offset for r in group if r.epoch == epoch])
+            for r in group:
+                if r.epoch != epoch:
+                    tracker.ack_lost(tp, r.offset)  # its partition was lost: see Membership.resume_lost
         loop.gate.delivered_many(recs)
 
     def record_failed(self, rec: Record, err: str) -> None:
