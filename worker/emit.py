@@ -32,7 +32,8 @@ class FatalDeliveryError(RuntimeError):
 
 
 _NO_TOPIC = (KafkaError._UNKNOWN_TOPIC, KafkaError.UNKNOWN_TOPIC_OR_PART)
-# The delivery report code of a message the broker refused for its size (librdkafka uses it for its own check too).
+# The delivery report code of a message the broker refused for its size (librdkafka uses it for its own
+# check too).
 _TOO_LARGE = {KafkaError.MSG_SIZE_TOO_LARGE}
 _PURGE_CODES = (KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT)
 
@@ -52,8 +53,9 @@ def _monotonic() -> float:
 
 
 class Emitter:
-    def __init__(self, producer: Any, output_topic: str, dlq_topic: str, model_name: str, model_version: str | None,
-                 fmt: str, on_done: Callable[[Record], None], on_failed: Callable[[Record, str], None],
+    def __init__(self, producer: Any, output_topic: str, dlq_topic: str, model_name: str,
+                 model_version: str | None, fmt: str, on_done: Callable[[Record], None],
+                 on_failed: Callable[[Record, str], None],
                  max_retries: int = 5, is_stale: Callable[[Record], bool] | None = None,
                  max_message_bytes: int = 1_000_000, spare_producer: Any = None,
                  on_wait: Callable[[], None] | None = None, new_producer: Callable[[], Any] | None = None,
@@ -76,7 +78,8 @@ class Emitter:
         # exactly-once mode the refusal aborts the transaction and the record comes back through emit().
         self.too_large: dict[tuple[Any, int], str] = {}
         # Called while produce() waits for room in a full local queue (a slow or unreachable broker): that
-        # wait is bounded by message.timeout.ms, and the loop is alive in it (the runner's liveness heartbeat).
+        # wait is bounded by message.timeout.ms, and the loop is alive in it (the runner's liveness
+        # heartbeat).
         self.on_wait = on_wait
         self.settling = Settling(producer, spare_producer, clock=_monotonic, on_done=on_done,
                                  fail=self.delivery_failed, new_producer=new_producer, stall_s=stall_s,
@@ -136,48 +139,56 @@ class Emitter:
 
     def emit_ok_many(self, records: list[Record], outputs: list[Any], batch_size: int, closed_at: float,
                      infer_s: float, now: float, now_wall_ms: float) -> list[int]:
-        """The hot path: one ok result per record of a batch, nothing else owed. Returns the indexes it did not
-        send, for the general path: an output the encoder rejects, or a result over message.max.bytes.
+        """The hot path: one ok result per record of a batch, nothing else owed. Returns the indexes it did
+        not send, for the general path: an output the encoder rejects, or a result over message.max.bytes.
         The results are encoded in one call over the batch; the sent ones share one slot entry and one
         delivery callback (``SentBatch``); one produce per record is what is left per record."""
+        if not records:
+            return []
         values = self.results.encode_ok(records, outputs, batch_size, closed_at, infer_s, now, now_wall_ms)
         topic, limit = self.output_topic, self.max_payload
+        keys = [r.key for r in records]
         declined: list[int] = []
-        sent_recs: list[Record] = []
-        sent_values: list[bytes] = []
-        batch = SentBatch(sent_recs, sent_values, topic, self)
+        longest_key = max(len(k) if k else 0 for k in keys)
+        if None in values or max(map(len, values)) + longest_key > limit:  # type: ignore[arg-type]
+            # Some cannot go as they are (rare): the general path takes them.
+            keep = [i for i, (v, k) in enumerate(zip(values, keys, strict=True))
+                    if v is not None and len(v) + (len(k) if k else 0) <= limit]
+            declined = sorted(set(range(len(values))) - set(keep))
+            records = [records[i] for i in keep]
+            values = [values[i] for i in keep]
+            keys = [keys[i] for i in keep]
+        if not records:
+            return declined
+        sent_values: list[bytes] = values  # type: ignore[assignment]
+        batch = SentBatch(records, sent_values, topic, self)
         slot = self.cur
         produce = slot.producer.produce
-        keep_rec, keep_value = sent_recs.append, sent_values.append
         sent = 0
         try:
-            for i, value in enumerate(values):
-                rec = records[i]
-                key = rec.key
-                if value is None or len(value) + (len(key) if key else 0) > limit:
-                    declined.append(i)
-                    continue
+            for value, key in zip(sent_values, keys, strict=True):
                 try:
                     # Positional (topic, value, key, partition, callback): see _produce.
                     produce(topic, value, key, -1, batch)
-                    sent += 1
                 except BufferError:
                     self._produce(topic, key, value, None, batch)  # waits for room; counts it
-                keep_rec(rec)
-                keep_value(value)
+                    self.produced -= 1  # (counted below with the others)
+                sent += 1
         except KafkaException as e:
             raise self._refused(topic, e) from None
         finally:
             self.produced += sent
-            if sent_recs:
+            if sent:
+                if sent < len(records):  # refused part way: what was not sent is not the batch's
+                    batch.records, batch.values = records[:sent], sent_values[:sent]
                 if not slot.sent:
                     slot.since = now
                 slot.sent.append(batch)
         return declined
 
     def _send_result(self, rec: Record, value: bytes) -> bool:
-        """Send ``value`` as the record's only message (a result, no dead letter). False, nothing sent, when it
-        is over message.max.bytes: the general path turns that into an error result and a dead letter."""
+        """Send ``value`` as the record's only message (a result, no dead letter). False, nothing sent, when
+        it is over message.max.bytes: the general path turns that into an error result and a dead letter."""
         key = rec.key
         if len(value) + (len(key) if key else 0) > self.max_payload:  # message_size() without headers
             return False
@@ -186,9 +197,9 @@ class Emitter:
         return True
 
     def emit(self, o: Outcome, now: float, now_wall_ms: float, result_bytes: bytes | None = None) -> Outcome:
-        """Send what the outcome owes. Returns the outcome as sent: an ok one whose output cannot be encoded, or
-        whose result is over message.max.bytes, goes out as an ``error`` with an ``output`` dead letter (what the
-        caller counts in its metrics)."""
+        """Send what the outcome owes. Returns the outcome as sent: an ok one whose output cannot be encoded,
+        or whose result is over message.max.bytes, goes out as an ``error`` with an ``output`` dead letter
+        (what the caller counts in its metrics)."""
         rec = o.record
         refused = self.too_large.get((rec.tp, rec.offset)) if self.too_large else None
         if refused is not None and (refused == self.output_topic or o.dlq_stage is not None):
@@ -233,13 +244,15 @@ class Emitter:
                 elif o.error and len(o.error) > ERROR_IN_RESULT:
                     # An error result made too big by its reason (a model's exception text): the result says
                     # less, the dead letter keeps the reason and the stage.
-                    cut = Outcome(rec, o.status, error=o.error[:ERROR_IN_RESULT] + " ... (cut; the dead letter has "
-                                  "it all)", dlq_stage=o.dlq_stage, batch_size=o.batch_size, timings=o.timings)
+                    cut = Outcome(rec, o.status, dlq_stage=o.dlq_stage, batch_size=o.batch_size,
+                                  timings=o.timings,
+                                  error=o.error[:ERROR_IN_RESULT] + " ... (cut; the dead letter has it all)")
                     value = self.result_bytes(cut, now, now_wall_ms)
             if self._size(rec.key, value) <= self.max_message_bytes:
                 p.messages.append((self.output_topic, rec.key, value, None))
         if o.dlq_stage is not None:
-            p.messages.append((self.dlq_topic, *self._dead_letter_message(rec, o.dlq_stage, o.error or o.dlq_stage)))
+            p.messages.append((self.dlq_topic,
+                               *self._dead_letter_message(rec, o.dlq_stage, o.error or o.dlq_stage)))
         if o.status != "ok":
             rec.failed = True  # o is the final outcome here (an unencodable or oversize ok became an error)
         if not p.messages:  # nothing owed (cannot happen with a DLQ stage set); done at once
@@ -294,13 +307,14 @@ class Emitter:
         quiet = isinstance(err, KafkaError) and err.code() in _PURGE_CODES
         if quiet and self.settling.purging:
             err = PURGED  # librdkafka's "Local: Purged in queue" does not say why
-        (log.debug if quiet else log.warning)("delivery failed (attempt %d): %s", p.attempts, err,
-                                              extra={"id": rec.id, "topic": rec.tp.topic, "offset": rec.offset})
+        (log.debug if quiet else log.warning)(
+            "delivery failed (attempt %d): %s", p.attempts, err,
+            extra={"id": rec.id, "topic": rec.tp.topic, "offset": rec.offset})
         if (isinstance(err, KafkaError) and err.code() in _TOO_LARGE and msg is not None
                 and (rec.tp, rec.offset) not in self.too_large):
-            # The topic takes smaller messages than this producer may write: the same bytes would be refused at
-            # every retry, and at every restart. Sent again as an error result and a dead letter without the
-            # original bytes (exactly-once: after the abort, through emit()).
+            # The topic takes smaller messages than this producer may write: the same bytes would be refused
+            # at every retry, and at every restart. Sent again as an error result and a dead letter without
+            # the original bytes (exactly-once: after the abort, through emit()).
             self.too_large[(rec.tp, rec.offset)] = topic = msg.topic()
             if self.max_retries > 0:
                 p.messages = self._smaller_messages(p, topic, describe(err))

@@ -98,9 +98,10 @@ class ResultEncoder:
         self.encode_value = self._encoder.encode
         self.pack = pack_float32 if outputs_encoding == "float32" else None
 
-    def encode(self, rec: Record, status: str, output: Any, error: str | None, batch_size: int, queue_s: float,
-               infer_s: float, now: float, now_wall_ms: float, cached: bool = False) -> bytes:
-        """One result. Milliseconds keep 3 decimals, truncated (int() is several times cheaper than round())."""
+    def encode(self, rec: Record, status: str, output: Any, error: str | None, batch_size: int,
+               queue_s: float, infer_s: float, now: float, now_wall_ms: float, cached: bool = False) -> bytes:
+        """One result. Milliseconds keep 3 decimals, truncated (int() is several times cheaper than
+        round())."""
         produced = rec.produced_at_ms
         tp = rec.tp
         if self.pack is not None and output is not None:
@@ -145,12 +146,14 @@ class ResultEncoder:
                 if pack is not None and out is not None:
                     out = pack(out)
                 into(Result(
-                    id=rec.id or "", status="ok", outputs=out, model=name, model_version=version, lane=rec.lane,
-                    batch_size=batch_size, source=Source(topic=tp.topic, partition=tp.partition, offset=rec.offset),
+                    id=rec.id or "", status="ok", outputs=out, model=name, model_version=version,
+                    lane=rec.lane, batch_size=batch_size,
+                    source=Source(topic=tp.topic, partition=tp.partition, offset=rec.offset),
                     timings=Timings(queue_ms=int((closed_at - received) * 1_000_000) / 1000.0,
                                     inference_ms=inference_ms,
                                     total_ms=int((now - received) * 1_000_000) / 1000.0,
-                                    e2e_ms=int((now_wall_ms - produced) * 1000) / 1000.0 if produced else None),
+                                    e2e_ms=(int((now_wall_ms - produced) * 1000) / 1000.0 if produced
+                                            else None)),
                     meta=rec.meta), buf)
                 put(bytes(buf))
             except UNENCODABLE:

@@ -175,8 +175,8 @@ class Settling:
         self.new_producer = new_producer if stall_s > 0 else None
         self.stall_s = stall_s
         self._stall_after = stall_s
-        # When a delivery last ended a time of replacements with nothing delivered (the broker is back): a slot
-        # held since before then gets stall_s from then, time for its producer to reconnect.
+        # When a delivery last ended a time of replacements with nothing delivered (the broker is back): a
+        # slot held since before then gets stall_s from then, time for its producer to reconnect.
         self._back_at = 0.0
         self.on_replace = on_replace
         self.replacements = 0
@@ -190,8 +190,8 @@ class Settling:
             slot.producer.poll(timeout / len(self.slots))
 
     def settle(self, now: float) -> None:
-        """Never blocks. Confirms the records of every producer with nothing outstanding, then moves sending to
-        a producer that has nothing left to confirm, so that the current one can drain."""
+        """Never blocks. Confirms the records of every producer with nothing outstanding, then moves sending
+        to a producer that has nothing left to confirm, so that the current one can drain."""
         for slot in self.slots:
             # len(): messages not yet acknowledged plus reports not yet served. At 0, every message sent on it
             # so far is on the broker or its failure was reported.
@@ -220,15 +220,16 @@ class Settling:
         return left
 
     def replace(self, slot: Slot, now: float) -> None:
-        """``slot``'s producer has held records unconfirmed for ``stall_s``: a slot drains within a broker round
-        trip once sending moves off it, so it is stuck (a partition left without a leader) or the broker is
-        down. What it holds is purged, the failures go the usual way (a retry, with backoff, on the current
-        producer; each purge is one of a record's attempts), and a new producer takes the slot. The old one is
-        dropped on a thread of its own, never polled again: a report it still serves is of a round that is over."""
+        """``slot``'s producer has held records unconfirmed for ``stall_s``: a slot drains within a broker
+        round trip once sending moves off it, so it is stuck (a partition left without a leader) or the broker
+        is down. What it holds is purged, the failures go the usual way (a retry, with backoff, on the current
+        producer; each purge is one of a record's attempts), and a new producer takes the slot. The old one
+        is dropped on a thread of its own, never polled again: a report it still serves is of a round that is
+        over."""
         old, after, delivered = slot.producer, self._stall_after, 0
-        log.error("a producer has held the results of %d records undelivered for %.0f s (delivery.producer_stall_s="
-                  "%g): replacing it and sending them again on a new one", self.count(slot), now - slot.since,
-                  self.stall_s)
+        log.error("a producer has held the results of %d records undelivered for %.0f s "
+                  "(delivery.producer_stall_s=%g): replacing it and sending them again on a new one",
+                  self.count(slot), now - slot.since, self.stall_s)
         self.purging = True  # its reports say "Local: Purged in queue"; the records' failures say why
         try:
             old.purge(in_queue=True, in_flight=True)
@@ -238,7 +239,7 @@ class Settling:
         finally:
             self.purging = False
         if len(old) == 0:
-            delivered = self.confirm(slot)  # the records whose messages were all acknowledged before the purge
+            delivered = self.confirm(slot)  # the records whose messages were acknowledged before the purge
         for cb in slot.sent:  # anything still unsettled fails now; its late reports are of an earlier round
             if isinstance(cb, SentBatch):
                 for i in cb.live():
@@ -276,14 +277,14 @@ class Settling:
         """Every record of ``slot`` whose current round went on it is done; returns how many."""
         sent, slot.sent = slot.sent, []
         on_done, on_done_many = self.on_done, self.on_done_many
-        # A record the broker refused as too large, now delivered smaller: forgotten. (An entry whose partition
-        # went elsewhere before that stays: one per such refusal, rare.)
+        # A record the broker refused as too large, now delivered smaller: forgotten. (An entry whose
+        # partition went elsewhere before that stays: one per such refusal, rare.)
         forget = self.too_large
         n = 0
         for cb in sent:
             # A failure bumped its record's round (or took it out of its batch), so the entry of a failed
-            # round no longer matches; the re-sent round is an entry of its own, confirmed with the producer it
-            # went on.
+            # round no longer matches; the re-sent round is an entry of its own, confirmed with the producer
+            # it went on.
             if isinstance(cb, SentBatch):
                 recs = cb.records if not cb.failed else [cb.records[i] for i in cb.live()]
                 if on_done_many is not None:

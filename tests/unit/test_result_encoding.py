@@ -66,7 +66,8 @@ def test_an_array_with_astype_and_tobytes_is_packed_by_its_shape() -> None:
     np = pytest.importorskip("numpy")
     a = np.arange(6, dtype=np.float64).reshape(2, 3) / 4
     t = pack_float32(a)
-    assert isinstance(t, Float32Tensor) and t.shape == [2, 3] and floats_of(t) == [0, 0.25, 0.5, 0.75, 1, 1.25]
+    assert isinstance(t, Float32Tensor) and t.shape == [2, 3]
+    assert floats_of(t) == [0, 0.25, 0.5, 0.75, 1, 1.25]
     strings = np.array(["a", "b"])
     assert pack_float32(strings) is strings
 
@@ -100,5 +101,31 @@ def test_the_batch_encoder_writes_what_the_one_record_encoder_writes(fmt: str, e
 
 
 def test_lists_is_the_default_and_sends_outputs_as_they_are() -> None:
-    value = ResultEncoder("m", "1", "json").encode(rec(0), "ok", [0.5, 0.25], None, 1, 0.0, 0.0, 10.5, 2_000.0)
+    enc = ResultEncoder("m", "1", "json")
+    value = enc.encode(rec(0), "ok", [0.5, 0.25], None, 1, 0.0, 0.0, 10.5, 2_000.0)
     assert msgspec.json.decode(value)["outputs"] == [0.5, 0.25]
+
+
+def test_the_runner_packs_numeric_outputs_also_of_cache_hits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the worker's loop: ``delivery.outputs_encoding: float32`` packs a list of floats, whether the
+    batch path sends it or the general path (a cache hit); a dict output is sent as it is."""
+    from tests.unit.fakes_kafka import FakeModel, Harness, make_config, request
+    from worker.adapters.memory_store import MemoryStore
+
+    model = FakeModel(output=lambda x: [float(v) / 4 for v in x["v"]] if x["v"] else {"label": "none"})
+    cfg = make_config(redis={"cache": True}, delivery={"outputs_encoding": "float32"})
+    h = Harness(monkeypatch, cfg, model=model, store=MemoryStore(ledger=False)).start()
+    h.c.assign(("in", 0))
+    h.c.append("in", 0, request("a", {"v": [1, 2, 3]}))
+    h.c.append("in", 0, request("e", {"v": []}))
+    h.process()
+    h.c.append("in", 0, request("b", {"v": [1, 2, 3]}))  # the same inputs: from the cache
+    h.process()
+    h.commit()
+    results: dict[str, Any] = {r["id"]: r for r in h.p.results()}
+    for rid in ("a", "b"):
+        out = results[rid]["outputs"]
+        assert (out["dtype"], out["shape"]) == ("float32", [3])
+        assert base64.b64decode(out["data"]) == struct.pack("<3f", 0.25, 0.5, 0.75)
+    assert results["b"]["cached"] is True and results["e"]["outputs"] == {"label": "none"}
+    assert h.committed() == 3
