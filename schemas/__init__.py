@@ -50,6 +50,33 @@ class Timings(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
 Status = Literal["ok", "error", "expired"]
 
 
+class Float32Tensor(msgspec.Struct, kw_only=True, frozen=True):
+    """A numeric output packed by ``delivery.outputs_encoding: float32``: ``data`` holds the values as
+    little-endian float32, row-major (C order), ``shape`` their dimensions. In msgpack ``data`` is a bin, in
+    JSON a base64 string. Decode: ``numpy.frombuffer(data, "<f4").reshape(shape)``."""
+
+    dtype: Literal["float32"] = "float32"
+    shape: list[int]
+    data: bytes
+
+
+_TENSOR_SCHEMA = {
+    "type": "object", "title": "Float32Tensor", "required": ["shape", "data"],
+    "description": Float32Tensor.__doc__,
+    "properties": {
+        "dtype": {"const": "float32"},
+        "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        "data": {"type": "string", "contentEncoding": "base64",
+                 "description": "little-endian float32 values, row-major; a bin in msgpack"},
+    },
+}
+Outputs = Annotated[Any, msgspec.Meta(
+    description="What the model returned for the request. With delivery.outputs_encoding: float32 a numeric "
+                "output (a list of floats, nested lists of floats of one shape, an array) is a Float32Tensor; "
+                "every other output (a dict of labels, strings, ints, bools, mixed lists) is as returned.",
+    extra_json_schema={"anyOf": [_TENSOR_SCHEMA, {}]})]
+
+
 class Result(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     """The value of a record on the output topic; its key is the request's key."""
 
@@ -60,7 +87,7 @@ class Result(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     batch_size: int
     source: Source
     timings: Timings
-    outputs: Any = None
+    outputs: Outputs = None
     error: str | None = None
     model_version: str | None = None
     meta: dict[str, Any] | None = None
@@ -117,6 +144,6 @@ class DeadLetter(msgspec.Struct, kw_only=True, frozen=True):
 
 
 __all__ = [
-    "DLQ_HEADERS", "DeadLetter", "ErrorStage", "H_ATTEMPTS", "H_ERROR", "H_ERROR_STAGE", "H_PRIORITY",
+    "DLQ_HEADERS", "DeadLetter", "ErrorStage", "Float32Tensor", "H_ATTEMPTS", "H_ERROR", "H_ERROR_STAGE", "H_PRIORITY",
     "H_SOURCE_OFFSET", "H_SOURCE_PARTITION", "H_SOURCE_TOPIC", "Request", "Result", "Source", "Status", "Timings",
 ]

@@ -149,6 +149,9 @@ class DeliveryConfig(_Strict):
     # A record that crashed the process this many times goes to the DLQ at its next delivery.
     max_attempts: PosInt = 3
     format: Literal["json", "msgpack"] = "json"
+    # How a result carries numeric outputs (lists of floats, arrays): "lists" as they are, "float32" as
+    # {dtype, shape, data} with data little-endian float32 bytes (a msgpack bin, base64 in JSON).
+    outputs_encoding: Literal["lists", "float32"] = "lists"
     # At-least-once: a producer that holds results undelivered this long is replaced, and what it held is sent
     # again on the new one (librdkafka can leave a partition without a leader for good after a broker pause).
     # 0: never. Each replacement counts as one of a record's delivery attempts.

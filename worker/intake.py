@@ -21,7 +21,7 @@ from worker.config import Config
 from worker.core.ports import Metrics, Model
 from worker.core.records import Outcome, Record
 from worker.core.scheduler import PriorityScheduler
-from worker.emit import UNENCODABLE
+from worker.result_encoding import UNENCODABLE
 
 log = logging.getLogger("worker.intake")
 UNKNOWN_NAMES_LOGGED = 5  # lane names quoted per warning (they come from clients: any number of them)

@@ -212,10 +212,11 @@ class Runner:
             self.mode.producer, cfg.kafka.output_topic, cfg.kafka.dlq_topic,
             getattr(self.model, "name", "model"), cfg.model.version or getattr(self.model, "version", None),
             cfg.delivery.format, on_done=self.results.record_done, on_failed=self.results.record_failed,
+            on_done_many=self.results.records_done,
             is_stale=lambda r: not self.partitions.is_current(r),
             max_message_bytes=int(cfg.kafka.producer.get("message.max.bytes", 1_000_000)),
             spare_producer=self.mode.spare_producer, on_wait=self._beat,
-            stall_s=cfg.delivery.producer_stall_s,
+            stall_s=cfg.delivery.producer_stall_s, outputs_encoding=cfg.delivery.outputs_encoding,
             on_replace=lambda: self.metrics.event("producer_replacements"), **self.mode.emitter_options())
 
     # ------------------------------------------------------------------ the loop

@@ -19,7 +19,7 @@ import msgspec
 from worker.config import Config, ModelConfig
 from worker.core.ports import Metrics, Store
 from worker.core.records import Batch, Outcome, Record
-from worker.emit import UNENCODABLE
+from worker.result_encoding import UNENCODABLE
 
 _cache_enc = msgspec.msgpack.Encoder()
 _cache_dec = msgspec.msgpack.Decoder()
@@ -198,6 +198,12 @@ class StoreGate:
             # a second poison record behind it killed the process in between; read again with no count, the
             # first one killed the next process, and the two took turns for good.
             self._attempts_done.append(attempt_key(self.group_id, rec))
+
+    def delivered_many(self, recs: list[Record]) -> None:
+        """``delivered`` for each record of a delivered batch (nothing to do without a ledger or counters)."""
+        if self.ledger or self.attempts:
+            for rec in recs:
+                self.delivered(rec)
 
     def flush(self) -> None:
         st = self.store

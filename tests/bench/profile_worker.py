@@ -4,7 +4,7 @@
 [--model identity|synthetic] [--records N] [--max-batch B] [--top 30] [--metrics] [--producer K=V]
 [--consumer K=V]`` prints per-thread CPU seconds and the functions with the most own CPU time (yappi,
 CPU clock, so time spent waiting for the GIL or in sleep does not count), plus the records/s reached while
-profiled. ``--tool none`` runs unprofiled and splits the process's CPU per record by OS thread (the loop
+profiled. ``--tool cprofile`` profiles the loop thread with the standard library's cProfile. ``--tool none`` runs unprofiled and splits the process's CPU per record by OS thread (the loop
 thread, the device threads, librdkafka's own), read from /proc. Needs ``yappi`` or ``pyinstrument`` (``pip install yappi pyinstrument``; not project dependencies);
 ``--tool none`` needs neither (e.g. ``--tool none --gc freeze`` against ``--tool none --gc on``). Uses $KAFKA_BOOTSTRAP_SERVERS
 or starts a local broker.
@@ -37,7 +37,7 @@ def main() -> int:
                     help="with --tool none: also the loop thread's CPU inside each Kafka client call "
                          "(producer.poll is where delivery reports are served)")
     ap.add_argument("--clock", default="cpu", choices=["cpu", "wall"])
-    ap.add_argument("--tool", default="yappi", choices=["yappi", "pyinstrument", "none"],
+    ap.add_argument("--tool", default="yappi", choices=["yappi", "pyinstrument", "cprofile", "none"],
                     help="yappi: every thread, CPU clock, deterministic (slow); pyinstrument: the loop thread only, "
                          "sampling (low overhead, truer proportions); none: just the records/s")
     ap.add_argument("--gc", default="on", choices=["on", "off", "freeze"],
@@ -83,6 +83,8 @@ def main() -> int:
             return _plain(runner, args.records, args.gc, calls)
         if args.tool == "pyinstrument":
             return _pyinstrument(runner, args.records)
+        if args.tool == "cprofile":
+            return _cprofile(runner, args.records, args.top)
         import yappi
 
         yappi.set_clock_type(args.clock)
@@ -111,6 +113,42 @@ def main() -> int:
         print(f"  {'ncall':>9} {'tsub':>8} {'ttot':>8}  function")
         for s in list(stats)[: args.top]:
             print(f"  {s.ncall:>9} {s.tsub:8.3f} {s.ttot:8.3f}  {s.module.split('site-packages/')[-1]}:{s.lineno} {s.name}")
+    return 0
+
+
+def _cprofile(runner: Any, records: int, top: int) -> int:
+    """The loop thread alone under the standard library's cProfile (deterministic: every call is counted,
+    which inflates small functions; compare functions with each other, not with unprofiled figures)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile(time.thread_time)
+
+    def run() -> None:
+        prof.enable()
+        try:
+            runner.run()
+        finally:
+            prof.disable()
+
+    t = threading.Thread(target=run, name="worker-loop", daemon=True)
+    t.start()
+    runner.ready.wait(120)
+    st = runner.stats
+    while st.results_ok < records and t.is_alive():
+        time.sleep(0.05)
+    runner.stop()
+    t.join(30)
+    n = max(st.results_ok, 1)
+    ps = pstats.Stats(prof)
+    rows = sorted(ps.stats.items(), key=lambda kv: -kv[1][2])  # type: ignore[attr-defined]
+    total = sum(v[2] for _, v in rows)
+    print(f"\n{st.results_ok} results; loop thread, own CPU time per function (cProfile, thread CPU clock): "
+          f"{total / n * 1e6:.2f} us per record in all\n")
+    print(f"  {'calls/rec':>9} {'us/rec':>7}  function")
+    for (file, line, name), (_cc, nc, tt, _ct, _callers) in rows[:top]:
+        where = file.split("site-packages/")[-1].split("wt-hotpath/")[-1]
+        print(f"  {nc / n:9.3f} {tt / n * 1e6:7.3f}  {where}:{line} {name}")
     return 0
 
 

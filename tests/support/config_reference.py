@@ -71,6 +71,8 @@ MEANINGS: dict[str, str] = {
     "delivery.max_attempts": "with `redis.url`: a record on the device this many times when the process "
                              "died is quarantined (>= 2)",
     "delivery.format": "wire format of requests and results",
+    "delivery.outputs_encoding": "`lists`, or `float32`: numeric outputs as little-endian float32 bytes "
+                                 "with dtype and shape ([wire format](wire-format.md))",
     "delivery.producer_stall_s": "at-least-once: a producer holding results undelivered this long is "
                                  "replaced (0: never)",
     "redis.url": "`redis://`, `rediss://` or `unix://` URL; `null`: in-memory store, per process",

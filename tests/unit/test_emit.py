@@ -15,7 +15,8 @@ from schemas import DeadLetter, Result
 from tests.support.props import examples
 from tests.unit.fakes_kafka import FakeModel, FakeProducer, FakeTime, Harness, Produced, make_config, request
 from worker.core.records import Outcome, Record, TopicPartition
-from worker.emit import SWITCH_AFTER_S, Emitter, _Pending
+from worker.emit import Emitter
+from worker.settling import SWITCH_AFTER_S, Pending
 
 TP = TopicPartition("in", 3)
 
@@ -183,6 +184,25 @@ def test_the_batch_hot_path_waits_for_room_in_a_full_local_queue(clock: FakeTime
     assert em.emit_ok_many([rec(i) for i in range(5)], list(range(5)), 5, 10.0, 0.0, 10.0, 0.0) == []
     em.flush(1.0)
     assert em.produced == 5 and len(p.delivered) == 5 and sorted(calls.done) == [0, 1, 2, 3, 4]
+
+
+def test_a_failed_message_of_a_batch_is_retried_alone_and_the_others_are_confirmed(clock: FakeTime) -> None:
+    """A batch's results share one delivery callback: a failure report finds its record by the message's
+    value; that record alone is retried, the others are done when their producer drains."""
+    p, calls = FakeProducer(), Calls()
+    em = emitter(p, calls)
+    p.fail_if = lambda m: (KafkaError(KafkaError._MSG_TIMED_OUT, "timed out")
+                           if m.json()["source"]["offset"] == 2 and len(p.produced) <= 4 else None)
+    ok(em, [0, 1, 2, 3], 10.0)
+    em.poll()
+    em.settle(10.0)
+    assert sorted(calls.done) == [0, 1, 3] and [q.record.offset for q in em.retry_queue] == [2]
+    clock.advance(1.0)
+    em.retry_failed()
+    em.poll()
+    em.settle(clock.t)
+    assert sorted(calls.done) == [0, 1, 2, 3] and calls.failed == [] and em.unconfirmed == 0
+    assert [src(m) for m in p.produced] == [0, 1, 2, 3, 2]
 
 
 # -------------------------------------------------------------------- what the broker or the encoder rejects
@@ -444,7 +464,7 @@ def test_a_message_within_librdkafkas_record_overhead_does_not_stop_the_worker()
     em = Emitter(real, "out", "dlq", "m", "v1", "json", on_done=lambda r: calls.done.append(r.offset),
                  on_failed=lambda r, e: calls.failed.append((r.offset, e)), max_message_bytes=limit)
     r = rec(8, id="r")
-    out = "a" * (limit - 10 - len(em._encode(r, "ok", "", None, 1, 0.0, 0.0, 10.0, 0.0)) - len(r.key or b""))
+    out = "a" * (limit - 10 - len(em.results.encode(r, "ok", "", None, 1, 0.0, 0.0, 10.0, 0.0)) - len(r.key or b""))
     assert em.emit_ok_many([r], [out], 1, 10.0, 0.0, 10.0, 0.0) == [0]  # declined: the general path handles it
     em.emit(Outcome(r, "ok", output=out, batch_size=1), 10.0, 0.0)  # an error result and a dead letter
     big = Record(tp=TP, offset=9, value=b"x" * (limit - 10), key=None, received_at=10.0)
@@ -478,7 +498,7 @@ def test_a_dead_letter_whose_key_headers_or_reason_do_not_fit_is_trimmed_until_i
     else:
         em.emit(Outcome(r, "ok", output=1, batch_size=1), 10.0, 0.0)  # no result fits with that key
     [sent] = em.cur.sent
-    assert isinstance(sent, _Pending)
+    assert isinstance(sent, Pending)
     [(_, dl_key, value, dl_headers)] = [m for m in sent.messages if m[0] == "dlq"]  # librdkafka took it (or raises)
     assert value == b"" and (case not in ("big_key", "ok_result_with_a_big_key")
                              or not [m for m in sent.messages if m[0] == "out"])  # no result fits that key

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import time
 
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -330,3 +330,24 @@ class LossMachine(RuleBasedStateMachine):
 
 LossMachine.TestCase.settings = settings(max_examples=examples(100), stateful_step_count=40, deadline=None)
 test_loss_state_machine = LossMachine.TestCase
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=30, unique=True).map(sorted),
+       st.lists(st.lists(st.integers(0, 45), max_size=12), max_size=6), st.sets(st.integers(0, 40)))
+def test_ack_many_leaves_the_state_acking_one_by_one_leaves(tracked: list[int], runs: list[list[int]],
+                                                            nacked: set[int]) -> None:
+    """A delivered batch's run acked at once: the same done prefix, in-flight count, failed set and return
+    count as its acks one by one, whatever the run holds (untracked, done already, repeated offsets)."""
+    one, many = OffsetTracker(), OffsetTracker()
+    for t in (one, many):
+        for o in tracked:
+            t.track(A, o)
+        for o in nacked:
+            t.nack(A, o)
+    for run in runs:
+        done = sum(one.ack(A, o) for o in run)
+        assert many.ack_many(A, run) == done
+        assert (many.committable(), many.in_flight(), many.pending(A), many.first_pending(A), many.failed()) == (
+            one.committable(), one.in_flight(), one.pending(A), one.first_pending(A), one.failed())
+    assert many.ack_many(B, [0, 1]) == 0  # an unknown partition: nothing

@@ -104,6 +104,24 @@ class OffsetTracker:
             p.advance()
         return True
 
+    def ack_many(self, tp: TopicPartition, offsets: Iterable[int]) -> int:
+        """``ack`` for several records of one partition (a delivered batch's run); returns how many were
+        tracked and not done. The done prefix is popped once, after all of them."""
+        p = self._parts.get(tp)
+        if p is None:
+            return 0
+        pending = p.pending
+        n = len(pending)
+        pending.difference_update(offsets)
+        done = n - len(pending)
+        if done:
+            if p.failed:
+                p.failed.difference_update(offsets)
+            self._in_flight -= done
+            if p.order[0] not in pending:
+                p.advance()
+        return done
+
     def nack(self, tp: TopicPartition, offset: int) -> bool:
         """A delivery failed: the record stays not done and is listed by ``failed()``."""
         p = self._parts.get(tp)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from operator import attrgetter
 from typing import Any
 
 from confluent_kafka import KafkaError
@@ -16,6 +17,7 @@ from worker.pipeline.delivery import DeliveryMode
 from worker.pipeline.results import Results
 
 log = logging.getLogger("worker.runner")
+_lane = attrgetter("lane")
 
 
 def _unreadable_headers(tp: TopicPartition, offset: int) -> list[tuple[str, bytes]]:
@@ -95,6 +97,9 @@ class Ingest:
         live, stop_at, reached = loop.partitions.live, loop.stop_at, loop.partitions.mark_reached
         track, admit = self.mode.track, loop.intake.admit
         n_in = 0
+        # A poll batch holds runs of one partition: its Partition is looked up once per run.
+        run_key: tuple[str, int] | None = None
+        part = None
         for m in msgs:
             err = m.error()
             if err is not None:
@@ -110,7 +115,9 @@ class Ingest:
                     if err.fatal():
                         loop.lifecycle.fail(f"fatal consumer error: {err}")
                 continue
-            part = live((m.topic(), m.partition()))
+            key = (m.topic(), m.partition())
+            if key != run_key:
+                run_key, part = key, live(key)
             if part is None:
                 continue  # a message of a partition revoked while it was in the fetch batch
             tp = part.tp  # one TopicPartition per partition, not one per record
@@ -144,7 +151,7 @@ class Ingest:
         if admitted:
             for late in loop.dispatch.add(admitted, now):
                 outcomes.append(Outcome(late, "expired", error="deadline passed", dlq_stage="expired"))
-            for lane, n in Counter(rec.lane for rec in admitted).items():
+            for lane, n in Counter(map(_lane, admitted)).items():
                 loop.metrics.records_in(lane, n)
         if outcomes:
             self.results.emit_all(outcomes, now)

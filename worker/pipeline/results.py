@@ -6,11 +6,16 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterable
+from operator import attrgetter
 from typing import Any
 
-from worker.core.records import Batch, Outcome, Record
+from worker.core.records import Batch, Outcome, Record, TopicPartition
 from worker.pipeline.context import Loop
 from worker.pipeline.delivery import DeliveryMode
+
+_received_at = attrgetter("received_at")
+_produced_at = attrgetter("produced_at_ms")
+_tp = attrgetter("tp")
 
 
 def _by_lane(records: list[Record]) -> Iterable[tuple[str, list[Record]]]:
@@ -54,27 +59,39 @@ class Results:
         stats.batches += 1
         stats.batched_records += n
         infer_s = timings.get("infer", 0.0)
-        queue_wait = sum(batch.closed_at - r.received_at for r in batch.records) / n
+        records = batch.records
+        closed = batch.closed_at
+        queue_wait = closed - sum(map(_received_at, records)) / n
         metrics.batch(batch.lane, n, batch.fill_ratio, queue_wait, infer_s)
         metrics.event("batches", lane=batch.lane, reason=batch.reason)
         wall_ms = time.time() * 1000.0
-        current = loop.partitions.is_current
-        closed = batch.closed_at
         outcomes: list[Outcome] = []
-        ok_recs: list[Record] = []
-        ok_outs: list[Any] = []
-        for rec, out in zip(batch.records, outputs, strict=True):
-            if not current(rec):
-                continue  # partition revoked meanwhile: the new owner reprocesses it
-            if isinstance(out, BaseException):
-                outcomes.append(Outcome(rec, "error", error=f"{type(out).__name__}: {out}",
-                                        dlq_stage="inference", batch_size=n,
-                                        timings={"queue": closed - rec.received_at, "infer": infer_s}))
-                continue
-            if rec.cache_key is not None:
-                loop.gate.cache_put(rec, out)
-            ok_recs.append(rec)
-            ok_outs.append(out)
+        # Per batch, not per record: the epochs of its partitions now, which outputs are errors.
+        epoch_of = loop.partitions.epoch
+        if len(outputs) != n:
+            raise ValueError(f"{len(outputs)} outputs for a batch of {n} records")
+        epochs = {tp: epoch_of(tp) for tp in set(map(_tp, records))}
+        current = all(r.epoch == epochs[r.tp] for r in records)
+        errors = [i for i, out in enumerate(outputs) if isinstance(out, BaseException)]
+        if current and not errors:
+            ok_recs, ok_outs = records, outputs
+        else:
+            ok_recs, ok_outs = [], []
+            failed = set(errors)
+            for i, (rec, out) in enumerate(zip(records, outputs, strict=True)):
+                if rec.epoch != epochs[rec.tp]:
+                    continue  # partition revoked meanwhile: the new owner reprocesses it
+                if i in failed:
+                    outcomes.append(Outcome(rec, "error", error=f"{type(out).__name__}: {out}",
+                                            dlq_stage="inference", batch_size=n,
+                                            timings={"queue": closed - rec.received_at, "infer": infer_s}))
+                    continue
+                ok_recs.append(rec)
+                ok_outs.append(out)
+        if loop.gate.cache:
+            for rec, out in zip(ok_recs, ok_outs, strict=True):
+                if rec.cache_key is not None:
+                    loop.gate.cache_put(rec, out)
         # Sent by the mode's batch path: no Outcome per record, metrics and stats once per batch.
         declined = self.mode.emit_ok(ok_recs, ok_outs, n, closed, infer_s, now, wall_ms)
         if declined:
@@ -90,7 +107,7 @@ class Results:
             # own.
             for lane, recs in (_by_lane(ok_recs) if batch.mixed else ((batch.lane, ok_recs),)):
                 metrics.records_out(lane, "ok", len(recs))
-                e2e_s = [(wall_ms - r.produced_at_ms) / 1000.0 for r in recs if r.produced_at_ms]
+                e2e_s = [(wall_ms - t) / 1000.0 for t in map(_produced_at, recs) if t]
                 if e2e_s:
                     metrics.end_to_end_many(lane, e2e_s)
         if outcomes:
@@ -145,6 +162,24 @@ class Results:
         else:
             loop.tracker.ack_lost(rec.tp, rec.offset)  # its partition was lost: see Membership.resume_lost
         loop.gate.delivered(rec)
+
+    def records_done(self, recs: list[Record]) -> None:
+        """``record_done`` for a delivered batch: the tracker is told once per partition."""
+        loop = self.loop
+        by_tp: dict[TopicPartition, list[Record]] = {}
+        for rec in recs:
+            group = by_tp.get(rec.tp)
+            if group is None:
+                group = by_tp[rec.tp] = []
+            group.append(rec)
+        epoch_of, tracker = loop.partitions.epoch, loop.tracker
+        for tp, group in by_tp.items():
+            epoch = epoch_of(tp)
+            tracker.ack_many(tp, [r.offset for r in group if r.epoch == epoch])
+            for r in group:
+                if r.epoch != epoch:
+                    tracker.ack_lost(tp, r.offset)  # its partition was lost: see Membership.resume_lost
+        loop.gate.delivered_many(recs)
 
     def record_failed(self, rec: Record, err: str) -> None:
         if not self.loop.partitions.is_current(rec):
