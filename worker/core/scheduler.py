@@ -55,6 +55,7 @@ from __future__ import annotations
 
 from worker.core.lane import Lane
 from worker.core.lane_queues import LaneQueues
+from worker.core.latency import efficient_size
 from worker.core.queue_policy import Policy, fill_room
 from worker.core.records import Batch, Record
 
@@ -103,7 +104,7 @@ class PriorityScheduler(LaneQueues):
         (a lower lane's batch taken ahead, being preempted) its front records go first: they are the oldest,
         and they were accounted for when it was taken. Each record keeps its own lane and is charged to it."""
         lane = self._lanes[batch.lane]
-        room = lane.max_batch - len(batch.records)
+        room = self._fill_size(lane) - len(batch.records)
         if not lane.fill or room <= 0:
             return batch
         model = self._policy.planning(lane)
@@ -151,6 +152,17 @@ class PriorityScheduler(LaneQueues):
             batch.records.extend(added)
             batch.mixed = True
         return batch
+
+    def _fill_size(self, lane: Lane) -> int:
+        """How many records a filled batch of ``lane`` holds at most: ``max_batch_size``, or with
+        ``fill_efficiency`` < 1 and a fitted latency model (either policy) the smallest size that reaches
+        that fraction of a full batch's throughput (``efficient_size``)."""
+        if lane.fill_efficiency >= 1.0:
+            return lane.max_batch
+        model = self._policy.fitted(lane)
+        if model is None:
+            return lane.max_batch
+        return efficient_size(model, lane.max_batch, lane.fill_efficiency)
 
     def _select(self, now: float, idle: bool, full_only: bool = False) -> Batch | None:
         if full_only and not idle:
