@@ -34,9 +34,12 @@ the device under overload; ``weight: 1`` everywhere splits the device evenly).
 Filling partial batches (lane option ``fill_with_lower``, both policies)
 -----------------------------------------------------------------------
 A batch that a free device starts now (``next_batch(idle=True)``, or the one ``preempt`` swaps in) whose
-lane has the option and that holds fewer than the lane's ``max_batch_size`` records takes the oldest live
-records of lower-priority lanes into the free slots: higher priority first, each lane's ready batches and
-then its open windows. In ``preempt`` the displaced batch's front records go first (they are the oldest of
+lane has the option and that holds fewer than its fill size takes the oldest live records of lower-priority
+lanes into the free slots: higher priority first, each lane's ready batches and then its open windows. The
+fill size is ``max_batch_size``, or with ``fill_efficiency`` < 1 and a fitted latency model the smallest size
+whose throughput reaches that fraction of a full batch's (``worker.core.latency.efficient_size``): under
+overload every batch carries high-lane records, and the last few records of a full batch add little
+throughput but their whole ``b*n`` to the time a high-lane record waits for the batch ahead and its own. In ``preempt`` the displaced batch's front records go first (they are the oldest of
 their lane, already accounted for; the rest is requeued). Each added record keeps its lane and is charged
 to its lane's service counter, so the fairness bound above holds per lane; the batch is marked ``mixed``.
 A high lane whose windows close by time under overload thus runs full batches instead of batches of a few
