@@ -154,8 +154,8 @@ class TradeOff:
     ratio: float  # high_p99_ms / light_high_p99_ms
 
 
-def tradeoff(efficiencies: tuple[float, ...] = EFFICIENCIES, high_wait_ms: float = 10.0, seconds: float = 30.0,
-             seed: int = 1) -> list[TradeOff]:
+def tradeoff(efficiencies: tuple[float, ...] = EFFICIENCIES, high_wait_ms: float = 10.0,
+             seconds: float = 30.0, seed: int = 1) -> list[TradeOff]:
     """The filled high lane's ``fill_efficiency``: served capacity against its p99 at 2x overload, and that
     p99 against its p99 at 10% load (the benchmark's targets: >= 0.95 and <= 2.3)."""
     lat = LatencyModel()
@@ -189,8 +189,8 @@ def main() -> int:
                          "how long a filled high batch takes")
     ap.add_argument("--seconds", type=float, default=60.0, help="simulated seconds per value (default 60)")
     ap.add_argument("--fill-efficiency", default=None, metavar="E[,E...]",
-                    help="instead: the filled high lane's fill_efficiency values (e.g. 1,0.97,0.9) against served "
-                         "capacity at 2x overload and its p99 there and at 10%% load (10 ms window)")
+                    help="instead: the filled high lane's fill_efficiency values (e.g. 1,0.97,0.9) against "
+                         "served capacity at 2x overload and its p99 there and at 10%% load (10 ms window)")
     args = ap.parse_args()
     if args.fill_efficiency is not None:
         try:

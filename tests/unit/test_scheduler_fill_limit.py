@@ -73,7 +73,8 @@ def test_fill_efficiency_out_of_range_names_its_path(bad: float) -> None:
 # ---------------------------------------------------------------- the scheduler
 
 def two(eff: float, batch: int = 32) -> PriorityScheduler:
-    cfg = lanes({"name": "hi", "priority": 1, "max_batch_size": batch, "max_wait_ms": 0, "fill_efficiency": eff},
+    cfg = lanes({"name": "hi", "priority": 1, "max_batch_size": batch, "max_wait_ms": 0,
+                 "fill_efficiency": eff},
                 {"name": "lo", "max_batch_size": batch, "max_wait_ms": 0})
     return PriorityScheduler(cfg, "lo")
 
@@ -149,7 +150,8 @@ def test_the_lane_defaults_serve_the_device_and_keep_the_high_lanes_p99(seed: in
 
 
 def test_a_lower_fill_efficiency_trades_throughput_for_high_lane_latency() -> None:
-    curve = [simulate(10.0, load=2.0, seconds=20.0, seed=3, fill=True, efficiency=e) for e in (1.0, 0.97, 0.9)]
+    curve = [simulate(10.0, load=2.0, seconds=20.0, seed=3, fill=True, efficiency=e)
+             for e in (1.0, 0.97, 0.9)]
     caps = [o.capacity_fraction for o in curve]
     p99s = [o.high_p99_ms for o in curve]
     assert caps == sorted(caps, reverse=True) and caps[-1] < 0.93 < caps[0]

@@ -59,7 +59,8 @@ class LaneSettings:
         if not self.weight > 0:
             raise ValueError(f"lane {self.name!r}: weight must be > 0, got {self.weight}")
         if not 0 < self.fill_efficiency <= 1:
-            raise ValueError(f"lane {self.name!r}: fill_efficiency must be in (0, 1], got {self.fill_efficiency}")
+            raise ValueError(f"lane {self.name!r}: fill_efficiency must be in (0, 1], "
+                             f"got {self.fill_efficiency}")
 
     @classmethod
     def of(cls, spec: LaneSpec) -> LaneSettings:

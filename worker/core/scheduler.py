@@ -39,10 +39,11 @@ lanes into the free slots: higher priority first, each lane's ready batches and 
 fill size is ``max_batch_size``, or with ``fill_efficiency`` < 1 and a fitted latency model the smallest size
 whose throughput reaches that fraction of a full batch's (``worker.core.latency.efficient_size``): under
 overload every batch carries high-lane records, and the last few records of a full batch add little
-throughput but their whole ``b*n`` to the time a high-lane record waits for the batch ahead and its own. In ``preempt`` the displaced batch's front records go first (they are the oldest of
-their lane, already accounted for; the rest is requeued). Each added record keeps its lane and is charged
-to its lane's service counter, so the fairness bound above holds per lane; the batch is marked ``mixed``.
-A high lane whose windows close by time under overload thus runs full batches instead of batches of a few
+throughput but their whole ``b*n`` to the time a high-lane record waits for the batch ahead and its own.
+In ``preempt`` the displaced batch's front records go first (they are the oldest of their lane, already
+accounted for; the rest is requeued). Each added record keeps its lane and is charged to its lane's
+service counter, so the fairness bound above holds per lane; the batch is marked ``mixed``. A high lane
+whose windows close by time under overload thus runs near-full batches instead of batches of a few
 records whose fixed cost takes most of the device. A batch taken ahead is full, or is a lane's partial
 batch owed the device: that one is topped up from its own lane and then filled when its device starts it
 (``top_up``). With size buckets the option is off.
