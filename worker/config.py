@@ -97,9 +97,12 @@ class LaneConfig(_Strict):
     # Default budget (ms after receipt) for records of this lane that carry no deadline_ms of their own.
     deadline_ms: PosFloat | None = None
     queue_bound: PosInt = 10_000
-    # A partial batch of this lane takes the oldest records of lower-priority lanes into its free slots
-    # (up to max_batch_size): full batches under overload, at b per added record to this lane's latency.
-    fill_with_lower: bool = False
+    # A partial batch of this lane takes the oldest records of lower-priority lanes into its free slots:
+    # near-full batches under overload, at b per added record to this lane's latency.
+    fill_with_lower: bool = True
+    # How far a filled batch grows: to the smallest size whose records/s, by the fitted a + b*n, reach this
+    # fraction of a full batch's (1 fills to max_batch_size). Lower trades throughput for priority latency.
+    fill_efficiency: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.97
 
     def settings(self) -> LaneSettings:
         """The scheduler's frozen view of this lane (``worker.core.lane_settings``)."""

@@ -3,8 +3,11 @@
 ``python -m tests.bench.overload_sim [--load 2.0[,0.9,...]] [--high-wait-ms 5,10,20,30,50] [--seconds 60] [--fill]
 [--high-max-batch 32]`` prints, per load and high-lane ``max_wait_ms``, the records/s served (as a fraction of
 full-batch capacity), the mean size and share of device time of the batches the high lane leads, the p99
-latency of each lane and the low lane's share of the records served. ``--fill`` sets ``fill_with_lower`` on
-the high lane (its partial batches take low-lane records into their free slots).
+latency of each lane and the low lane's share of the records served. The high lane is set explicitly:
+without ``--fill`` it does not fill; ``--fill`` sets ``fill_with_lower`` with ``fill_efficiency: 1`` (its
+partial batches take low-lane records up to ``max_batch_size``). ``--fill-efficiency 1,0.97,0.9`` prints the
+trade-off of the lane default instead: per ``fill_efficiency`` the filled batch's size on this device, the
+capacity served at 2x overload and the high lane's p99 there against its p99 at 10% load.
 
 What it models: the two lanes of ``tests.bench.latency`` (high: priority 1, weight 4, 10% of the traffic;
 low: priority 0, weight 1), Poisson arrivals, one device whose batch of ``n`` takes ``a + b*n`` (the synthetic
@@ -25,11 +28,13 @@ from __future__ import annotations
 import argparse
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tests.bench.batching import A_MS, B_MS
 from tests.bench.latency import HIGH_SHARE, MAX_B, W_HIGH, W_LOW
 from worker.config import LaneConfig
+from worker.core.latency import LatencyModel, efficient_size
 from worker.core.records import Record, TopicPartition
 from worker.core.scheduler import PriorityScheduler
 
@@ -48,19 +53,23 @@ class Outcome:
     low_p99_ms: float
 
 
-def lanes(high_wait_ms: float, fill: bool = False, high_max: int = MAX_B) -> list[LaneConfig]:
+def lanes(high_wait_ms: float, fill: bool = False, high_max: int = MAX_B, efficiency: float = 1.0,
+          defaults: bool = False) -> list[LaneConfig]:
+    """The bench's lanes; ``defaults``: the high lane's fill settings as a user gets them (LaneConfig's)."""
+    fill_kw = {} if defaults else {"fill_with_lower": fill, "fill_efficiency": efficiency}
     return [
         LaneConfig(name="high", priority=1, weight=W_HIGH, max_batch_size=high_max, max_wait_ms=high_wait_ms,
-                   queue_bound=QUEUE_BOUND, fill_with_lower=fill),
+                   queue_bound=QUEUE_BOUND, **fill_kw),  # type: ignore[arg-type]
         LaneConfig(name="low", priority=0, weight=W_LOW, max_batch_size=MAX_B, max_wait_ms=10,
                    queue_bound=QUEUE_BOUND),
     ]
 
 
 def simulate(high_wait_ms: float, load: float = 2.0, seconds: float = 60.0, seed: int = 1,
-             fill: bool = False, high_max: int = MAX_B) -> Outcome:
+             fill: bool = False, high_max: int = MAX_B, efficiency: float = 1.0,
+             defaults: bool = False) -> Outcome:
     rng = random.Random(seed)
-    sched = PriorityScheduler(lanes(high_wait_ms, fill, high_max), "low")
+    sched = PriorityScheduler(lanes(high_wait_ms, fill, high_max, efficiency, defaults), "low")
     a_s, b_s = A_MS / 1000.0, B_MS / 1000.0
     arrivals: list[tuple[float, str]] = []
     t = 0.0
@@ -110,6 +119,7 @@ def simulate(high_wait_ms: float, load: float = 2.0, seconds: float = 60.0, seed
             continue
         took = a_s + b_s * len(batch.records)
         now += took
+        sched.observe(batch.lane, len(batch.records), took)  # as the runner does: the fitted a + b*n
         for r in batch.records:
             served[r.lane] += 1
             (high_lat if r.lane == "high" else low_lat).append(now - r.received_at)
@@ -131,6 +141,43 @@ def simulate(high_wait_ms: float, load: float = 2.0, seconds: float = 60.0, seed
     )
 
 
+EFFICIENCIES = (1.0, 0.99, 0.98, 0.97, 0.96, 0.95, 0.9, 0.8)
+
+
+@dataclass
+class TradeOff:
+    efficiency: float
+    fill_size: int  # the filled batch's size on this device (efficient_size)
+    capacity_fraction: float  # at 2x overload
+    high_p99_ms: float  # at 2x overload
+    light_high_p99_ms: float  # at 10% load
+    ratio: float  # high_p99_ms / light_high_p99_ms
+
+
+def tradeoff(efficiencies: tuple[float, ...] = EFFICIENCIES, high_wait_ms: float = 10.0,
+             seconds: float = 30.0, seed: int = 1) -> list[TradeOff]:
+    """The filled high lane's ``fill_efficiency``: served capacity against its p99 at 2x overload, and that
+    p99 against its p99 at 10% load (the benchmark's targets: >= 0.95 and <= 2.3)."""
+    lat = LatencyModel()
+    for n in (1, MAX_B):
+        lat.observe(n, (A_MS + B_MS * n) / 1000.0)
+    out = []
+    for e in efficiencies:
+        over = simulate(high_wait_ms, 2.0, seconds, seed, fill=True, efficiency=e)
+        light = simulate(high_wait_ms, 0.1, seconds, seed, fill=True, efficiency=e)
+        out.append(TradeOff(e, efficient_size(lat, MAX_B, e), over.capacity_fraction, over.high_p99_ms,
+                            light.high_p99_ms, over.high_p99_ms / light.high_p99_ms))
+    return out
+
+
+def print_tradeoff(curve: list[TradeOff], out: Callable[[str], object] = print) -> None:
+    out(f"{'fill_efficiency':>15} {'filled batch':>13} {'served / capacity':>18} {'high p99 ms':>12} "
+        f"{'at 10% load':>12} {'ratio':>6}")
+    for t in curve:
+        out(f"{t.efficiency:>15.2f} {t.fill_size:>13d} {t.capacity_fraction:>18.3f} {t.high_p99_ms:>12.0f} "
+            f"{t.light_high_p99_ms:>12.0f} {t.ratio:>6.2f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--load", default="2.0",
@@ -141,7 +188,21 @@ def main() -> int:
                     help=f"the high lane's max_batch_size (default {MAX_B}, the low lane's): with --fill it bounds "
                          "how long a filled high batch takes")
     ap.add_argument("--seconds", type=float, default=60.0, help="simulated seconds per value (default 60)")
+    ap.add_argument("--fill-efficiency", default=None, metavar="E[,E...]",
+                    help="instead: the filled high lane's fill_efficiency values (e.g. 1,0.97,0.9) against "
+                         "served capacity at 2x overload and its p99 there and at 10%% load (10 ms window)")
     args = ap.parse_args()
+    if args.fill_efficiency is not None:
+        try:
+            effs = tuple(float(x) for x in args.fill_efficiency.split(","))
+        except ValueError as e:
+            ap.error(f"--fill-efficiency takes comma-separated numbers: {e}")
+        if any(not 0 < e <= 1 for e in effs):
+            ap.error("--fill-efficiency values must be in (0, 1]")
+        print(f"a={A_MS} ms, b={B_MS} ms, max batch {MAX_B}: capacity {CAPACITY:.0f} records/s; high lane "
+              f"{HIGH_SHARE:.0%} of the traffic, fill_with_lower, max_wait 10 ms")
+        print_tradeoff(tradeoff(effs, seconds=args.seconds))
+        return 0
     try:
         loads = [float(x) for x in args.load.split(",")]
         waits = [float(x) for x in args.high_wait_ms.split(",")]

@@ -15,7 +15,7 @@ from worker.core.records import TopicPartition
 
 IN0 = TopicPartition("in", 0)
 
-LANES = {"lanes": [{"name": "hi", "priority": 1, "max_batch_size": 8},
+LANES = {"lanes": [{"name": "hi", "priority": 1, "max_batch_size": 8, "fill_with_lower": False},
                    {"name": "lo", "max_batch_size": 8}],
          "default_lane": "lo"}
 

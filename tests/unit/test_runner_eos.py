@@ -16,7 +16,8 @@ from tests.unit.fakes_kafka import Harness, make_config, request
 from worker.core.records import TopicPartition
 
 IN0, IN1 = TopicPartition("in", 0), TopicPartition("in", 1)
-LANES = {"lanes": [{"name": "hi", "priority": 1}, {"name": "lo"}], "default_lane": "lo"}
+LANES = {"lanes": [{"name": "hi", "priority": 1, "fill_with_lower": False}, {"name": "lo"}],
+         "default_lane": "lo"}
 
 
 def eos(monkeypatch: pytest.MonkeyPatch, devices: int = 1, **sections: dict[str, Any]) -> Harness:

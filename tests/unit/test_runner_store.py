@@ -347,7 +347,8 @@ def test_errors_are_not_cached(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_preempted_batch_goes_back_and_its_records_are_not_counted_twice(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = make_config(kafka={"input_topics": []}, redis={"url": REDIS_URL},
-                      batching={"lanes": [{"name": "hi", "topics": ["in-hi"], "priority": 1, "max_batch_size": 2},
+                      batching={"lanes": [{"name": "hi", "topics": ["in-hi"], "priority": 1,
+                                           "max_batch_size": 2, "fill_with_lower": False},
                                           {"name": "lo", "topics": ["in-lo"], "max_batch_size": 2}],
                                 "default_lane": "lo"})
     store = MemoryStore()

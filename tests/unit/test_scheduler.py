@@ -8,10 +8,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support.props import examples
-from tests.unit.fakes import FakeClock, ids, lanes, rec, recs
+from tests.unit import fakes
+from tests.unit.fakes import FakeClock, ids, rec, recs
+from worker.config import LaneConfig
 from worker.core import lane as lane_module
 from worker.core.records import Batch, Record, TopicPartition
 from worker.core.scheduler import PriorityScheduler
+
+
+def lanes(*specs: dict[str, object]) -> list[LaneConfig]:
+    """Lanes as configured, but filling only where a test says so: most tests here pin how lanes behave
+    apart (``fill_with_lower`` is on by default; ``test_scheduler_fill_limit.py`` covers the default)."""
+    return fakes.lanes(*({"fill_with_lower": False} | spec for spec in specs))
 
 
 def two_lanes(policy: str = "fixed", hi_weight: float = 1.0, lo_weight: float = 1.0, batch: int = 4,
@@ -473,14 +481,15 @@ PRIORITY = {"hi": 5, "lo": 1, "default": 0}
 @settings(max_examples=examples(200), deadline=None)
 @given(ops=st.lists(op_st, min_size=10, max_size=80), policy=st.sampled_from(["fixed", "adaptive"]),
        bucket=st.sampled_from([0, 2]), weights=st.tuples(st.integers(1, 4), st.integers(1, 4)),
-       fixed_cost=st.sampled_from([None, 0.002, 0.020]), fill=st.booleans())
+       fixed_cost=st.sampled_from([None, 0.002, 0.020]), fill=st.booleans(),
+       eff=st.sampled_from([1.0, 0.97, 0.5]))
 def test_every_record_comes_out_exactly_once(ops: list[tuple[str, object, int, float | None]], policy: str,
                                              bucket: int, weights: tuple[int, int],
-                                             fixed_cost: float | None, fill: bool) -> None:
+                                             fixed_cost: float | None, fill: bool, eff: float) -> None:
     cfg = lanes({"name": "hi", "priority": 5, "weight": weights[0], "max_batch_size": 4, "max_wait_ms": 5,
-                 "fill_with_lower": fill},
+                 "fill_with_lower": fill, "fill_efficiency": eff},
                 {"name": "lo", "priority": 1, "weight": weights[1], "max_batch_size": 3, "max_wait_ms": 0,
-                 "fill_with_lower": fill},
+                 "fill_with_lower": fill, "fill_efficiency": eff},
                 {"name": "default", "max_batch_size": 5, "max_wait_ms": 20, "queue_bound": 4})
     s = PriorityScheduler(cfg, "default", policy, bucket_width=bucket)
     if fixed_cost is not None:  # a trained latency model, so the adaptive paths (hold, expire early) run
@@ -579,15 +588,19 @@ _arrivals = st.lists(st.tuples(st.integers(0, 2), st.sampled_from([None, 0.004, 
 
 @settings(max_examples=examples(150), deadline=None)
 @given(cycles=st.lists(st.tuples(_arrivals, st.integers(0, 25), st.integers(0, 6)), min_size=5, max_size=40),
-       policy=st.sampled_from(["fixed", "adaptive"]), bucket=st.sampled_from([0, 0, 2]), fill=st.booleans())
+       policy=st.sampled_from(["fixed", "adaptive"]), bucket=st.sampled_from([0, 0, 2]), fill=st.booleans(),
+       eff=st.sampled_from([1.0, 0.97, 0.5]))
 def test_the_device_pipeline_with_top_ups_runs_every_record_exactly_once(
-        cycles: list[tuple[list[tuple[int, float | None]], int, int]], policy: str, bucket: int, fill: bool) -> None:
+        cycles: list[tuple[list[tuple[int, float | None]], int, int]], policy: str, bucket: int, fill: bool,
+        eff: float) -> None:
     """The runner's pipeline on one device: while a batch runs the next is taken ahead (full_only), records
     arrive, and when the device frees up the batch taken ahead is started as Runner._swap does (start,
     drop_expired, preempt, else top_up). Such a batch is often partial by then (deadlines, a raised limit) and
     is topped up, so this exercises top_up far more often than the random-operations test does."""
-    cfg = lanes({"name": "hi", "priority": 5, "max_batch_size": 4, "max_wait_ms": 5, "fill_with_lower": fill},
-                {"name": "lo", "priority": 1, "max_batch_size": 3, "max_wait_ms": 2, "fill_with_lower": fill},
+    cfg = lanes({"name": "hi", "priority": 5, "max_batch_size": 4, "max_wait_ms": 5, "fill_with_lower": fill,
+                 "fill_efficiency": eff},
+                {"name": "lo", "priority": 1, "max_batch_size": 3, "max_wait_ms": 2, "fill_with_lower": fill,
+                 "fill_efficiency": eff},
                 {"name": "default", "max_batch_size": 5, "max_wait_ms": 20})
     s = PriorityScheduler(cfg, "default", policy, bucket_width=bucket)
     for n in (1, 3, 5):
@@ -1233,7 +1246,6 @@ def test_a_filled_batch_a_free_device_took_is_not_preempted() -> None:
 
 
 def test_a_lane_config_converts_to_the_schedulers_own_settings() -> None:
-    from worker.config import LaneConfig
     from worker.core.lane_settings import LaneSettings, LaneSpec
 
     cfg = LaneConfig(name="hi", topics=["t"], weight=3.0, priority=7, max_batch_size=5, max_wait_ms=2.5,

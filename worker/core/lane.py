@@ -42,7 +42,7 @@ class Lane:
         "name", "index", "priority", "weight", "queue_bound", "max_batch", "batcher", "ready", "ready_n", "n",
         "dead", "heap", "live", "seq", "vservice", "served_records", "served_batches", "expired", "revoked",
         "arrivals", "rate", "rate_t", "rate_mark", "rate_num", "rate_den", "model", "hold_until",
-        "cfg_max_batch", "fill", "ahead",
+        "cfg_max_batch", "fill", "fill_efficiency", "ahead",
     )
 
     def __init__(self, cfg: LaneSettings, index: int, bucket_width: int) -> None:
@@ -54,6 +54,7 @@ class Lane:
         self.max_batch = cfg.max_batch_size
         self.cfg_max_batch = cfg.max_batch_size
         self.fill = cfg.fill_with_lower and bucket_width == 0
+        self.fill_efficiency = cfg.fill_efficiency
         self.batcher = MicroBatcher(cfg.name, cfg.max_batch_size, cfg.max_wait_ms / 1000.0, bucket_width)
         self.ready: deque[Batch] = deque()
         self.ready_n = 0  # records physically in ready batches (expired ones included until dropped)

@@ -35,12 +35,16 @@ class LaneSpec(Protocol):
     @property
     def fill_with_lower(self) -> bool: ...
 
+    @property
+    def fill_efficiency(self) -> float: ...
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LaneSettings:
     """One lane: ``priority`` (higher first), ``weight`` (share under overload), ``max_batch_size``,
     ``max_wait_ms`` (how long a window stays open), ``queue_bound`` (records queued before its partitions
-    pause), ``fill_with_lower`` (a partial batch takes lower lanes' records)."""
+    pause), ``fill_with_lower`` (a partial batch takes lower lanes' records), ``fill_efficiency`` (how far
+    such a batch grows: see ``worker.core.latency.efficient_size``)."""
 
     name: str
     priority: int = 0
@@ -49,10 +53,14 @@ class LaneSettings:
     max_wait_ms: float = 10.0
     queue_bound: int = 10_000
     fill_with_lower: bool = False
+    fill_efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.weight > 0:
             raise ValueError(f"lane {self.name!r}: weight must be > 0, got {self.weight}")
+        if not 0 < self.fill_efficiency <= 1:
+            raise ValueError(f"lane {self.name!r}: fill_efficiency must be in (0, 1], "
+                             f"got {self.fill_efficiency}")
 
     @classmethod
     def of(cls, spec: LaneSpec) -> LaneSettings:
@@ -60,4 +68,5 @@ class LaneSettings:
             return spec
         return cls(name=spec.name, priority=spec.priority, weight=float(spec.weight),
                    max_batch_size=spec.max_batch_size, max_wait_ms=spec.max_wait_ms,
-                   queue_bound=spec.queue_bound, fill_with_lower=spec.fill_with_lower)
+                   queue_bound=spec.queue_bound, fill_with_lower=spec.fill_with_lower,
+                   fill_efficiency=spec.fill_efficiency)

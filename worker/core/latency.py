@@ -78,3 +78,17 @@ class LatencyModel:
 
     def __repr__(self) -> str:
         return f"LatencyModel(a={self.a:.6f}, b={self.b:.6f}, observations={self.observations})"
+
+
+def efficient_size(model: LatencyModel, full: int, efficiency: float) -> int:
+    """The smallest batch size ``n <= full`` whose throughput ``n / (a + b*n)`` is at least ``efficiency``
+    times a full batch's, ``full / (a + b*full)``; ``full`` when the model has no fixed cost to amortise.
+
+    Throughput rises with ``n`` toward ``1/b`` and flattens once ``b*n`` dominates ``a``: the last records
+    of a full batch add little throughput but their whole ``b*n`` to the batch's latency. Solving
+    ``n (a + b*full) >= efficiency * full * (a + b*n)`` gives the bound below."""
+    a, b = model.a, model.b
+    if efficiency >= 1.0 or a <= 0.0 or full <= 1:
+        return full
+    n = efficiency * full * a / (a + b * full * (1.0 - efficiency))
+    return max(1, min(full, math.ceil(n - 1e-9)))

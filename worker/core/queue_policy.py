@@ -2,8 +2,9 @@
 
 Both policies fit, per lane, an online least-squares model ``latency(n) = a + b*n`` of the device
 (``LatencyModel``, fed by ``observe``; a pooled model stands in for lanes without enough observations):
-``fitted`` reports it, whatever the policy. ``planning`` is the model the decisions use: None under
-"fixed", so every model-driven branch of the scheduler is off.
+``fitted`` reports it, whatever the policy (the scheduler's fill size for ``fill_efficiency`` reads it under
+both). ``planning`` is the model the waiting and deadline decisions use: None under "fixed", so those
+branches of the scheduler are off.
 
 Policy "fixed"
 --------------

@@ -34,12 +34,16 @@ the device under overload; ``weight: 1`` everywhere splits the device evenly).
 Filling partial batches (lane option ``fill_with_lower``, both policies)
 -----------------------------------------------------------------------
 A batch that a free device starts now (``next_batch(idle=True)``, or the one ``preempt`` swaps in) whose
-lane has the option and that holds fewer than the lane's ``max_batch_size`` records takes the oldest live
-records of lower-priority lanes into the free slots: higher priority first, each lane's ready batches and
-then its open windows. In ``preempt`` the displaced batch's front records go first (they are the oldest of
-their lane, already accounted for; the rest is requeued). Each added record keeps its lane and is charged
-to its lane's service counter, so the fairness bound above holds per lane; the batch is marked ``mixed``.
-A high lane whose windows close by time under overload thus runs full batches instead of batches of a few
+lane has the option and that holds fewer than its fill size takes the oldest live records of lower-priority
+lanes into the free slots: higher priority first, each lane's ready batches and then its open windows. The
+fill size is ``max_batch_size``, or with ``fill_efficiency`` < 1 and a fitted latency model the smallest size
+whose throughput reaches that fraction of a full batch's (``worker.core.latency.efficient_size``): under
+overload every batch carries high-lane records, and the last few records of a full batch add little
+throughput but their whole ``b*n`` to the time a high-lane record waits for the batch ahead and its own.
+In ``preempt`` the displaced batch's front records go first (they are the oldest of their lane, already
+accounted for; the rest is requeued). Each added record keeps its lane and is charged to its lane's
+service counter, so the fairness bound above holds per lane; the batch is marked ``mixed``. A high lane
+whose windows close by time under overload thus runs near-full batches instead of batches of a few
 records whose fixed cost takes most of the device. A batch taken ahead is full, or is a lane's partial
 batch owed the device: that one is topped up from its own lane and then filled when its device starts it
 (``top_up``). With size buckets the option is off.
@@ -55,6 +59,7 @@ from __future__ import annotations
 
 from worker.core.lane import Lane
 from worker.core.lane_queues import LaneQueues
+from worker.core.latency import efficient_size
 from worker.core.queue_policy import Policy, fill_room
 from worker.core.records import Batch, Record
 
@@ -103,7 +108,7 @@ class PriorityScheduler(LaneQueues):
         (a lower lane's batch taken ahead, being preempted) its front records go first: they are the oldest,
         and they were accounted for when it was taken. Each record keeps its own lane and is charged to it."""
         lane = self._lanes[batch.lane]
-        room = lane.max_batch - len(batch.records)
+        room = self._fill_size(lane) - len(batch.records)
         if not lane.fill or room <= 0:
             return batch
         model = self._policy.planning(lane)
@@ -151,6 +156,17 @@ class PriorityScheduler(LaneQueues):
             batch.records.extend(added)
             batch.mixed = True
         return batch
+
+    def _fill_size(self, lane: Lane) -> int:
+        """How many records a filled batch of ``lane`` holds at most: ``max_batch_size``, or with
+        ``fill_efficiency`` < 1 and a fitted latency model (either policy) the smallest size that reaches
+        that fraction of a full batch's throughput (``efficient_size``)."""
+        if lane.fill_efficiency >= 1.0:
+            return lane.max_batch
+        model = self._policy.fitted(lane)
+        if model is None:
+            return lane.max_batch
+        return efficient_size(model, lane.max_batch, lane.fill_efficiency)
 
     def _select(self, now: float, idle: bool, full_only: bool = False) -> Batch | None:
         if full_only and not idle:
