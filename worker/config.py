@@ -114,6 +114,10 @@ class LaneConfig(_Strict):
     # A partial batch of this lane takes the oldest records of lower-priority lanes into its free slots
     # (up to max_batch_size): full batches under overload, at b per added record to this lane's latency.
     fill_with_lower: bool = False
+    # Token budget: a batch of this lane costs at most this much, a record costing the model's size_of
+    # (e.g. its token count; 1 without one). The record that does not fit opens the next window; a record
+    # over the budget alone runs alone. null: no budget (max_batch_size alone bounds a batch).
+    max_batch_tokens: PosInt | None = None
 
     def settings(self) -> LaneSettings:
         """The scheduler's frozen view of this lane (``worker.core.lane_settings``)."""

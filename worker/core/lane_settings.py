@@ -35,12 +35,16 @@ class LaneSpec(Protocol):
     @property
     def fill_with_lower(self) -> bool: ...
 
+    @property
+    def max_batch_tokens(self) -> int | None: ...
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LaneSettings:
     """One lane: ``priority`` (higher first), ``weight`` (share under overload), ``max_batch_size``,
     ``max_wait_ms`` (how long a window stays open), ``queue_bound`` (records queued before its partitions
-    pause), ``fill_with_lower`` (a partial batch takes lower lanes' records)."""
+    pause), ``fill_with_lower`` (a partial batch takes lower lanes' records), ``max_batch_tokens`` (the
+    most a batch may cost, in record sizes; None: no budget)."""
 
     name: str
     priority: int = 0
@@ -49,10 +53,14 @@ class LaneSettings:
     max_wait_ms: float = 10.0
     queue_bound: int = 10_000
     fill_with_lower: bool = False
+    max_batch_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.weight > 0:
             raise ValueError(f"lane {self.name!r}: weight must be > 0, got {self.weight}")
+        if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
+            raise ValueError(f"lane {self.name!r}: max_batch_tokens must be >= 1 (or null: no budget), "
+                             f"got {self.max_batch_tokens}")
 
     @classmethod
     def of(cls, spec: LaneSpec) -> LaneSettings:
@@ -60,4 +68,5 @@ class LaneSettings:
             return spec
         return cls(name=spec.name, priority=spec.priority, weight=float(spec.weight),
                    max_batch_size=spec.max_batch_size, max_wait_ms=spec.max_wait_ms,
-                   queue_bound=spec.queue_bound, fill_with_lower=spec.fill_with_lower)
+                   queue_bound=spec.queue_bound, fill_with_lower=spec.fill_with_lower,
+                   max_batch_tokens=spec.max_batch_tokens)
