@@ -243,3 +243,17 @@ class BatchLimit:
         after = limit if limit is not None else self.ceiling
         return LimitChange(before=old, after=after, lifted=limit is None and old is not None,
                            tokens_before=t_before, tokens_after=self.tokens)
+
+
+def chunk_end(costs: list[int], start: int, count: int, tokens: int | None) -> int:
+    """Where a chunk of a batch starting at ``start`` ends: at most ``count`` items and, with ``tokens``,
+    at most that cost (``costs`` per item), except that a first item over it goes alone."""
+    end = min(len(costs), start + count)
+    if tokens is None:
+        return end
+    total = 0
+    for i in range(start, end):
+        total += costs[i]
+        if total > tokens:
+            return max(i, start + 1)
+    return end
