@@ -57,6 +57,8 @@ MEANINGS: dict[str, str] = {
     "batching.lanes[].queue_bound": "at this many queued records the lane's topics are paused",
     "batching.lanes[].fill_with_lower": "a partial batch of this lane takes lower-priority records into "
                                         "its free slots",
+    "batching.lanes[].max_batch_tokens": "... or when the next record would take it over this cost (the "
+                                         "model's `size_of` per record); unset: no token budget",
     "batching.default_lane": "where records naming an unknown lane go",
     "batching.bucket_width": "> 0: batch inputs of similar size together (`size // bucket_width`)",
     "batching.max_in_flight": "backpressure: pause fetching at this many records in flight",
