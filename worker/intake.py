@@ -153,8 +153,9 @@ class Intake:
             if self._size_of is not None:
                 rec.size = int(self._size_of(rec.item))
                 if self._max_size is not None and rec.size > self._max_size:
-                    return Outcome(rec, "error", dlq_stage="size", error=f"record size {rec.size} (the model's "
-                                   f"size_of) is over the model's max_size={self._max_size}")
+                    return Outcome(rec, "error", dlq_stage="size",
+                                   error=f"record size {rec.size} (the model's size_of) is over the model's "
+                                         f"max_size={self._max_size}")
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # noqa: BLE001 - a handler bug on one input must not stop the partition

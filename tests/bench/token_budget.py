@@ -39,8 +39,8 @@ BUDGET = 16 * MAX_TOKENS  # token budget = count-only max batch (16) x the longe
 TOKEN_MODE_MAX_BATCH = 256  # the token mode's max_batch_size: the budget, not the count, bounds its batches
 BUCKET = 16
 LONG_SHARE = 0.12
-WORDS = ["stream", "event", "batch", "token", "window", "kafka", "offset", "model", "device", "memory", "lane",
-         "priority", "deadline", "partition", "commit", "result", "topic", "shard"]
+WORDS = ["stream", "event", "batch", "token", "window", "kafka", "offset", "model", "device", "memory",
+         "lane", "priority", "deadline", "partition", "commit", "result", "topic", "shard"]
 
 
 def corpus(n: int, seed: int = 7) -> list[str]:
@@ -99,15 +99,16 @@ def one_mode(mode: str, n: int, bucket: int) -> dict[str, Any]:
 
 
 def _child(mode: str, n: int, bucket: int) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-m", "tests.bench.token_budget", "--child", mode, "--texts", str(n),
-                          "--bucket-width", str(bucket)], capture_output=True, text=True, check=True)
+    argv = [sys.executable, "-m", "tests.bench.token_budget", "--child", mode, "--texts", str(n),
+            "--bucket-width", str(bucket)]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def measure(n: int, bucket: int) -> dict[str, Any]:
     count, tokens = _child("count", n, bucket), _child("tokens", n, bucket)
-    res: dict[str, Any] = {"budget": BUDGET, "max_tokens": MAX_TOKENS, "long_share": LONG_SHARE, "bucket": bucket,
-                           "count": count, "tokens": tokens,
+    res: dict[str, Any] = {"budget": BUDGET, "max_tokens": MAX_TOKENS, "long_share": LONG_SHARE,
+                           "bucket": bucket, "count": count, "tokens": tokens,
                            "throughput_ratio": tokens["texts_per_s"] / count["texts_per_s"],
                            "rss_growth_ratio": (tokens["rss_growth_mb"] / count["rss_growth_mb"]
                                                 if count["rss_growth_mb"] else float("nan")),
@@ -126,7 +127,8 @@ def pair_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
             c["texts_per_s"], "info", 0, "texts/s",
             f"{what}; mean batch {t['mean_batch']:.1f} vs {c['mean_batch']:.1f} records"),
         row(name, "peak RSS growth, MB", t["rss_growth_mb"], "count-only batching",
-            c["rss_growth_mb"], "info", 0, "MB", "ru_maxrss minus RSS before the first batch, one child per mode"),
+            c["rss_growth_mb"], "info", 0, "MB",
+            "ru_maxrss minus RSS before the first batch, one child per mode"),
         row(name, "largest batch: padded tokens x hidden x 4 B, MB", t["proxy_peak_mb"],
             "count-only batching", c["proxy_peak_mb"], "info", 0, "MB",
             f"{t['max_padded_tokens']} vs {c['max_padded_tokens']} padded tokens"),
@@ -142,9 +144,9 @@ def run(ctx: Ctx) -> dict[str, Any]:
     n = 600 if ctx.quick else 3000
     pairs = [measure(n, BUCKET), measure(n, 0)]
     for p in pairs:
-        log(f"token budget (bucket_width {p['bucket']}): {p['tokens']['texts_per_s']:.1f} texts/s vs count only "
-            f"{p['count']['texts_per_s']:.1f} (x{p['throughput_ratio']:.2f}); RSS growth x{p['rss_growth_ratio']:.2f}; "
-            f"largest batch x{p['proxy_peak_ratio']:.2f}")
+        log(f"token budget (bucket_width {p['bucket']}): {p['tokens']['texts_per_s']:.1f} texts/s vs "
+            f"count only {p['count']['texts_per_s']:.1f} (x{p['throughput_ratio']:.2f}); "
+            f"RSS growth x{p['rss_growth_ratio']:.2f}; largest batch x{p['proxy_peak_ratio']:.2f}")
     return summarize({"pairs": pairs})
 
 
@@ -153,7 +155,8 @@ def main() -> int:
     ap.add_argument("--child", choices=["count", "tokens"], help=argparse.SUPPRESS)
     ap.add_argument("--texts", type=int, default=3000)
     ap.add_argument("--quick", action="store_true", help="600 texts")
-    ap.add_argument("--bucket-width", type=int, default=BUCKET, help="batching.bucket_width of both modes (0: none)")
+    ap.add_argument("--bucket-width", type=int, default=BUCKET,
+                    help="batching.bucket_width of both modes (0: none)")
     a = ap.parse_args()
     if a.child:
         print(json.dumps(one_mode(a.child, a.texts, a.bucket_width)))

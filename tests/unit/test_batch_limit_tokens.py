@@ -56,9 +56,10 @@ def test_only_the_token_budget_changes_when_the_count_is_already_lower() -> None
 @given(ops=st.lists(_op, max_size=80), configured=st.integers(1, 32),
        configured_tokens=st.one_of(st.none(), st.integers(1, 512)), grow_after=st.integers(1, 4),
        factor=st.sampled_from([1.0, 1.25, 2.0]))
-@example(ops=[("oom", 1, 1), ("restore", 0, 0), ("snap", 0, 0)], configured=1, configured_tokens=None, grow_after=1, factor=1.0)
-def test_token_limit_properties(ops: list[tuple[str, int, int]], configured: int, configured_tokens: int | None,
-                                grow_after: int, factor: float) -> None:
+@example(ops=[("oom", 1, 1), ("restore", 0, 0), ("snap", 0, 0)], configured=1, configured_tokens=None,
+         grow_after=1, factor=1.0)
+def test_token_limit_properties(ops: list[tuple[str, int, int]], configured: int,
+                                configured_tokens: int | None, grow_after: int, factor: float) -> None:
     policy = LimitPolicy(grow_after=grow_after, grow_factor=factor)
     lim = BatchLimit(policy, configured, configured_tokens)
     plain = BatchLimit(policy, configured)  # the same sizes, no costs: the count-only machine
@@ -73,7 +74,7 @@ def test_token_limit_properties(ops: list[tuple[str, int, int]], configured: int
             change = lim.out_of_memory(n, tokens=t)
             plain.out_of_memory(n)
             if t > 1:
-                assert lim.tokens is not None and lim.tokens < t, "a cost that ran out of memory is the budget"
+                assert lim.tokens is not None and lim.tokens < t, "a cost that ran out of memory is in force"
         elif op == "snap":
             snap, plain_snap = lim.snapshot(), plain.snapshot()
         else:

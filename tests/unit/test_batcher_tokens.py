@@ -297,7 +297,8 @@ def test_scheduler_every_record_once_no_batch_over_its_budget(
         elif op == "expire":
             out.extend(r.offset for r in s.expire(now))
         elif op == "revoke":
-            out.extend(r.offset for r in s.revoke({TopicPartition("in", int(a1))}))  # type: ignore[call-overload]
+            gone = s.revoke({TopicPartition("in", int(a1))})  # type: ignore[call-overload]
+            out.extend(r.offset for r in gone)
         elif op == "max":
             s.set_max_batch_size(LANES[int(a1)], a2)  # type: ignore[call-overload]
         elif op == "tokens":

@@ -52,7 +52,8 @@ def test_an_oom_lowers_the_token_budget_and_chunks_by_it() -> None:
 def test_a_lane_without_a_budget_gets_one_and_loses_it_when_lifted() -> None:
     m = TokenHungry(room=30)
     budgets: list[int | None] = []
-    eng = Engine(m, "cpu", warmup=False, grow_after=1, grow_factor=4.0, on_tokens=lambda lane, t: budgets.append(t))
+    eng = Engine(m, "cpu", warmup=False, grow_after=1, grow_factor=4.0,
+                 on_tokens=lambda lane, t: budgets.append(t))
     assert eng.infer([20, 20, 20], "b") == [20, 20, 20]
     assert budgets and budgets[0] is not None and budgets[0] < 60
     m.room = None

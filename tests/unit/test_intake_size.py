@@ -46,7 +46,8 @@ def test_without_max_size_any_size_is_admitted() -> None:
     assert Intake(make_config(), Unbounded()).admit(rec, 1.0) is None and rec.size == 100
 
 
-def test_refused_record_reaches_the_dlq_and_never_blocks_the_partition(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_refused_record_reaches_the_dlq_and_never_blocks_the_partition(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     h = Harness(monkeypatch, make_config(), model=Sized()).start()
     h.c.assign(("in", 0))
     for v in (request("long", "abcdefgh"), request("short", "abc")):

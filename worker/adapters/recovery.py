@@ -64,7 +64,8 @@ class LaneLimits:
 
     def __init__(self, model_name: Callable[[], str], policy: LimitPolicy, configured: Mapping[str, int],
                  stats: EngineStats, on_limit: LimitFn | None = None,
-                 configured_tokens: Mapping[str, int | None] | None = None, on_tokens: TokensFn | None = None) -> None:
+                 configured_tokens: Mapping[str, int | None] | None = None,
+                 on_tokens: TokensFn | None = None) -> None:
         self._name = model_name  # (read when logging: a handler may name itself in setup())
         self._policy = policy
         self._stats = stats

@@ -110,11 +110,12 @@ class Engine:
         self._split_lock = threading.Lock()
         policy = LimitPolicy(grow_after=max(1, grow_after), grow_factor=max(1.0, grow_factor))
         # Where a lowered limit is lifted: the lane's configured max, else the largest batch seen.
-        self._limits = LaneLimits(lambda: self.name, policy, dict(max_batch_sizes or {}), self.stats, on_limit,
-                                  max_batch_tokens, on_tokens)
+        self._limits = LaneLimits(lambda: self.name, policy, dict(max_batch_sizes or {}), self.stats,
+                                  on_limit, max_batch_tokens, on_tokens)
         self._recovery = Recovery(self, self._limits, self.stats, oom_retries=oom_retries,
                                   oom_retry_backoff_s=oom_retry_backoff_s,
-                                  traceback_every_s=traceback_every_s, size_of=getattr(model, "size_of", None))
+                                  traceback_every_s=traceback_every_s,
+                                  size_of=getattr(model, "size_of", None))
         self.ready = False
 
     # -- lifecycle

@@ -23,8 +23,9 @@ costs pass none, and only the count moves.
 ``snapshot`` / ``restore`` take the state back to an earlier point: when every chunk that ran out of memory
 during one recovery held a record that does so even alone, the batch size was not the cause.
 
-Every transition returns a ``LimitChange`` when the max batch size or the token budget in force changed (the caller logs it and
-tells the scheduler), else None. Pure: no clocks, threads or I/O; the caller serializes calls.
+Every transition returns a ``LimitChange`` when the max batch size or the token budget in force changed
+(the caller logs it and tells the scheduler), else None. Pure: no clocks, threads or I/O; the caller
+serializes calls.
 """
 
 from __future__ import annotations

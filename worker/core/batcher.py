@@ -179,7 +179,8 @@ class MicroBatcher:
         return w.opened_at, w.records
 
     # ------------------------------------------------------------------ early / forced closing
-    def take_open(self, now: float, limit: int, reason: str = "idle", tokens: int | None = None) -> Batch | None:
+    def take_open(self, now: float, limit: int, reason: str = "idle",
+                  tokens: int | None = None) -> Batch | None:
         """Close the oldest open window now, taking at most ``min(limit, max_batch_size)`` of its records
         and at most the token budget of them (the rest stay open, keeping the window's ``opened_at``).
 

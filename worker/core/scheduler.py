@@ -297,7 +297,8 @@ class PriorityScheduler(LaneQueues):
             room = fill_room(model, out, now, room)
         troom = lane.token_room(out.records)
         if room > 0 and lane.n and (troom is None or troom > 0):
-            part = self._finalize(self._select_from(lane, now, True, room, troom), now, ahead=len(out.records))
+            own = self._select_from(lane, now, True, room, troom)
+            part = self._finalize(own, now, ahead=len(out.records))
             if part is not None:
                 out.records.extend(part.records)
                 lane.served_batches -= 1  # part of this batch, not one of its own

@@ -61,7 +61,8 @@ class Dispatch:
         """The engine lowers a lane's token budget after an out-of-memory error and puts it back later."""
         with self.cv:
             self.scheduler.set_max_batch_tokens(lane, tokens)
-        log.info("token budget of lane %s now %s", lane, tokens, extra={"lane": lane, "max_batch_tokens": tokens})
+        log.info("token budget of lane %s now %s", lane, tokens,
+                 extra={"lane": lane, "max_batch_tokens": tokens})
 
     def take(self, timeout: float, worker: int) -> Batch | None:
         batch = self.next_batch(timeout, worker)
