@@ -1,6 +1,6 @@
 """Token budgets on the real broker: a backlog of records of mixed sizes runs in batches within the lane's
 ``max_batch_tokens``; a record over the budget runs alone; one over the model's ``max_size`` goes to the
-dead-letter topic (stage ``size``); every record gets a result and the partition is committed."""
+dead-letter topic (stage ``size``); every record gets one result."""
 
 from __future__ import annotations
 
@@ -9,7 +9,14 @@ import random
 import msgspec
 import pytest
 
-from tests.support.kafka_io import WorkerProcess, create_topics, decode, produce_values, read_all, worker_config
+from tests.support.kafka_io import (
+    WorkerProcess,
+    create_topics,
+    decode,
+    produce_values,
+    read_all,
+    worker_config,
+)
 
 pytestmark = pytest.mark.integration
 
