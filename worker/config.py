@@ -103,6 +103,10 @@ class LaneConfig(_Strict):
     # How far a filled batch grows: to the smallest size whose records/s, by the fitted a + b*n, reach this
     # fraction of a full batch's (1 fills to max_batch_size). Lower trades throughput for priority latency.
     fill_efficiency: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.97
+    # Token budget: a batch of this lane costs at most this much, a record costing the model's size_of
+    # (e.g. its token count; 1 without one). The record that does not fit opens the next window; a record
+    # over the budget alone runs alone. null: no budget (max_batch_size alone bounds a batch).
+    max_batch_tokens: PosInt | None = None
 
     def settings(self) -> LaneSettings:
         """The scheduler's frozen view of this lane (``worker.core.lane_settings``)."""

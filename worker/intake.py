@@ -65,6 +65,7 @@ class Intake:
         self._topic_lane = {t: ln for t, ln in self.topic_lanes.items() if ln in self.lanes}
         self.default_lane = cfg.batching.default_lane
         self._size_of = getattr(model, "size_of", None)
+        self._max_size = getattr(model, "max_size", None)  # the most one record may cost the model
         self.cache_on = cfg.redis.cache
         self.model_id = (str(getattr(model, "name", cfg.model.name)),
                          str(cfg.model.version or getattr(model, "version", "")))
@@ -151,6 +152,10 @@ class Intake:
             rec.item = self.model.decode(req.inputs)
             if self._size_of is not None:
                 rec.size = int(self._size_of(rec.item))
+                if self._max_size is not None and rec.size > self._max_size:
+                    return Outcome(rec, "error", dlq_stage="size",
+                                   error=f"record size {rec.size} (the model's size_of) is over the model's "
+                                         f"max_size={self._max_size}")
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # noqa: BLE001 - a handler bug on one input must not stop the partition

@@ -178,10 +178,12 @@ class Runner:
         dispatch, mcfg = self.dispatch, self.cfg.model
         limits = {lane.name: lane.max_batch_size for lane in self.cfg.batching.lanes}
         pairs: list[tuple[Model, Any]] = []
+        budgets = {lane.name: lane.max_batch_tokens for lane in self.cfg.batching.lanes}
         for i, dev in enumerate(devices):
             model = self._model_arg if (i == 0 and self._model_arg is not None) else load_model(mcfg)
             engine = Engine(model, dev, dtype=mcfg.dtype, compile=mcfg.compile, warmup=mcfg.warmup,
-                            on_limit=dispatch.on_limit, max_batch_sizes=limits)
+                            on_limit=dispatch.on_limit, max_batch_sizes=limits,
+                            on_tokens=dispatch.on_tokens, max_batch_tokens=budgets)
             engine.setup()
             pairs.append((model, DeviceWorker(engine, take=functools.partial(dispatch.take, worker=i),
                                               done=functools.partial(dispatch.done, worker=i),

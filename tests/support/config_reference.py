@@ -59,6 +59,8 @@ MEANINGS: dict[str, str] = {
                                         "its free slots",
     "batching.lanes[].fill_efficiency": "a filled batch stops at the smallest size reaching this fraction of "
                                         "a full batch's records/s (1: fills to `max_batch_size`)",
+    "batching.lanes[].max_batch_tokens": "... or when the next record would take it over this cost (the "
+                                         "model's `size_of` per record); unset: no token budget",
     "batching.default_lane": "where records naming an unknown lane go",
     "batching.bucket_width": "> 0: batch inputs of similar size together (`size // bucket_width`)",
     "batching.max_in_flight": "backpressure: pause fetching at this many records in flight",

@@ -1,7 +1,8 @@
 """Device recovery: what an engine does with a batch whose collate, forward or split raised.
 
 - **Out of memory**: the lane's limit drops (``worker.core.batch_limit``: the largest size known to fit,
-  else half the failed batch) and the batch is rerun in chunks of that size. A record that runs out of
+  else half the failed batch; with the model's ``size_of``, its token budget too) and the batch is rerun
+  in chunks within both. A record that runs out of
   memory alone is retried ``oom_retries`` times after freeing memory (a brief squeeze: another process,
   fragmentation) before it gets the error. When every chunk that ran out of memory during one recovery held
   such a record, that record was the cause, not the batch size: the lane's limit goes back to what it was.
@@ -38,11 +39,12 @@ from worker.adapters.device_errors import (
     is_device_error,
     is_oom,
 )
-from worker.core.batch_limit import BatchLimit, LimitChange, LimitPolicy, LimitState
+from worker.core.batch_limit import BatchLimit, LimitChange, LimitPolicy, LimitState, chunk_end
 
 log = logging.getLogger("worker.engine")
 
 LimitFn = Callable[[str, int], None]
+TokensFn = Callable[[str, int | None], None]  # lane, its token budget in force (None: none)
 Results = list[Any | BaseException]
 
 
@@ -61,13 +63,17 @@ class LaneLimits:
     whose ceiling is the largest batch seen."""
 
     def __init__(self, model_name: Callable[[], str], policy: LimitPolicy, configured: Mapping[str, int],
-                 stats: EngineStats, on_limit: LimitFn | None = None) -> None:
+                 stats: EngineStats, on_limit: LimitFn | None = None,
+                 configured_tokens: Mapping[str, int | None] | None = None,
+                 on_tokens: TokensFn | None = None) -> None:
         self._name = model_name  # (read when logging: a handler may name itself in setup())
         self._policy = policy
         self._stats = stats
         self._on_limit = on_limit
+        self._on_tokens = on_tokens
         self._lock = threading.Lock()
-        self._lanes = {lane: BatchLimit(policy, n) for lane, n in configured.items()}
+        tokens = configured_tokens or {}
+        self._lanes = {lane: BatchLimit(policy, n, tokens.get(lane)) for lane, n in configured.items()}
 
     def _lane(self, lane: str) -> BatchLimit:
         """The caller holds ``_lock``."""
@@ -81,6 +87,11 @@ class LaneLimits:
         state = self._lanes.get(lane)
         return None if state is None else state.limit
 
+    def effective_tokens(self, lane: str) -> int | None:
+        """The lane's token budget after OOMs; None = no budget (none configured, none lowered)."""
+        state = self._lanes.get(lane)
+        return None if state is None else state.tokens
+
     def seen(self, lane: str, n: int) -> None:
         with self._lock:
             self._lane(lane).seen(n)
@@ -90,11 +101,11 @@ class LaneLimits:
         for lane in list(self._lanes):
             self._announce(lane, self._step(lane, lambda state: state.cap(cap)))
 
-    def succeeded(self, lane: str, n: int) -> None:
-        self._announce(lane, self._step(lane, lambda state: state.succeeded(n)))
+    def succeeded(self, lane: str, n: int, tokens: int | None = None) -> None:
+        self._announce(lane, self._step(lane, lambda state: state.succeeded(n, tokens)))
 
-    def out_of_memory(self, lane: str, n: int) -> None:
-        self._announce(lane, self._step(lane, lambda state: state.out_of_memory(n)))
+    def out_of_memory(self, lane: str, n: int, tokens: int | None = None) -> None:
+        self._announce(lane, self._step(lane, lambda state: state.out_of_memory(n, tokens)))
 
     def snapshot(self, lane: str) -> LimitState:
         with self._lock:
@@ -115,8 +126,10 @@ class LaneLimits:
     def _announce(self, lane: str, change: LimitChange | None, why: str = "") -> None:
         if change is None:
             return
-        log.warning("model %s lane %s: %smax batch size %s -> %s%s", self._name(), lane, why, change.before,
-                    change.after, " (limit lifted)" if change.lifted else "")
+        log.warning("model %s lane %s: %smax batch size %s -> %s%s%s", self._name(), lane, why, change.before,
+                    change.after, " (limit lifted)" if change.lifted else "",
+                    f", max batch tokens {change.tokens_before} -> {change.tokens_after}"
+                    if change.tokens_changed else "")
         self._notify(lane, change)
 
     def _notify(self, lane: str, change: LimitChange) -> None:
@@ -127,6 +140,11 @@ class LaneLimits:
                 self._on_limit(lane, change.after)
             except Exception:
                 log.exception("on_limit callback failed")
+        if self._on_tokens is not None and change.tokens_changed:
+            try:
+                self._on_tokens(lane, change.tokens_after)
+            except Exception:
+                log.exception("on_tokens callback failed")
 
 
 class Runs(Protocol):
@@ -166,8 +184,10 @@ class Recovery:
     chunks to the lane's limit, recovers every chunk that raises."""
 
     def __init__(self, engine: Runs, limits: LaneLimits, stats: EngineStats, *, oom_retries: int = 2,
-                 oom_retry_backoff_s: float = 0.05, traceback_every_s: float = 600.0) -> None:
+                 oom_retry_backoff_s: float = 0.05, traceback_every_s: float = 600.0,
+                 size_of: Callable[[Any], int] | None = None) -> None:
         self._engine = engine
+        self._size_of = size_of  # the model's cost of an item (its token count), for the token budget
         self._limits = limits
         self._stats = stats
         self.oom_retries = max(0, oom_retries)
@@ -189,30 +209,46 @@ class Recovery:
         if n == 0:
             return []
         self._limits.seen(lane, n)
+        costs = self._costs(items)
         out: Results = []
         i = 0
         while i < n:
-            chunk = items[i : i + (self._limits.effective_max(lane) or n)]
-            out.extend(self._infer_chunk(chunk, lane))
-            i += len(chunk)
+            count = self._limits.effective_max(lane) or n
+            if costs is None:
+                end, tokens = min(n, i + count), None
+            else:
+                end = chunk_end(costs, i, count, self._limits.effective_tokens(lane))
+                tokens = sum(costs[i:end])
+            out.extend(self._infer_chunk(items[i:end], lane, tokens))
+            i = end
         return out
 
-    def _infer_chunk(self, items: Sequence[Any], lane: str) -> Results:
+    def _costs(self, items: Sequence[Any]) -> list[int] | None:
+        """Each item's cost (``size_of``, at least 1), or None when the model gives none or it fails."""
+        size_of = self._size_of
+        if size_of is None:
+            return None
+        try:
+            return [max(1, int(size_of(x))) for x in items]
+        except Exception:  # noqa: BLE001 - the batch still runs, chunked by count only
+            return None
+
+    def _infer_chunk(self, items: Sequence[Any], lane: str, tokens: int | None = None) -> Results:
         try:
             outs = self._engine.run(items)
         except (OutputCountError, DeviceError):
             raise
         except Exception as e:
             return self.recover(items, lane, e)
-        self.succeeded(lane, len(items))
+        self.succeeded(lane, len(items), tokens)
         return outs
 
-    def succeeded(self, lane: str, n: int) -> None:
+    def succeeded(self, lane: str, n: int, tokens: int | None = None) -> None:
         """Count a successful batch; after ``grow_after`` in a row the lane's lowered limit goes up a step."""
         with self._lock:
             self._stats.batches += 1
             self._stats.records += n
-        self._limits.succeeded(lane, n)
+        self._limits.succeeded(lane, n, tokens)
 
     def recover(self, items: Sequence[Any], lane: str, exc: BaseException) -> Results:
         """``exc`` was raised by a batch of ``items``: split it (OOM), bisect it (poison) or, for an error
@@ -261,7 +297,8 @@ class Recovery:
         chain.failed.append({id(x) for x in items})
         self._count_oom()
         self._engine.release_memory()
-        self._limits.out_of_memory(lane, len(items))
+        costs = self._costs(items)
+        self._limits.out_of_memory(lane, len(items), None if costs is None else sum(costs))
         try:
             results = self.infer(items, lane)
         finally:

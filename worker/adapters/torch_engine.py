@@ -33,7 +33,7 @@ from worker.adapters.device_errors import (
     is_oom,
 )
 from worker.adapters.device_pipeline import DeviceWorker, DoneFn, SwapFn, TakeFn
-from worker.adapters.recovery import EngineStats, LaneLimits, LimitFn, Recovery
+from worker.adapters.recovery import EngineStats, LaneLimits, LimitFn, Recovery, TokensFn
 from worker.adapters.torch_device import (
     THREADS_ENV,
     Launched,
@@ -65,6 +65,7 @@ class Engine:
     warm-up. ``warmup``: run the handler's ``example_inputs()`` at batch 1 and 8 in ``setup()``.
     ``on_limit(lane, new_max)``: called (from a device thread) whenever a lane's max batch size changes
     after OOM, down or back up; ``max_batch_sizes`` (lane -> configured max) is where it is lifted to.
+    ``on_tokens(lane, tokens)`` / ``max_batch_tokens``: the same for a lane's token budget (None: none).
     ``threads``: torch intra-op threads (see ``configure_threads``). ``oom_retries`` /
     ``oom_retry_backoff_s``: retries of a record that runs out of memory alone, after ``backoff * attempt``
     seconds each. ``traceback_every_s``: how often one raising site's traceback is logged.
@@ -84,6 +85,8 @@ class Engine:
         threads: int | None = None,
         warmup_iters: int = 2,
         max_batch_sizes: Mapping[str, int] | None = None,
+        max_batch_tokens: Mapping[str, int | None] | None = None,
+        on_tokens: TokensFn | None = None,
         oom_retries: int = 2,
         oom_retry_backoff_s: float = 0.05,
         traceback_every_s: float = 600.0,
@@ -107,10 +110,12 @@ class Engine:
         self._split_lock = threading.Lock()
         policy = LimitPolicy(grow_after=max(1, grow_after), grow_factor=max(1.0, grow_factor))
         # Where a lowered limit is lifted: the lane's configured max, else the largest batch seen.
-        self._limits = LaneLimits(lambda: self.name, policy, dict(max_batch_sizes or {}), self.stats, on_limit)
+        self._limits = LaneLimits(lambda: self.name, policy, dict(max_batch_sizes or {}), self.stats,
+                                  on_limit, max_batch_tokens, on_tokens)
         self._recovery = Recovery(self, self._limits, self.stats, oom_retries=oom_retries,
                                   oom_retry_backoff_s=oom_retry_backoff_s,
-                                  traceback_every_s=traceback_every_s)
+                                  traceback_every_s=traceback_every_s,
+                                  size_of=getattr(model, "size_of", None))
         self.ready = False
 
     # -- lifecycle

@@ -4,7 +4,9 @@ Records enter through the lane's ``MicroBatcher`` (open windows, one per size bu
 closes by count or ``max_wait`` joins the ready FIFO. ``pop_ready`` takes the next up-to-max live records
 from the front of the FIFO (one size bucket): a batch shrunk by expiry, closed by time or cut after an OOM
 is topped up from the batches behind it (with size buckets, the later batches of its bucket), so a
-backlogged lane always runs full batches.
+backlogged lane always runs full batches. With a token budget (``max_tokens``) a batch also stops at the
+first record that would take it over the budget (order within the lane is kept), except that a first
+record over the budget goes alone.
 
 Deadlines: a per-lane min-heap on deadline with lazy deletion (``live`` holds the ids of queued records
 that have one) finds the expired records in O(log n) each. An expired record leaves the counts at once
@@ -25,7 +27,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from worker.core.batcher import MicroBatcher
+from worker.core.batcher import MicroBatcher, cost
 from worker.core.lane_settings import LaneSettings
 from worker.core.latency import LatencyModel
 from worker.core.records import Batch, Record
@@ -42,7 +44,7 @@ class Lane:
         "name", "index", "priority", "weight", "queue_bound", "max_batch", "batcher", "ready", "ready_n", "n",
         "dead", "heap", "live", "seq", "vservice", "served_records", "served_batches", "expired", "revoked",
         "arrivals", "rate", "rate_t", "rate_mark", "rate_num", "rate_den", "model", "hold_until",
-        "cfg_max_batch", "fill", "fill_efficiency", "ahead",
+        "cfg_max_batch", "fill", "fill_efficiency", "ahead", "max_tokens",
     )
 
     def __init__(self, cfg: LaneSettings, index: int, bucket_width: int) -> None:
@@ -53,9 +55,11 @@ class Lane:
         self.queue_bound = cfg.queue_bound
         self.max_batch = cfg.max_batch_size
         self.cfg_max_batch = cfg.max_batch_size
+        self.max_tokens = cfg.max_batch_tokens  # the token budget in force (None: none)
         self.fill = cfg.fill_with_lower and bucket_width == 0
         self.fill_efficiency = cfg.fill_efficiency
-        self.batcher = MicroBatcher(cfg.name, cfg.max_batch_size, cfg.max_wait_ms / 1000.0, bucket_width)
+        self.batcher = MicroBatcher(cfg.name, cfg.max_batch_size, cfg.max_wait_ms / 1000.0, bucket_width,
+                                    cfg.max_batch_tokens)
         self.ready: deque[Batch] = deque()
         self.ready_n = 0  # records physically in ready batches (expired ones included until dropped)
         self.n = 0  # live records queued (ready batches + open windows), expired ones not counted
@@ -219,14 +223,60 @@ class Lane:
             if closed:
                 self.push_ready(closed)
 
-    def pop_ready(self, limit: int | None = None) -> Batch:
+    def ready_full(self) -> bool:
+        """The ready batches hold a full batch: ``max_batch`` records, or the token budget's worth (one
+        closed because the next record did not fit it is full too)."""
+        if self.ready_n >= self.max_batch:
+            return True
+        left = self.max_tokens
+        if left is None:
+            return False
+        for b in self.ready:  # fewer than max_batch records in all: O(max_batch)
+            if b.reason == "tokens":
+                return True
+            for r in b.records:
+                left -= cost(r)
+                if left <= 0:
+                    return True
+        return False
+
+    def token_room(self, records: list[Record]) -> int | None:
+        """What a batch holding ``records`` has left of the lane's token budget (None: no budget)."""
+        tok = self.max_tokens
+        return None if tok is None else tok - sum(cost(r) for r in records)
+
+    def take_fill(self, now: float, limit: int, tokens: int | None) -> Batch | None:
+        """Up to ``limit`` live records and ``tokens`` cost (None: no budget but the lane's) for another
+        lane's partial batch: ready batches first, then the open window. None when nothing fits; the
+        batch returned may be empty (everything at the front had expired)."""
+        if not self.ready_n:
+            opened = self.batcher.take_open(now, limit, "fill", tokens)
+            if opened is None:
+                return None
+            self.push_ready([opened])
+        batch, blocked = self._pop(limit, tokens)
+        return None if blocked and not batch.records else batch
+
+    def pop_ready(self, limit: int | None = None, tokens: int | None = None) -> Batch:
         """The next up-to-max live records from the front of the lane's ready batches (same size bucket):
         expired records are dropped on the way, and a short batch (shrunk by expiry, closed by time, or
         cut after an OOM) is topped up from the batches behind it, so a backlogged lane runs full batches.
         With size buckets the ready FIFO interleaves buckets, so the top-up goes on past batches of other
         buckets to the later batches of its own (see ``top_up_bucket``).
-        May return an empty batch (everything at the front had expired)."""
+
+        ``tokens``: the room left in a batch being topped up; a first record that does not fit it is not
+        taken. Without it the lane's budget applies, and a first record over it goes alone.
+        May return an empty batch (everything at the front had expired, or nothing fits ``tokens``)."""
+        return self._pop(limit, tokens)[0]
+
+    def _pop(self, limit: int | None, tokens: int | None) -> tuple[Batch, bool]:
+        """``pop_ready``, and whether a record that does not fit the token budget stopped it."""
         m = self.max_batch if limit is None else min(limit, self.max_batch)
+        tok = self.max_tokens
+        if tokens is not None:
+            tok = tokens if tok is None else min(tok, tokens)
+        if tok is not None:
+            return self._pop_tokens(m, tok, tokens is None)
         ready, dead = self.ready, self.dead
         first = ready[0]
         batcher = self.batcher
@@ -248,7 +298,54 @@ class Lane:
         if bw and ready and len(out) < m:
             taken += self.top_up_bucket(bucket, out, m)
         self.ready_n -= taken
-        return Batch(self.name, out, first.opened_at, first.closed_at, first.reason, m)
+        return Batch(self.name, out, first.opened_at, first.closed_at, first.reason, m), False
+
+    def _pop_tokens(self, m: int, left: int, lone: bool) -> tuple[Batch, bool]:
+        """``_pop`` within a token budget of ``left``; ``lone``: a first record over it goes alone."""
+        ready, dead = self.ready, self.dead
+        first = ready[0]
+        batcher = self.batcher
+        bw = batcher.bucket_width
+        bucket = batcher.bucket_of(first.records[0]) if bw else 0
+        out: list[Record] = []
+        taken = 0
+        blocked = False
+        while ready and len(out) < m and not blocked:
+            b = ready[0]
+            recs = b.records
+            if bw and b is not first and batcher.bucket_of(recs[0]) != bucket:
+                break
+            j, left, blocked = take_within(recs, out, m, dead, left, lone)
+            taken += j
+            if j == len(recs):
+                ready.popleft()
+            else:
+                del recs[:j]
+        if bw and ready and len(out) < m and not blocked:
+            t, blocked = self._top_up_bucket_tokens(bucket, out, m, left)
+            taken += t
+        self.ready_n -= taken
+        return Batch(self.name, out, first.opened_at, first.closed_at, first.reason, m), blocked
+
+    def _top_up_bucket_tokens(self, bucket: int, out: list[Record], m: int, left: int) -> tuple[int, bool]:
+        """``top_up_bucket`` within a token budget of ``left``: it stops at the first record of the bucket
+        that does not fit (a later, smaller one would overtake it)."""
+        ready, dead, batcher = self.ready, self.dead, self.batcher
+        taken = 0
+        emptied = blocked = False
+        for b in itertools.islice(ready, TOP_UP_SCAN):
+            recs = b.records
+            if batcher.bucket_of(recs[0]) != bucket:
+                continue
+            j, left, blocked = take_within(recs, out, m, dead, left, False)
+            taken += j
+            del recs[:j]
+            emptied = emptied or not recs
+            if len(out) >= m or blocked:
+                break
+        if emptied:
+            self.ready = deque(b for b in ready if b.records)
+        return taken, blocked
 
     def top_up_bucket(self, bucket: int, out: list[Record], m: int) -> int:
         """Moves live records of ``bucket`` from the lane's later ready batches into ``out`` (up to ``m``),
@@ -291,3 +388,25 @@ def take_live(recs: list[Record], out: list[Record], m: int, dead: set[int]) -> 
         else:
             out.append(r)
     return j
+
+
+def take_within(recs: list[Record], out: list[Record], m: int, dead: set[int], left: int,
+                lone: bool) -> tuple[int, int, bool]:
+    """``take_live`` within a token budget of ``left``: it stops at the first live record that does not
+    fit (with ``lone``, a first record of ``out`` over the budget goes alone). Returns how many records
+    it went through, the budget left, and whether a record that does not fit stopped it."""
+    j = 0
+    for r in recs:
+        if len(out) >= m:
+            break
+        if dead and id(r) in dead:
+            dead.discard(id(r))
+            j += 1
+            continue
+        c = r.size if r.size > 1 else 1
+        if c > left and not (lone and not out):
+            return j, left, True
+        j += 1
+        left -= c
+        out.append(r)
+    return j, left, False

@@ -229,6 +229,19 @@ class LaneQueues:
     def max_batch_size(self, lane: str) -> int:
         return self._lanes[lane].max_batch
 
+    def set_max_batch_tokens(self, lane: str, tokens: int | None) -> None:
+        """Change a lane's effective token budget (None: none; OOM handling lowers it and puts the
+        configured one back). Queued batches over the new budget are cut at dispatch; open windows split
+        on the next add/poll."""
+        if tokens is not None and tokens < 1:
+            raise ValueError(f"max batch tokens must be >= 1 (or None: no budget), got {tokens}")
+        ln = self._lanes[lane]
+        ln.batcher.set_max_batch_tokens(tokens)
+        ln.max_tokens = tokens
+
+    def max_batch_tokens(self, lane: str) -> int | None:
+        return self._lanes[lane].max_tokens
+
     def _update_lag(self) -> None:
         """``L = max_j(max_batch_size_j / weight_j)``: one batch of lag, in normalized units."""
         self._lag = max(max(ln.cfg_max_batch, ln.max_batch) / ln.weight for ln in self._lanes.values())
@@ -282,6 +295,7 @@ class LaneQueues:
                 "expired": ln.expired,
                 "revoked": ln.revoked,
                 "max_batch_size": ln.max_batch,
+                "max_batch_tokens": ln.max_tokens,
                 "weight": ln.weight,
                 "priority": ln.priority,
                 "service": ln.vservice,

@@ -37,6 +37,7 @@ class LaneSpec(Protocol):
 
     @property
     def fill_efficiency(self) -> float: ...
+    def max_batch_tokens(self) -> int | None: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,7 +45,8 @@ class LaneSettings:
     """One lane: ``priority`` (higher first), ``weight`` (share under overload), ``max_batch_size``,
     ``max_wait_ms`` (how long a window stays open), ``queue_bound`` (records queued before its partitions
     pause), ``fill_with_lower`` (a partial batch takes lower lanes' records), ``fill_efficiency`` (how far
-    such a batch grows: see ``worker.core.latency.efficient_size``)."""
+    such a batch grows: see ``worker.core.latency.efficient_size``), ``max_batch_tokens`` (the most a batch
+    may cost, in record sizes; None: no budget)."""
 
     name: str
     priority: int = 0
@@ -54,6 +56,7 @@ class LaneSettings:
     queue_bound: int = 10_000
     fill_with_lower: bool = False
     fill_efficiency: float = 1.0
+    max_batch_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.weight > 0:
@@ -61,6 +64,9 @@ class LaneSettings:
         if not 0 < self.fill_efficiency <= 1:
             raise ValueError(f"lane {self.name!r}: fill_efficiency must be in (0, 1], "
                              f"got {self.fill_efficiency}")
+        if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
+            raise ValueError(f"lane {self.name!r}: max_batch_tokens must be >= 1 (or null: no budget), "
+                             f"got {self.max_batch_tokens}")
 
     @classmethod
     def of(cls, spec: LaneSpec) -> LaneSettings:
@@ -69,4 +75,4 @@ class LaneSettings:
         return cls(name=spec.name, priority=spec.priority, weight=float(spec.weight),
                    max_batch_size=spec.max_batch_size, max_wait_ms=spec.max_wait_ms,
                    queue_bound=spec.queue_bound, fill_with_lower=spec.fill_with_lower,
-                   fill_efficiency=spec.fill_efficiency)
+                   fill_efficiency=spec.fill_efficiency, max_batch_tokens=spec.max_batch_tokens)

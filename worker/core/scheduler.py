@@ -46,7 +46,8 @@ service counter, so the fairness bound above holds per lane; the batch is marked
 whose windows close by time under overload thus runs near-full batches instead of batches of a few
 records whose fixed cost takes most of the device. A batch taken ahead is full, or is a lane's partial
 batch owed the device: that one is topped up from its own lane and then filled when its device starts it
-(``top_up``). With size buckets the option is off.
+(``top_up``). With size buckets the option is off. With a token budget (lane option ``max_batch_tokens``)
+the free room is counted in tokens too: a record that does not fit stops the filling from its lane.
 
 Taken ahead: a batch taken while its device is still busy (``next_batch(idle=False)``) can age before the
 device starts it; at the start the runner calls ``start``, ``drop_expired`` (its records past their
@@ -57,6 +58,7 @@ Costs: ``next_batch`` O(lanes + batch size); the rest as in ``worker.core.lane_q
 
 from __future__ import annotations
 
+from worker.core.batcher import cost, fitting
 from worker.core.lane import Lane
 from worker.core.lane_queues import LaneQueues
 from worker.core.latency import efficient_size
@@ -109,7 +111,8 @@ class PriorityScheduler(LaneQueues):
         and they were accounted for when it was taken. Each record keeps its own lane and is charged to it."""
         lane = self._lanes[batch.lane]
         room = self._fill_size(lane) - len(batch.records)
-        if not lane.fill or room <= 0:
+        troom = lane.token_room(batch.records)  # (token budget: what is left of it, else None)
+        if not lane.fill or room <= 0 or (troom is not None and troom <= 0):
             return batch
         model = self._policy.planning(lane)
         if model is not None:
@@ -118,13 +121,14 @@ class PriorityScheduler(LaneQueues):
                 return batch
         added: list[Record] = []
         if donor is not None and self._lanes[donor.lane].priority < lane.priority:
-            take = donor.records[:room]
+            take = donor.records[:fitting(donor.records, room, troom, lone=False)]
             # (adaptive: not if one of them would miss its deadline in the filled batch; they stay in theirs)
             end = now + model.predict(len(batch.records) + len(take)) if model is not None else None
             if end is None or all(r.deadline is None or r.deadline >= end for r in take):
-                del donor.records[:room]
+                del donor.records[:len(take)]
                 added.extend(take)
                 room -= len(take)
+                troom = None if troom is None else troom - sum(cost(r) for r in take)
         for other in self._order:
             if room <= 0:
                 break
@@ -142,16 +146,15 @@ class PriorityScheduler(LaneQueues):
                     end = now + max(model.predict(n_all), own.predict(n_all) if own is not None else 0.0)
                     if d < end:
                         continue
-            while room > 0 and other.n:
-                if not other.ready_n:
-                    opened = other.batcher.take_open(now, room, "fill")
-                    if opened is None:
-                        break
-                    other.push_ready([opened])
-                part = self._finalize(other.pop_ready(room), now, ahead=len(batch.records) + len(added))
+            while room > 0 and other.n and (troom is None or troom > 0):
+                got = other.take_fill(now, room, troom)
+                if got is None:
+                    break
+                part = self._finalize(got, now, ahead=len(batch.records) + len(added))
                 if part is not None:
                     added.extend(part.records)
                     room -= len(part.records)
+                    troom = None if troom is None else troom - sum(cost(r) for r in part.records)
         if added:
             batch.records.extend(added)
             batch.mixed = True
@@ -213,7 +216,7 @@ class PriorityScheduler(LaneQueues):
         lane with a full batch is within one batch of lag of the least-served lane with ready work, that
         lane's partial batch is owed the device and goes now."""
         cands = [ln for ln in self._order if ln.ready_n]
-        full = [ln for ln in cands if ln.ready_n >= ln.max_batch]
+        full = [ln for ln in cands if ln.ready_full()]
         if not full:
             return None  # the device takes a partial batch when it is free (work-conserving)
         limit = self._lag_limit(cands)
@@ -308,8 +311,10 @@ class PriorityScheduler(LaneQueues):
         model = self._policy.planning(lane)
         if model is not None:
             room = fill_room(model, out, now, room)
-        if room > 0 and lane.n:
-            part = self._finalize(self._select_from(lane, now, True, room), now, ahead=len(out.records))
+        troom = lane.token_room(out.records)
+        if room > 0 and lane.n and (troom is None or troom > 0):
+            own = self._select_from(lane, now, True, room, troom)
+            part = self._finalize(own, now, ahead=len(out.records))
             if part is not None:
                 out.records.extend(part.records)
                 lane.served_batches -= 1  # part of this batch, not one of its own
@@ -335,9 +340,11 @@ class PriorityScheduler(LaneQueues):
             self._pending_expired.append(r)
         return batch.with_records(live) if len(live) < len(batch.records) else None
 
-    def _select_from(self, lane: Lane, now: float, idle: bool, limit: int | None = None) -> Batch:
-        """The lane's next ready batch of at most ``limit`` records (default ``max_batch_size``); it has a
-        ready batch, or, with ``idle``, an open window."""
+    def _select_from(self, lane: Lane, now: float, idle: bool, limit: int | None = None,
+                     tokens: int | None = None) -> Batch:
+        """The lane's next ready batch of at most ``limit`` records (default ``max_batch_size``) and
+        ``tokens`` cost (the room left in a batch being topped up); it has a ready batch, or, with
+        ``idle``, an open window."""
         m = lane.max_batch if limit is None else limit
         if idle and lane.ready_n < m and len(lane.batcher):
             # Work-conserving top-up: a partial batch (closed by time while the device was busy) takes
@@ -345,4 +352,4 @@ class PriorityScheduler(LaneQueues):
             extra = lane.batcher.take_open(now, m - lane.ready_n, "idle")
             if extra is not None:
                 lane.push_ready([extra])
-        return lane.pop_ready(limit)
+        return lane.pop_ready(limit, tokens)

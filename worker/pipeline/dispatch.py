@@ -57,6 +57,13 @@ class Dispatch:
         log.info("batch limit of lane %s now %d", lane, new_max,
                  extra={"lane": lane, "max_batch_size": new_max})
 
+    def on_tokens(self, lane: str, tokens: int | None) -> None:
+        """The engine lowers a lane's token budget after an out-of-memory error and puts it back later."""
+        with self.cv:
+            self.scheduler.set_max_batch_tokens(lane, tokens)
+        log.info("token budget of lane %s now %s", lane, tokens,
+                 extra={"lane": lane, "max_batch_tokens": tokens})
+
     def take(self, timeout: float, worker: int) -> Batch | None:
         batch = self.next_batch(timeout, worker)
         if batch is not None:
