@@ -176,7 +176,8 @@ class Runner:
         for i, dev in enumerate(devices):
             model = self._model_arg if (i == 0 and self._model_arg is not None) else load_model(mcfg)
             engine = Engine(model, dev, dtype=mcfg.dtype, compile=mcfg.compile, warmup=mcfg.warmup,
-                            on_limit=dispatch.on_limit, max_batch_sizes=limits)
+                            on_limit=dispatch.on_limit, max_batch_sizes=limits,
+                            host_threads=mcfg.host_threads)
             engine.setup()
             self._models.append(model)
             i = len(self.workers)

@@ -8,6 +8,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
+from worker.core.ports import DecodeFailed
 from worker.core.records import Batch, Outcome, Record
 from worker.pipeline.context import Loop
 from worker.pipeline.delivery import DeliveryMode
@@ -67,8 +68,10 @@ class Results:
             if not current(rec):
                 continue  # partition revoked meanwhile: the new owner reprocesses it
             if isinstance(out, BaseException):
-                outcomes.append(Outcome(rec, "error", error=f"{type(out).__name__}: {out}",
-                                        dlq_stage="inference", batch_size=n,
+                decode = isinstance(out, DecodeFailed)  # decode_batch on the host threads: stage decode
+                why = str(out) if decode else f"{type(out).__name__}: {out}"
+                outcomes.append(Outcome(rec, "error", error=why,
+                                        dlq_stage="decode" if decode else "inference", batch_size=n,
                                         timings={"queue": closed - rec.received_at, "infer": infer_s}))
                 continue
             if rec.cache_key is not None:
