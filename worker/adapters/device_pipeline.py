@@ -1,6 +1,7 @@
 """One device's pipeline of three threads, so the device never waits for Python:
 
-    take() -> [collate thread] collate + pinned, non_blocking H2D copy on a side CUDA stream
+    take() -> [collate thread] decode_batch (host threads, for handlers that have one) + collate
+              + non_blocking H2D copy from reused pinned buffers on a side CUDA stream
            -> (one prepared batch) -> [device thread] forward, async D2H copy of the outputs
            -> (at most two launched batches) -> [finish thread] wait for the copy, split, done()
 
