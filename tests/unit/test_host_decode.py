@@ -220,3 +220,17 @@ def test_host_threads_is_a_positive_count_or_the_cpus_available() -> None:
     assert make_config(model={"host_threads": 3}).model.host_threads == 3
     with pytest.raises(ConfigError, match=r"\$\.model\.host_threads"):
         make_config(model={"host_threads": 0})
+
+
+def test_host_threads_also_sizes_the_rust_tokenizer_pool_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.adapters import torch_engine
+
+    monkeypatch.delenv(torch_engine.RAYON_ENV, raising=False)
+    Engine(BatchDecoding(), "cpu", warmup=False, host_threads=3, host_pool=HostPool(1))
+    assert torch_engine.os.environ[torch_engine.RAYON_ENV] == "3"
+    monkeypatch.setenv(torch_engine.RAYON_ENV, "5")
+    Engine(BatchDecoding(), "cpu", warmup=False, host_threads=2, host_pool=HostPool(1))
+    assert torch_engine.os.environ[torch_engine.RAYON_ENV] == "5"  # the operator's
+    monkeypatch.delenv(torch_engine.RAYON_ENV)
+    Engine(FakeModel(), "cpu", warmup=False, host_threads=2)  # no decode_batch: no host threads at all
+    assert torch_engine.RAYON_ENV not in torch_engine.os.environ

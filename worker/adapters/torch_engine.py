@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -57,6 +58,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("worker.engine")
+RAYON_ENV = "RAYON_NUM_THREADS"
 
 
 class Engine:
@@ -117,7 +119,11 @@ class Engine:
         self.decodes_batches = callable(batch_decode)
         self._host: HostPool | None = None
         if self.decodes_batches:
-            self._host = host_pool or shared_pool(host_threads or available_cpus())
+            n = host_threads or available_cpus()
+            self._host = host_pool or shared_pool(n)
+            # A Rust tokenizer's encode_batch runs on rayon's global pool, sized from this when it starts (at
+            # the first batch): host_threads bounds it too, unless the operator set it.
+            os.environ.setdefault(RAYON_ENV, str(n))
         self._forward_lock = threading.Lock()
         # collate and split each run on one thread at a time (see the module docstring), host time only.
         self._collate_lock = threading.Lock()
