@@ -19,6 +19,9 @@ Checks:
                     on the host threads, collate, copy, split) at that batch, and its ratio to the bare
                     forward (info: above 1, the host path outruns the device)
 Exit code 0 when every PASS/FAIL check passed.
+
+Status: not yet run on a GPU (no CUDA machine has been available); its CPU-safe parts run in
+tests/unit/test_gpu_check_cpu.py.
 """
 
 from __future__ import annotations
@@ -301,8 +304,9 @@ def check_feed(device: str, quick: bool) -> list[Result]:
             {"name": f"pipeline_ratio[{dtype},bs={best}]", "value": round(pipe / bare, 3), "target": ">= 0.9",
              "status": "PASS" if pipe / bare >= 0.9 else "FAIL",
              "detail": f"pipeline {pipe:.0f} items/s, bare forward {bare:.0f} items/s"},
-            {"name": f"null_ceiling/bare[{dtype},bs={best}]", "value": round(ceiling / bare, 3), "target": "info",
-             "status": "INFO", "detail": f"null-device pipeline {ceiling:.0f} items/s, bare forward {bare:.0f}"},
+            {"name": f"null_ceiling/bare[{dtype},bs={best}]", "value": round(ceiling / bare, 3),
+             "target": "info", "status": "INFO",
+             "detail": f"null-device pipeline {ceiling:.0f} items/s, bare forward {bare:.0f}"},
         ]
     return out
 

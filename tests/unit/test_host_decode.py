@@ -1,5 +1,5 @@
-"""Host work off the loop thread: a handler's ``decode_batch`` on the host pool (``worker.adapters.host_pool``),
-in the engine's collate stage, its per-record failures as dead letters at stage ``decode``, and the intake
+"""Host work off the loop thread: a handler's ``decode_batch`` on the host pool
+(``worker.adapters.host_pool``), in the engine's collate stage, its per-record failures as dead letters at stage ``decode``, and the intake
 that leaves decoding to the device (the record carries its inputs, sized by ``estimate_size``)."""
 
 from __future__ import annotations
@@ -180,7 +180,8 @@ def test_intake_leaves_decoding_to_the_device_and_sizes_by_the_estimate() -> Non
     assert it.admit(rec, 0.0) is None
     assert rec.item == "hello" and rec.size == 5
     bad = Record(TopicPartition("in", 0), 1, request("b", "bad"), received_at=0.0)
-    assert it.admit(bad, 0.0) is None and bad.item == "bad"  # decoded (and refused) later, on the host threads
+    # Decoded (and refused) later, on the host threads.
+    assert it.admit(bad, 0.0) is None and bad.item == "bad"
 
 
 class DeferredFake(FakeModel):
