@@ -144,6 +144,10 @@ class ModelConfig(_Strict):
     # A batch on a device longer than this (a hung kernel or driver, a forward that never returns) ends the
     # worker with exit 1, so that it is restarted instead of holding its partitions forever; 0 = never.
     batch_timeout_s: NonNegFloat = 300.0
+    # Host threads per process for handlers that decode a batch at once (``decode_batch``: tokenizing,
+    # image decoding), next to the loop and device threads. None: the CPUs this process may use
+    # (affinity, capped by a cgroup v2 cpu.max quota in a container).
+    host_threads: PosInt | None = None
 
 
 class DeliveryConfig(_Strict):

@@ -64,7 +64,10 @@ class Intake:
                           for n, ln in self.lanes.items()}
         self._topic_lane = {t: ln for t, ln in self.topic_lanes.items() if ln in self.lanes}
         self.default_lane = cfg.batching.default_lane
-        self._size_of = getattr(model, "size_of", None)
+        # A handler with decode_batch is decoded on the device's host threads: its record carries the validated
+        # inputs, sized by estimate_size before decoding.
+        self._deferred = callable(getattr(model, "decode_batch", None))
+        self._size_of = getattr(model, "estimate_size" if self._deferred else "size_of", None)
         self._max_size = getattr(model, "max_size", None)  # the most one record may cost the model
         self.cache_on = cfg.redis.cache
         self.model_id = (str(getattr(model, "name", cfg.model.name)),
@@ -149,7 +152,7 @@ class Intake:
             except UNENCODABLE:
                 pass  # inputs msgpack cannot write (an int beyond 64 bits): not cached, still processed
         try:
-            rec.item = self.model.decode(req.inputs)
+            rec.item = req.inputs if self._deferred else self.model.decode(req.inputs)
             if self._size_of is not None:
                 rec.size = int(self._size_of(rec.item))
                 if self._max_size is not None and rec.size > self._max_size:

@@ -183,7 +183,8 @@ class Runner:
             model = self._model_arg if (i == 0 and self._model_arg is not None) else load_model(mcfg)
             engine = Engine(model, dev, dtype=mcfg.dtype, compile=mcfg.compile, warmup=mcfg.warmup,
                             on_limit=dispatch.on_limit, max_batch_sizes=limits,
-                            on_tokens=dispatch.on_tokens, max_batch_tokens=budgets)
+                            on_tokens=dispatch.on_tokens, max_batch_tokens=budgets,
+                            host_threads=mcfg.host_threads)
             engine.setup()
             pairs.append((model, DeviceWorker(engine, take=functools.partial(dispatch.take, worker=i),
                                               done=functools.partial(dispatch.done, worker=i),

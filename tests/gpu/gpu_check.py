@@ -13,7 +13,15 @@ Checks:
                     without the cap, in order, and the lane's limit drops (CUDA only)
   profile_curve     worker profile's batch-size curve for minilm (table + PNG): a recommended size that ran
                     within the 50 ms p99 budget, no size failing other than out of memory
+  feed              issue 27 - can the host feed the device? minilm's bare forward throughput at its best
+                    batch size, fp16 and bf16 (info); the DeviceWorker pipeline / bare forward at that batch:
+                    target >= 0.9; the null-device ceiling (minilm whose forward costs nothing: tokenizing
+                    on the host threads, collate, copy, split) at that batch, and its ratio to the bare
+                    forward (info: above 1, the host path outruns the device)
 Exit code 0 when every PASS/FAIL check passed.
+
+Status: not yet run on a GPU (no CUDA machine has been available); its CPU-safe parts run in
+tests/unit/test_gpu_check_cpu.py.
 """
 
 from __future__ import annotations
@@ -53,8 +61,7 @@ def engine(device: str, dtype: str = "fp32", name: str = "minilm", **kw: Any) ->
 def embed(eng: Engine, texts: list[str]) -> torch.Tensor:
     from worker.models.inputs import TextInput
 
-    items = [eng.model.decode(TextInput(text=t)) for t in texts]
-    out = eng.infer(items)
+    out = eng.infer([TextInput(text=t) for t in texts])  # minilm decodes on the engine's host threads
     bad = [o for o in out if isinstance(o, BaseException)]
     if bad:
         raise RuntimeError(f"{len(bad)} records failed: {bad[0]!r}")
@@ -259,6 +266,51 @@ def check_profile_curve(device: str, quick: bool, out_dir: Path) -> list[Result]
              "detail": wrong or f"{png.name}, {js.name}"}]
 
 
+def null_engine(device: str) -> Engine:
+    """minilm with a forward that costs nothing (``tests.bench.null_device``): the host path alone."""
+    from tests.bench.null_device import null_minilm
+
+    eng = Engine(null_minilm(), device, warmup=False)
+    eng.setup()
+    return eng
+
+
+def feed_items(n: int) -> list[Any]:
+    """``n`` distinct texts of the load generator, as the engine takes them (minilm: validated inputs)."""
+    from tests.bench.gpu_feed import corpus
+    from worker.models.inputs import TextInput
+
+    return [TextInput(text=t) for t in corpus(n)]
+
+
+def check_feed(device: str, quick: bool) -> list[Result]:
+    sizes = [8, 16] if quick else [64, 128, 256, 512, 1024]
+    iters = 5 if quick else 30
+    dtypes = ["fp16", "bf16"] if device.startswith("cuda") else ["bf16"]  # fp16 autocast is off on CPU
+    null = null_engine(device)
+    out: list[Result] = []
+    for dtype in dtypes:
+        eng = engine(device, dtype)
+        rates = {bs: bare_throughput(eng, feed_items(bs), iters) for bs in sizes}
+        best = max(rates, key=lambda b: rates[b])
+        bare = rates[best]
+        batches = max(3, iters)
+        pipe = pipeline_throughput(eng, feed_items(best), batches)
+        ceiling = pipeline_throughput(null, feed_items(best), batches)
+        curve = ", ".join(f"{b}: {r:.0f}" for b, r in rates.items())
+        out += [
+            {"name": f"bare_forward[{dtype}]", "value": round(bare), "target": "info", "status": "INFO",
+             "detail": f"items/s at its best batch {best} (of {curve})"},
+            {"name": f"pipeline_ratio[{dtype},bs={best}]", "value": round(pipe / bare, 3), "target": ">= 0.9",
+             "status": "PASS" if pipe / bare >= 0.9 else "FAIL",
+             "detail": f"pipeline {pipe:.0f} items/s, bare forward {bare:.0f} items/s"},
+            {"name": f"null_ceiling/bare[{dtype},bs={best}]", "value": round(ceiling / bare, 3),
+             "target": "info", "status": "INFO",
+             "detail": f"null-device pipeline {ceiling:.0f} items/s, bare forward {bare:.0f}"},
+        ]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -281,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype_speedup": lambda: check_dtype_speedup(args.device, args.quick),
         "real_oom": lambda: check_real_oom(args.device, args.quick),
         "profile_curve": lambda: check_profile_curve(args.device, args.quick, out_dir),
+        "feed": lambda: check_feed(args.device, args.quick),
     }
     only = {c for c in args.only.split(",") if c}
     results: list[Result] = []

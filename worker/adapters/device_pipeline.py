@@ -1,6 +1,7 @@
 """One device's pipeline of three threads, so the device never waits for Python:
 
-    take() -> [collate thread] collate + pinned, non_blocking H2D copy on a side CUDA stream
+    take() -> [collate thread] decode_batch (host threads, for handlers that have one) + collate
+              + non_blocking H2D copy from reused pinned buffers on a side CUDA stream
            -> (one prepared batch) -> [device thread] forward, async D2H copy of the outputs
            -> (at most two launched batches) -> [finish thread] wait for the copy, split, done()
 
@@ -30,6 +31,7 @@ from typing import Any, Protocol
 import torch
 
 from worker.adapters.device_errors import DeviceError, OutputCountError
+from worker.adapters.host_pool import name_os_thread
 from worker.adapters.torch_device import Launched, Prepared
 from worker.core.records import Batch
 
@@ -72,6 +74,8 @@ class Stages(Protocol):
 
 
 _STOP = object()
+# OS thread names (``top -H``, the bench's CPU per thread): the stage, not the device (15 bytes at most).
+_OS_NAMES = {"_collate_loop": "kiw-collate", "_device_loop": "kiw-device", "_finish_loop": "kiw-finish"}
 
 
 @dataclass(slots=True)
@@ -167,6 +171,7 @@ class DeviceWorker:
         return bool(threads) and all(t.is_alive() for t in threads) and not self._stopping.is_set()
 
     def _guard(self, target: Callable[[], None]) -> None:
+        name_os_thread(_OS_NAMES.get(target.__name__, "kiw-device"))
         if self.engine.is_cuda:
             torch.cuda.set_device(self.engine.device)  # per thread: libraries that say "cuda" get ours
         try:

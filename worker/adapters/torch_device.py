@@ -162,7 +162,10 @@ class Prepared:
     batch: Any
     ready: Any = None  # CUDA event: the H2D copy is done
     t0: float = 0.0  # perf_counter at prepare start
-    collate_s: float = 0.0
+    collate_s: float = 0.0  # decode (host threads) + collate + the start of the copy
+    # Position in ``items`` -> its decode failure; ``batch`` holds the others only (None when none is left).
+    failed: dict[int, BaseException] | None = None
+    decode_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -179,4 +182,5 @@ class Launched:
     ended: Any = None
     done: Any = None  # CUDA event after the D2H copy of the outputs
     timings: dict[str, float] = field(default_factory=dict)
+    failed: dict[int, BaseException] | None = None  # as in Prepared: they take no part in forward or split
 

@@ -19,10 +19,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -33,6 +34,8 @@ from worker.adapters.device_errors import (
     is_oom,
 )
 from worker.adapters.device_pipeline import DeviceWorker, DoneFn, SwapFn, TakeFn
+from worker.adapters.host_pool import HostPool, shared_pool
+from worker.adapters.pinned_pool import PinnedPool
 from worker.adapters.recovery import EngineStats, LaneLimits, LimitFn, Recovery, TokensFn
 from worker.adapters.torch_device import (
     THREADS_ENV,
@@ -46,6 +49,7 @@ from worker.adapters.torch_device import (
     tensors,
 )
 from worker.core.batch_limit import LimitPolicy
+from worker.core.ports import DecodeFailed
 
 __all__ = [
     "THREADS_ENV", "DeviceError", "DeviceWorker", "DoneFn", "Engine", "EngineStats", "Launched", "LimitFn",
@@ -54,6 +58,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("worker.engine")
+RAYON_ENV = "RAYON_NUM_THREADS"
 
 
 class Engine:
@@ -69,6 +74,12 @@ class Engine:
     ``threads``: torch intra-op threads (see ``configure_threads``). ``oom_retries`` /
     ``oom_retry_backoff_s``: retries of a record that runs out of memory alone, after ``backoff * attempt``
     seconds each. ``traceback_every_s``: how often one raising site's traceback is logged.
+    ``host_threads``: the process's host threads for a handler's ``decode_batch`` (None: every CPU this
+    process may use, see ``available_cpus``); ``host_pool`` overrides the shared pool (tests).
+
+    A handler with ``decode_batch`` gets its records' validated inputs as items: ``prepare`` decodes them on
+    the host pool before ``collate``, and an input that fails to decode is left out of the batch and gets its
+    ``DecodeFailed`` in its place in the results.
     """
 
     def __init__(
@@ -90,6 +101,8 @@ class Engine:
         oom_retries: int = 2,
         oom_retry_backoff_s: float = 0.05,
         traceback_every_s: float = 600.0,
+        host_threads: int | None = None,
+        host_pool: HostPool | None = None,
     ) -> None:
         self.model = model
         self.device = resolve_device(device)
@@ -104,6 +117,16 @@ class Engine:
         self.kind = self.device.split(":")[0]
         self.is_cuda = self.kind == "cuda" and self.uses_torch
         self._copy_stream: Any = None
+        self._pinned: PinnedPool | None = None  # CUDA: the reused host buffers of the H2D copies
+        batch_decode = getattr(model, "decode_batch", None)
+        self.decodes_batches = callable(batch_decode)
+        self._host: HostPool | None = None
+        if self.decodes_batches:
+            n = host_threads or available_cpus()
+            self._host = host_pool or shared_pool(n)
+            # A Rust tokenizer's encode_batch runs on rayon's global pool, sized from this when it starts (at
+            # the first batch): host_threads bounds it too, unless the operator set it.
+            os.environ.setdefault(RAYON_ENV, str(n))
         self._forward_lock = threading.Lock()
         # collate and split each run on one thread at a time (see the module docstring), host time only.
         self._collate_lock = threading.Lock()
@@ -125,6 +148,7 @@ class Engine:
         if self.is_cuda:
             torch.cuda.set_device(self.device)
             self._copy_stream = torch.cuda.Stream(self.device)
+            self._pinned = PinnedPool()
         self.model.setup(self.device)
         cap = getattr(self.model, "max_batch", None)
         if cap:
@@ -175,12 +199,13 @@ class Engine:
         return str(getattr(self.model, "name", type(self.model).__name__))
 
     def example_items(self, n: int) -> list[Any]:
-        """``n`` decoded items cycled from the handler's ``example_inputs()`` (empty if it has none)."""
+        """``n`` items cycled from the handler's ``example_inputs()`` (empty if it has none), decoded unless
+        the handler decodes batches (``prepare`` decodes those)."""
         ex = getattr(self.model, "example_inputs", None)
         inputs = list(ex()) if callable(ex) else []
         if not inputs:
             return []
-        decoded = [self.model.decode(x) for x in inputs]
+        decoded = inputs if self.decodes_batches else [self.model.decode(x) for x in inputs]
         return [decoded[i % len(decoded)] for i in range(n)]
 
     def _warm(self, force: bool = False) -> None:
@@ -217,26 +242,42 @@ class Engine:
         return stack
 
     def prepare(self, items: Sequence[Any]) -> Prepared:
-        """collate + start the copy to the device (pinned memory, non_blocking, side stream on CUDA)."""
+        """decode (host threads, for a handler with ``decode_batch``) + collate + start the copy to the
+        device (reused pinned buffers, non_blocking, side stream on CUDA)."""
         t0 = time.perf_counter()
+        failed: dict[int, BaseException] | None = None
+        good: Sequence[Any] = items
+        decode_s = 0.0
+        if self._host is not None:
+            decoded = self._host.decode(self.model.decode_batch, self.model.decode, items)
+            failed = {i: x for i, x in enumerate(decoded) if isinstance(x, DecodeFailed)}
+            good = [x for x in decoded if not isinstance(x, DecodeFailed)] if failed else decoded
+            decode_s = time.perf_counter() - t0
+        if not good:  # every record failed to decode: nothing to run
+            return Prepared(items, None, None, t0, time.perf_counter() - t0, failed, decode_s)
         with self._collate_lock:
-            batch = self.model.collate(items)
+            batch = self.model.collate(good)
         ready = None
         if self.uses_torch and self.kind != "cpu":
             dev = torch.device(self.device)
             if self.is_cuda:
+                pinned, taken = self._pinned, cast(list[Any], [])
+                assert pinned is not None  # set in setup() on CUDA
                 with torch.cuda.stream(self._copy_stream):
-                    batch = map_tensors(batch, lambda t: t.pin_memory().to(dev, non_blocking=True)
+                    batch = map_tensors(batch, lambda t: pinned.stage(t, taken).to(dev, non_blocking=True)
                                         if t.device.type == "cpu" else t)
                     ready = torch.cuda.Event()
                     ready.record(self._copy_stream)
+                pinned.release(taken, ready)
             else:
                 batch = map_tensors(batch, lambda t: t.to(dev))
-        return Prepared(items, batch, ready, t0, time.perf_counter() - t0)
+        return Prepared(items, batch, ready, t0, time.perf_counter() - t0, failed or None, decode_s)
 
     def launch(self, p: Prepared) -> Launched:
         """forward (on CUDA: queued after the H2D copy) and an async copy of the outputs to the host."""
         t = time.perf_counter()
+        if p.batch is None:  # every record failed to decode
+            return Launched(p.items, None, p.t0, p.collate_s, 0.0, failed=p.failed)
         started = ended = done = None
         if self.is_cuda:
             stream = torch.cuda.current_stream(self.device)
@@ -259,8 +300,11 @@ class Engine:
             done.record(stream)
         elif self.uses_torch and self.kind != "cpu":
             out = map_tensors(out, lambda x: x.cpu())
-        return Launched(p.items, out, p.t0, p.collate_s, time.perf_counter() - t, p.batch, started, ended,
-                        done)
+        lx = Launched(p.items, out, p.t0, p.collate_s, time.perf_counter() - t, p.batch, started, ended,
+                      done, failed=p.failed)
+        if self._host is not None:
+            lx.timings["decode"] = p.decode_s  # part of collate: the host threads' share of it
+        return lx
 
     def wait(self, lx: Launched) -> None:
         """Block (GIL released) until the batch's forward and output copy are done on the device."""
@@ -277,9 +321,12 @@ class Engine:
         self.wait(lx)
         forward_s = lx.launch_s
         t = time.perf_counter()
-        n = len(lx.items)
-        with self._split_lock:
-            outs = self.model.split(lx.output, n)
+        failed = lx.failed or {}
+        n = len(lx.items) - len(failed)
+        outs: Any = []
+        if n:
+            with self._split_lock:
+                outs = self.model.split(lx.output, n)
         if isinstance(outs, tuple):
             outs = list(outs)
         if not isinstance(outs, list):
@@ -294,6 +341,9 @@ class Engine:
                 f"model {self.name}: split() returned {len(outs)} outputs for a batch of {n}; it must return "
                 "a list with exactly one output per input, in order"
             )
+        if failed:
+            rest = iter(outs)
+            outs = [failed[i] if i in failed else next(rest) for i in range(len(lx.items))]
         end = time.perf_counter()
         lx.timings.update(collate=lx.collate_s, forward=forward_s, split=end - t,
                           infer=lx.collate_s + forward_s + (end - t), pipeline=end - lx.t0)

@@ -12,6 +12,16 @@ class Clock(Protocol):
         ...
 
 
+class DecodeFailed(Exception):
+    """One record's ``decode_batch`` failed on the host threads: that record gets an error result and a dead
+    letter at stage ``decode``, as a failing ``decode`` on the loop thread gives; the batch goes on without
+    it. ``cause`` is what the handler raised."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"model decode failed: {type(cause).__name__}: {cause}")
+        self.cause = cause
+
+
 @runtime_checkable
 class Model(Protocol):
     """A model handler: the five stages the inference stage calls, in this order.
@@ -27,6 +37,17 @@ class Model(Protocol):
 
     Optional: ``size_of(item) -> int`` (length used for bucketing), ``name`` and ``version`` (go in the
     result and in the cache key).
+
+    Optional, host work off the loop thread: a handler that defines ``decode_batch(inputs) -> items`` (a
+    list of validated ``inputs``, one item per input, in order) is decoded on the device's host threads
+    (``model.host_threads``) just before ``collate``, never on the loop thread; ``decode`` then serves only
+    single calls (warm-up, scripts). Such a handler gives the size for bucketing before decoding with
+    ``estimate_size(inputs) -> int`` (exact or estimated; without it every record has size 1). When
+    ``decode_batch`` raises, each input of the chunk is decoded alone with ``decode``, and an input that
+    fails alone becomes that record's dead letter (stage ``decode``); the rest of the batch goes on.
+    ``decode_batch`` may run on several host threads at once, on different chunks of a batch: it must not
+    mutate shared state (a Hugging Face fast tokenizer's ``encode_batch`` with fixed padding and truncation
+    is safe).
 
     Handlers need not be thread-safe: ``forward``, ``collate`` and ``split`` each never run on two threads at
     once (recovery re-runs them on other threads). ``collate`` of one batch and ``split`` of another may run at

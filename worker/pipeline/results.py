@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from operator import attrgetter
 from typing import Any
 
+from worker.core.ports import DecodeFailed
 from worker.core.records import Batch, Outcome, Record, TopicPartition
 from worker.pipeline.context import Loop
 from worker.pipeline.delivery import DeliveryMode
@@ -82,8 +83,10 @@ class Results:
                 if rec.epoch != epochs[rec.tp]:
                     continue  # partition revoked meanwhile: the new owner reprocesses it
                 if i in failed:
-                    outcomes.append(Outcome(rec, "error", error=f"{type(out).__name__}: {out}",
-                                            dlq_stage="inference", batch_size=n,
+                    decode = isinstance(out, DecodeFailed)  # decode_batch on the host threads: stage decode
+                    why = str(out) if decode else f"{type(out).__name__}: {out}"
+                    outcomes.append(Outcome(rec, "error", error=why,
+                                            dlq_stage="decode" if decode else "inference", batch_size=n,
                                             timings={"queue": closed - rec.received_at, "infer": infer_s}))
                     continue
                 ok_recs.append(rec)
