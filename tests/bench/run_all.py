@@ -28,7 +28,17 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from tests.bench import batching, gpu_feed, latency, memory, pipeline, plots, realmodel, scaleout, token_budget
+from tests.bench import (
+    batching,
+    gpu_feed,
+    latency,
+    memory,
+    pipeline,
+    plots,
+    realmodel,
+    scaleout,
+    token_budget,
+)
 from tests.bench.common import ROOT, Broker, Ctx, log, percentile, workdir
 
 SCENARIOS = {"pipeline": pipeline, "batching": batching, "realmodel": realmodel, "latency": latency,
