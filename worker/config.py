@@ -151,6 +151,9 @@ class ModelConfig(_Strict):
     # A batch on a device longer than this (a hung kernel or driver, a forward that never returns) ends the
     # worker with exit 1, so that it is restarted instead of holding its partitions forever; 0 = never.
     batch_timeout_s: NonNegFloat = 300.0
+    # Worker processes sharing the device(s), each a full member of the consumer group (worker/supervisor.py):
+    # for handlers whose host work holds the GIL. `worker run --processes N` overrides it.
+    processes: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
 
 
 class DeliveryConfig(_Strict):

@@ -45,6 +45,8 @@ MEANINGS: dict[str, str] = {
     "model.compile": "`torch.compile` the forward (eager if it fails at warm-up)",
     "model.warmup": "run the model's example inputs at batch 1 and 8 before taking traffic",
     "model.batch_timeout_s": "a batch on a device longer than this ends the worker (exit 1); 0: never",
+    "model.processes": "worker processes sharing the device(s), each a group member, under a supervisor "
+                       "(`worker run --processes` overrides it)",
     "batching.policy": "`fixed` windows, or `adaptive` (online `a + b*n` latency model)",
     "batching.lanes": "the priority lanes, each with its own batching settings (table below)",
     "batching.lanes[].name": "the lane's name, as requests and the `x-priority` header give it",
