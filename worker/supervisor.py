@@ -223,6 +223,8 @@ def child_env(cfg: Config, index: int, base: Mapping[str, str], metrics_port: in
     env["WORKER__MODEL__PROCESSES"] = "1"
     port = cfg.metrics.port if metrics_port is None else metrics_port
     env["WORKER__METRICS__PORT"] = str(port + index if port else 0)
+    # --metrics-port turns the endpoint on (cli.cmd_run); the children read the file, not the flag.
+    env["WORKER__METRICS__ENABLED"] = "true" if cfg.metrics.enabled else "false"
     if cfg.delivery.mode == "exactly_once":
         # The runner's own default (worker/pipeline/exactly_once.py), then the index.
         tid = cfg.delivery.transactional_id or f"{cfg.kafka.group_id}-{socket.gethostname()}"

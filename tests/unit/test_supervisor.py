@@ -185,6 +185,9 @@ def test_child_env_gives_each_child_its_port_and_transactional_id(monkeypatch):
     assert child_env(named, 3, {}, 0)["WORKER__DELIVERY__TRANSACTIONAL_ID"] == "tx-3"
     assert child_env(named, 3, {}, 0)["WORKER__METRICS__PORT"] == "0"  # any free port, each
     assert "WORKER__DELIVERY__TRANSACTIONAL_ID" not in child_env(Config(), 1, {}, None)
+    off = Config(metrics=MetricsConfig(enabled=False))
+    assert child_env(off, 0, {}, None)["WORKER__METRICS__ENABLED"] == "false"
+    assert envs[0]["WORKER__METRICS__ENABLED"] == "true"
 
 
 def test_ports_past_65535_are_a_config_error_naming_the_source():
@@ -214,3 +217,28 @@ def test_supervise_drains_on_sigterm_with_the_real_loop():
             signal.signal(s, h)
     assert rc == 0
     assert len(f.started) == 2 and all(c.signals == [signal.SIGTERM] for _, c in f.started)
+
+
+@pytest.mark.parametrize(("argv", "want"), [([], 2), (["--processes", "3"], 3), (["--processes", "1"], None)])
+def test_worker_run_supervises_per_model_processes_or_the_flag(tmp_path, monkeypatch, argv, want):
+    from worker import cli
+
+    path = tmp_path / "w.yaml"
+    path.write_text("kafka: {input_topics: [in]}\nmodel: {processes: 2}\nmetrics: {enabled: false}\n")
+    calls: list[tuple[int, int | None]] = []
+    monkeypatch.setattr("worker.supervisor.supervise",
+                        lambda cfg, p, n, metrics_port=None: calls.append((n, metrics_port)) or 0)
+    monkeypatch.setattr("worker.service.run_service", lambda cfg, metrics_port=None: calls.append((1, None)) or 0)
+    monkeypatch.setattr(cli, "_setup_logging", lambda cfg, level=None: None)
+    assert cli.main(["run", "--config", str(path), *argv]) == 0
+    assert calls == [(want or 1, None)]
+
+
+@pytest.mark.parametrize("bad", ["0", "65", "two", "-1"])
+def test_processes_flag_out_of_range_is_a_usage_error(bad, capsys):
+    from worker.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["run", "--config", "x.yaml", "--processes", bad])
+    assert e.value.code == 2
+    assert "--processes: expected a whole number of processes from 1 to 64" in capsys.readouterr().err
