@@ -134,13 +134,13 @@ class Supervisor:
                     self._exited(slot, rc, now)
             elif slot.restart_at is not None and now >= slot.restart_at and self.stop_at is None:
                 self._launch(slot, now)
-        live = [s for s in self.slots if s.child is not None]
+        live = [(s, s.child) for s in self.slots if s.child is not None]
         if self.stop_at is not None and live and now - self.stop_at >= self.drain_s:
-            for slot in live:
+            for slot, child in live:
                 log.error("child %d (pid %d) still running %.0f s after the stop: killing it",
-                          slot.index, slot.child.pid, self.drain_s)  # type: ignore[union-attr]
+                          slot.index, child.pid, self.drain_s)
                 with contextlib.suppress(ProcessLookupError):
-                    slot.child.kill()  # type: ignore[union-attr]
+                    child.kill()
                 self.killed += 1
         if self.stop_at is not None and not live:
             self.exit_code = self._final_code()

@@ -90,7 +90,7 @@ def test_kill9_of_a_child_and_of_the_supervisor_loses_nothing(kafka, topic_names
                         os.kill(live_child(sup, len(done_kills) % 2), signal.SIGKILL)
                         # Before the next kill can come (progress jumps when a transaction commits), the
                         # supervisor has seen this one.
-                        wait_for(lambda s=sup, b=before: s.log().count("restarting it in") > b, 30,  # type: ignore[misc]
+                        wait_for(lambda s=sup, b=before: s.log().count("restarting it in") > b, 30,
                                  what=f"{sup.name} to restart the killed child")
                     else:
                         sup.kill()  # SIGKILL: its children get SIGTERM (PR_SET_PDEATHSIG) and drain
