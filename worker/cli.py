@@ -85,6 +85,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         cfg = msgspec.structs.replace(cfg, metrics=msgspec.structs.replace(cfg.metrics, enabled=True))
     _setup_logging(cfg)
+    processes = args.processes or cfg.model.processes
+    if processes > 1:
+        from worker.supervisor import supervise
+
+        return supervise(cfg, args.config, processes, metrics_port=args.metrics_port)
     from worker.service import run_service
 
     return run_service(cfg, metrics_port=args.metrics_port)
@@ -183,6 +188,12 @@ def _port(text: str) -> int:
     return port
 
 
+def _processes(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 64:
+        raise argparse.ArgumentTypeError(f"expected a whole number of processes from 1 to 64, got {text!r}")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="worker", description=(
         "Kafka inference worker: consume requests, micro-batch them by count or time in priority lanes, "
@@ -199,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--metrics-port", type=_port, default=None, help=(
         "serve /metrics, /healthz and /readyz on this port instead of metrics.port (0 = any free port); "
         "turns the endpoint on even where metrics.enabled is false"))
+    r.add_argument("--processes", type=_processes, default=None, metavar="N", help=(
+        "run N worker processes sharing the device(s), each a member of the consumer group, under a supervisor "
+        "that restarts a dead one (default: model.processes, 1); process i serves metrics on port + i"))
     r.set_defaults(func=cmd_run)
 
     c = sub.add_parser("check-config", help="validate a config file and exit (0 valid, 2 invalid)", description=(

@@ -148,6 +148,9 @@ class ModelConfig(_Strict):
     # image decoding), next to the loop and device threads. None: the CPUs this process may use
     # (affinity, capped by a cgroup v2 cpu.max quota in a container).
     host_threads: PosInt | None = None
+    # Worker processes sharing the device(s), each a full member of the consumer group (worker/supervisor.py):
+    # for handlers whose host work holds the GIL. `worker run --processes N` overrides it.
+    processes: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
 
 
 class DeliveryConfig(_Strict):

@@ -1,20 +1,32 @@
-"""Issue 7.5 - scale-out: two worker processes in one consumer group against one, synthetic model.
+"""Issue 7.5 - scale-out: two worker processes in one consumer group against one, synthetic model; and
+issue 27.4 - ``model.processes: 2`` (one supervisor, two children) against one process on the null-device
+MiniLM handler (``null_device.py``: real tokenizing, collating and splitting, a forward that costs nothing),
+whose host work is what bounds it.
 
 Each run gets a fresh 4-partition topic and group. The workers start first and the backlog is produced only
 once every one of them owns partitions (and the cooperative rebalance has settled), so group join and
 rebalance stay out of the measurement; the rate is then taken over the 5-95% window of broker append times
 of the results (see ``common``). The sleep-based model releases the GIL and needs little CPU, so two
 processes on two cores can scale.
+
+The null-device row needs CPU, not a device: about 90 us of worker CPU per text, so one process at full
+speed keeps more than one core busy, and two reach 1.8x only where four or more cores are free (the broker
+and the bench share the machine). The row prints the workers' CPU per record and the cores they used, the
+figures that show what bounded a run.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
+
+import msgspec
 
 from tests.bench.batching import MAIN_B, WAIT_MS, ideal, requests, synthetic_model
 from tests.bench.common import (
     Ctx,
+    cpu_s,
     create_topics,
     log,
     produce_backlog,
@@ -26,6 +38,7 @@ from tests.bench.common import (
     window_rate,
     worker_config,
 )
+from tests.bench.realmodel import texts
 
 PARTITIONS = 4
 
@@ -55,13 +68,79 @@ def _run(ctx: Ctx, workers: int, n: int) -> dict[str, Any]:
     return {"workers": workers, "records": n, "results": got, "throughput_per_s": rate, "assignments": owners}
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of ``pid`` and its children (a supervisor's worker processes), all their threads."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = [int(c) for c in f.read().split()]
+    except OSError:
+        kids = []
+    return cpu_s(pid) + sum(cpu_s(k) for k in kids)
+
+
+NULL_MODEL = {"name": "tests.bench.null_device:null_minilm", "warmup": False}
+NULL_B = 256
+
+
+def _run_processes(ctx: Ctx, processes: int, corpus: list[str]) -> dict[str, Any]:
+    """One ``worker run`` with ``model.processes`` = ``processes`` draining ``corpus`` on the null device.
+
+    The backlog is on the topic before the worker starts (the bench's producer, on the same cores, stays out
+    of the measurement), and only results appended once every child owns partitions count: the rate is the
+    5-95% window of those (while the first child to join runs alone, it is one process's rate)."""
+    r = f"{ctx.run}-p{processes}"
+    inp, out = f"procs-in-{r}", f"procs-out-{r}"
+    create_topics(ctx.bootstrap, {inp: PARTITIONS, out: PARTITIONS, f"procs-dlq-{r}": 1}, log_append_time=[out])
+    enc = msgspec.json.Encoder()
+    produce_backlog(ctx.bootstrap, inp, ((f"t-{i}".encode(), enc.encode({"id": f"t-{i}", "inputs": {"text": t}}))
+                                         for i, t in enumerate(corpus)), PARTITIONS)
+    cfg = worker_config(ctx.bootstrap, f"procs-{r}", out, f"procs-dlq-{r}", topics=[inp],
+                        lanes=[{"name": "default", "max_batch_size": NULL_B, "max_wait_ms": 10}],
+                        model={**NULL_MODEL, "processes": processes},
+                        kafka={"consumer": {"auto.offset.reset": "earliest"}})
+    w = start_worker(f"procs-p{processes}", cfg, ctx.work)
+    try:
+        deadline = time.monotonic() + 300
+        while w.log().count("partitions assigned") < processes:
+            if not w.alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"{w.name}: {processes} children never all got partitions:\n{w.log()[-3000:]}")
+            time.sleep(0.05)
+        time.sleep(1.0)  # the cooperative rebalance moves the partitions to the last one
+        since_ms, cpu0 = int(time.time() * 1000), tree_cpu_s(w.pid)
+        got = wait_count(ctx.bootstrap, out, len(corpus), timeout=600, alive=w.alive)
+        cpu = tree_cpu_s(w.pid) - cpu0
+    finally:
+        w.stop(60)
+    stamps = [ts for ts, _ in read_topic(ctx.bootstrap, out, want=got)]
+    measured = [ts for ts in stamps if ts >= since_ms]
+    rate = window_rate(measured)
+    per_record = cpu / max(len(measured), 1)
+    # The cores the worker processes keep busy at the measured rate (their CPU per record times the rate).
+    cores = per_record * rate
+    log(f"  null-device minilm, model.processes={processes}: {got}/{len(corpus)} results, {len(measured)} after "
+        f"all joined, {rate:.0f}/s; workers' CPU {1e6 * per_record:.0f} us/record, {cores:.2f} cores at that rate; "
+        f"load average {os.getloadavg()[0]:.1f}")
+    return {"processes": processes, "records": len(corpus), "results": got, "measured": len(measured),
+            "throughput_per_s": rate, "cpu_us_per_record": 1e6 * per_record, "cores_used": cores,
+            "load_average_1m": os.getloadavg()[0]}
+
+
 def run(ctx: Ctx) -> dict[str, Any]:
     seconds = 6.0 if ctx.quick else 12.0
     n1 = int(ideal(MAIN_B) * seconds)
     log(f"scale-out: synthetic B={MAIN_B}, {n1} records per worker")
     one = _run(ctx, 1, n1)
     two = _run(ctx, 2, 2 * n1)
-    return {"one": one, "two": two, "rows": [
+    n_null = 8000 if ctx.quick else 30000
+    log(f"scale-out: null-device minilm B={NULL_B}, {n_null} texts per process")
+    p1 = _run_processes(ctx, 1, texts(n_null))
+    p2 = _run_processes(ctx, 2, texts(2 * n_null))
+    return {"one": one, "two": two, "null_one": p1, "null_two": p2, "rows": [
         row("7.5 scale-out", "2 processes, records/s", two["throughput_per_s"], "1 process",
             one["throughput_per_s"], ">=", 1.8, "rec/s", f"synthetic a=20 ms b=1 ms B={MAIN_B}, 4 partitions"),
+        row("27.4 processes", "model.processes 2, texts/s", p2["throughput_per_s"], "model.processes 1",
+            p1["throughput_per_s"], ">=", 1.8, "texts/s",
+            f"null-device minilm B={NULL_B}, 4 partitions, {os.cpu_count()} cores; workers' CPU "
+            f"{p1['cpu_us_per_record']:.0f} / {p2['cpu_us_per_record']:.0f} us/record, "
+            f"{p1['cores_used']:.2f} / {p2['cores_used']:.2f} cores"),
     ]}

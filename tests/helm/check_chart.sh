@@ -173,6 +173,22 @@ else
   fail "tmpVolume without sizeLimit: emptyDir {} (or with its medium)" "$(grep -n -A2 'emptyDir' "$work"/tmp-*.yaml)"
 fi
 
+# processes: 3 runs `worker run --processes 3`; each process's port is a container port, a Service port, a
+# ServiceMonitor endpoint and a NetworkPolicy port, and the probes (exec, httpGet reaches one port) check all.
+good_case processes-3 --set processes=3 --set serviceMonitor.enabled=true --set networkPolicy.enabled=true \
+  --set 'networkPolicy.metricsFrom[0].podSelector.matchLabels.app=prometheus'
+f="$work/processes-3.yaml"
+if grep -qF '"--processes", "3"]' "$f" && grep -qF 'containerPort: 9402' "$f" \
+   && [ "$(grep -c 'targetPort: metrics-[12]$' "$f")" = 2 ] && [ "$(grep -c '^    - port: metrics' "$f")" = 3 ] \
+   && [ "$(grep -c '^        - port: metrics' "$f")" = 3 ] \
+   && [ "$(grep -cF 'for p in range(9400, 9403)]' "$f")" = 3 ] && ! grep -q 'httpGet:' "$f" \
+   && ! grep -qF -- '--processes' "$work/default.yaml" && grep -q 'httpGet:' "$work/default.yaml"; then
+  pass "processes: 3: args, 3 ports (container, Service, ServiceMonitor, NetworkPolicy), exec probes over all"
+else
+  fail "processes: 3: args, 3 ports (container, Service, ServiceMonitor, NetworkPolicy), exec probes over all" \
+    "$(grep -n -e processes -e 'metrics' -e 'range(' "$f")"
+fi
+
 # The KEDA variant renders no HPA and the HPA variant no ScaledObject (they are exclusive).
 if grep -q '^kind: HorizontalPodAutoscaler' "$work/all-on-keda.yaml" || ! grep -q '^kind: ScaledObject' "$work/all-on-keda.yaml" \
    || grep -q '^kind: ScaledObject' "$work/all-on-hpa.yaml" || ! grep -q '^kind: HorizontalPodAutoscaler' "$work/all-on-hpa.yaml"; then
@@ -309,6 +325,7 @@ bad_render replicas-over-partitions "exceeds autoscaling.partitions" \
   --set autoscaling.enabled=true --set autoscaling.partitions=4 --set autoscaling.maxReplicas=8
 bad_render hpa-over-partitions "exceeds autoscaling.partitions" \
   --set autoscaling.enabled=true --set autoscaling.kind=hpa --set autoscaling.partitions=2 --set autoscaling.maxReplicas=3
+bad_render processes-zero "processes" --set processes=0
 bad_render grace-below-shutdown "must be at least config.delivery.shutdown_timeout_s" \
   --set terminationGracePeriodSeconds=30
 # shutdown + preStop + 1 s is not enough: a stop takes up to about 13 s past shutdown_timeout_s.

@@ -96,10 +96,17 @@ def check_invariants(docs: list[dict[str, Any]]) -> list[str]:
             target, path = worker[probe]["httpGet"]["port"], worker[probe]["httpGet"]["path"]
             if target not in ports:
                 errs.append(f"Deployment/{name}: {probe} uses port {target!r}, not declared")
-        else:  # exec: python3 calls the loopback address on the metrics port
-            m = re.search(r"http://[^/]+:(\d+)(/\w+)", " ".join(worker[probe]["exec"]["command"]))
+        else:  # exec: python3 calls the loopback address on the metrics port (each process's, with several)
+            command = " ".join(worker[probe]["exec"]["command"])
+            m = re.search(r"http://[^/]+:(\d+)(/\w+)", command)
+            many = re.search(r"http://[^/]+:%d(/\w+)' % p, timeout=\d+\) for p in range\((\d+), (\d+)\)", command)
             target, path = (int(m.group(1)), m.group(2)) if m else (None, None)
-            if target != ports.get("metrics"):
+            if many:
+                path, called = many.group(1), list(range(int(many.group(2)), int(many.group(3))))
+                declared = sorted(v for k, v in ports.items() if k == "metrics" or k.startswith("metrics-"))
+                if called != declared:
+                    errs.append(f"Deployment/{name}: {probe} calls ports {called}, not the metrics ports {declared}")
+            elif target != ports.get("metrics"):
                 errs.append(f"Deployment/{name}: {probe} calls port {target}, not the metrics port")
         if path not in ((want,) if want else ("/readyz", "/healthz")):
             errs.append(f"Deployment/{name}: {probe} must use {want or '/readyz or /healthz'}, got {path}")

@@ -47,6 +47,8 @@ MEANINGS: dict[str, str] = {
     "model.batch_timeout_s": "a batch on a device longer than this ends the worker (exit 1); 0: never",
     "model.host_threads": "host threads per process for handlers with `decode_batch`; default (null): the CPUs "
                           "this process may use (affinity, cgroup v2 cpu.max)",
+    "model.processes": "worker processes sharing the device(s), each a group member, under a supervisor "
+                       "(`worker run --processes` overrides it)",
     "batching.policy": "`fixed` windows, or `adaptive` (online `a + b*n` latency model)",
     "batching.lanes": "the priority lanes, each with its own batching settings (table below)",
     "batching.lanes[].name": "the lane's name, as requests and the `x-priority` header give it",

@@ -432,6 +432,26 @@ status other than 2xx, which exits 1.
 {{- define "kiw.execProbe" -}}
 {{- $host := include "kiw.metricsHost" .ctx }}
 {{- $addr := ternary "[::1]" "127.0.0.1" (has $host (list "::" "::1")) }}
-{{- $url := printf "http://%s:%d%s" $addr (include "kiw.metricsPort" .ctx | int) .path }}
+{{- $port := include "kiw.metricsPort" .ctx | int }}
+{{- $n := include "kiw.processes" .ctx | int }}
+{{- if le $n 1 }}
+{{- $url := printf "http://%s:%d%s" $addr $port .path }}
 {{- list "python3" "-c" (printf "import urllib.request; urllib.request.urlopen(%s, timeout=%d)" ($url | squote) (.timeout | int)) | toJson }}
+{{- else }}
+{{- /* Every process: the pod is healthy (ready) only when each of them is. */}}
+{{- $url := printf "http://%s:%%d%s" $addr .path }}
+{{- list "python3" "-c" (printf "import urllib.request; [urllib.request.urlopen(%s %% p, timeout=%d) for p in range(%d, %d)]" ($url | squote) (.timeout | int) $port (add $port $n)) | toJson }}
+{{- end }}
+{{- end }}
+
+{{/* Worker processes per pod (values.processes); process i serves metrics on metrics.port + i. */}}
+{{- define "kiw.processes" -}}
+{{- .Values.processes | default 1 | int }}
+{{- end }}
+
+{{/* The container ports' names, one per process: metrics, metrics-1, ... (JSON list). */}}
+{{- define "kiw.metricsPortNames" -}}
+{{- $names := list "metrics" }}
+{{- range $i := untilStep 1 (include "kiw.processes" . | int) 1 }}{{ $names = append $names (printf "metrics-%d" $i) }}{{ end }}
+{{- $names | toJson }}
 {{- end }}
