@@ -136,6 +136,20 @@ class BatchingConfig(_Strict):
     max_uncommitted: PosInt = 50_000
 
 
+class GenerationConfig(_Strict):
+    """Generative handlers only (``kind = "generative"``): the limits requests are validated against and
+    the continuous batch's size."""
+
+    max_new_tokens: PosInt = 512  # the most a request may ask for
+    default_max_new_tokens: PosInt = 64  # what a request that names none gets (capped at max_new_tokens)
+    max_stop: Annotated[int, msgspec.Meta(ge=0)] = 4  # stop strings per request
+    max_stop_chars: PosInt = 64  # characters per stop string
+    max_prompt_chars: PosInt = 100_000
+    max_sequences: PosInt = 32  # sequences decoded together in one step
+    # Tokens reserved by the running sequences (prompt + max_new_tokens each), the KV-cache bound.
+    max_batch_tokens: PosInt = 16_384
+
+
 class ModelConfig(_Strict):
     # A built-in handler ("synthetic", "minilm", "identity", "tiny"), a "package.module:factory" callable,
     # or a file (worker.models.loaders.MODEL_FILE_SUFFIXES): TorchScript (.pt/.pth/.ts/.jit), torch.export
@@ -151,6 +165,7 @@ class ModelConfig(_Strict):
     # A batch on a device longer than this (a hung kernel or driver, a forward that never returns) ends the
     # worker with exit 1, so that it is restarted instead of holding its partitions forever; 0 = never.
     batch_timeout_s: NonNegFloat = 300.0
+    generation: GenerationConfig = msgspec.field(default_factory=GenerationConfig)
 
 
 class DeliveryConfig(_Strict):

@@ -35,7 +35,7 @@ import enum
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from worker.core.step_model import GenParams
 
@@ -91,6 +91,14 @@ class StepPlan:
     admitted: tuple[Seq, ...]
     seq_ids: tuple[int, ...]
     ended: tuple[Seq, ...]
+
+
+class Expired(NamedTuple):
+    """A device output for a record whose sequence hit its deadline: an ``expired`` result carrying what it
+    generated so far (``output``), not an ``ok`` one."""
+
+    output: Any
+    error: str
 
 
 class _LaneState:
@@ -206,13 +214,16 @@ class StepScheduler:
         self._planned = ()
         return done
 
-    def fail_running(self, error: str, now: float) -> list[Seq]:
-        """The step raised: every running sequence fails with ``error`` (waiting ones stay)."""
-        failed = list(self._running.values())
+    def fail_running(self, error: str, now: float, ids: Sequence[int] | None = None) -> list[Seq]:
+        """Running sequences fail with ``error``: those in ``ids``, or all (waiting ones stay). A partial
+        failure keeps the plan: ``update`` then skips the failed ones' tokens."""
+        failed = [self._running[i] for i in ids if i in self._running] if ids is not None else \
+            list(self._running.values())
         for seq in failed:
             self._leave(seq)
             self._end(seq, SeqState.FAILED, "error", now, error=error)
-        self._planned = ()
+        if ids is None:
+            self._planned = ()
         return failed
 
     def drop(self, pred: Callable[[Seq], bool], now: float) -> list[Seq]:

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from worker.core.records import Batch, Outcome, Record
+from worker.core.step_scheduler import Expired
 from worker.pipeline.context import Loop
 from worker.pipeline.delivery import DeliveryMode
 
@@ -70,6 +71,10 @@ class Results:
                 outcomes.append(Outcome(rec, "error", error=f"{type(out).__name__}: {out}",
                                         dlq_stage="inference", batch_size=n,
                                         timings={"queue": closed - rec.received_at, "infer": infer_s}))
+                continue
+            if isinstance(out, Expired):  # a generative sequence past its deadline: what it generated so far
+                outcomes.append(Outcome(rec, "expired", output=out.output, error=out.error, dlq_stage="expired",
+                                        batch_size=n, timings={"queue": closed - rec.received_at, "infer": infer_s}))
                 continue
             if rec.cache_key is not None:
                 loop.gate.cache_put(rec, out)
