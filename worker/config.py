@@ -148,6 +148,8 @@ class GenerationConfig(_Strict):
     max_sequences: PosInt = 32  # sequences decoded together in one step
     # Tokens reserved by the running sequences (prompt + max_new_tokens each), the KV-cache bound.
     max_batch_tokens: PosInt = 16_384
+    # Of max_batch_tokens, kept free for the highest-priority lane (its time to first token under overload).
+    priority_headroom_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class ModelConfig(_Strict):

@@ -18,9 +18,9 @@ def detok(ids: Sequence[int]) -> str:
     return "".join(chr(ord("a") + (i - 1) % 26) for i in ids)  # 1 -> "a", 2 -> "b", ...
 
 
-def make(lanes: Sequence[LaneRule] = (LaneRule("default"),), **kw: int) -> StepScheduler:
+def make(lanes: Sequence[LaneRule] = (LaneRule("default"),), headroom: int = 0, **kw: int) -> StepScheduler:
     opts = {"max_sequences": 4, "max_batch_tokens": 1000, "max_context": 512} | kw
-    return StepScheduler(lanes, eos_token_id=EOS, detokenize=detok, **opts)
+    return StepScheduler(lanes, eos_token_id=EOS, detokenize=detok, headroom=headroom, **opts)
 
 
 def params(n: int = 4, stop: tuple[str, ...] = ()) -> GenParams:
@@ -190,7 +190,7 @@ ops = st.lists(st.one_of(
 @given(ops, st.integers(1, 4), st.integers(4, 30))
 @example([("submit", "hi", 12, 9, None), ("submit", "lo", 1, 1, None), ("step", 1)], 2, 4)
 def test_every_sequence_ends_exactly_once_and_limits_hold(ops: list[tuple], slots: int, budget: int) -> None:
-    s = make([LaneRule("lo"), LaneRule("hi", priority=1, weight=2.0)], max_sequences=slots,
+    s = make([LaneRule("lo"), LaneRule("hi", priority=1, weight=2.0)], max_sequences=slots, headroom=3,
              max_batch_tokens=budget, max_context=16)
     submitted: list = []
     handed: list = []
@@ -229,3 +229,11 @@ def test_every_sequence_ends_exactly_once_and_limits_hold(ops: list[tuple], slot
     assert sorted(x.id for x in handed) == [x.id for x in submitted]  # each one, exactly once
     assert all(x.state in {SeqState.FINISHED, SeqState.EXPIRED, SeqState.FAILED, SeqState.ABANDONED}
                for x in submitted)
+
+
+def test_headroom_is_for_the_highest_lane_only() -> None:
+    s = make([LaneRule("lo"), LaneRule("hi", priority=1)], max_sequences=10, max_batch_tokens=10, headroom=4)
+    lo = [s.submit(i, "lo", [1], params(2), 0.0) for i in range(4)]  # 3 tokens each
+    assert s.schedule(0.0).admitted == (lo[0], lo[1])  # 6 <= 10 - 4; a third would cut into the headroom
+    hi = s.submit("h", "hi", [1], params(2), 0.5)
+    assert s.schedule(1.0).admitted == (hi,) and s.reserved_tokens == 9

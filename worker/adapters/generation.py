@@ -82,7 +82,8 @@ class GenerationWorker:
         lim = self.limits
         self.sched = StepScheduler(self.lanes, max_sequences=lim.max_sequences,
                                    max_batch_tokens=lim.max_batch_tokens, max_context=self.sm.max_context,
-                                   eos_token_id=self.sm.eos_token_id, detokenize=self.sm.decode)
+                                   eos_token_id=self.sm.eos_token_id, detokenize=self.sm.decode,
+                                   headroom=lim.priority_headroom_tokens)
         self.ready = True
 
     def start(self) -> None:

@@ -16,6 +16,9 @@ sequences reach. It is admitted when a slot is free (``max_sequences``) and its 
 left of the budget; a sequence whose reservation alone exceeds the budget is admitted when nothing else
 runs (it runs alone). Within a lane admission is FIFO, and a head that does not fit stops admission for
 this round: the freed tokens go to it first, so a long request is not starved by a stream of short ones.
+``headroom`` tokens of the budget are for the highest-priority lane only: the other lanes stop admitting
+while their head would cut into it, so an urgent sequence that arrives under overload finds room at once
+instead of waiting for running ones to finish (a lower lane gives up that much of the budget).
 
 Choosing the lane: the rule of ``worker.core.scheduler``, per sequence instead of per batch. Each lane keeps
 ``v = admitted / weight``; among lanes with waiting sequences, those with ``v < v_min + L`` are eligible,
@@ -113,7 +116,7 @@ class _LaneState:
 class StepScheduler:
     def __init__(self, lanes: Sequence[LaneRule], *, max_sequences: int, max_batch_tokens: int,
                  max_context: int, eos_token_id: int | None,
-                 detokenize: Callable[[Sequence[int]], str]) -> None:
+                 detokenize: Callable[[Sequence[int]], str], headroom: int = 0) -> None:
         if not lanes:
             raise ValueError("StepScheduler: at least one lane")
         if max_sequences < 1 or max_batch_tokens < 1 or max_context < 2:
@@ -124,6 +127,7 @@ class StepScheduler:
         self._lag = max_sequences / min(r.weight for r in lanes)
         self.max_sequences = max_sequences
         self.max_batch_tokens = max_batch_tokens
+        self.headroom = max(0, min(headroom, max_batch_tokens))
         self.max_context = max_context
         self.eos_token_id = eos_token_id
         self._detokenize = detokenize
@@ -182,7 +186,8 @@ class StepScheduler:
             if st is None:
                 break
             head = st.waiting[0]
-            if self._running and self.reserved_tokens + head.reserved > self.max_batch_tokens:
+            room = self.max_batch_tokens - (0 if st is self._order[0] else self.headroom)
+            if self._running and self.reserved_tokens + head.reserved > room:
                 break  # FIFO: the head gets the next tokens freed
             st.waiting.popleft()
             st.v += 1.0 / st.rule.weight
