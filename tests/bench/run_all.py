@@ -11,7 +11,7 @@ Every figure is a ratio against a baseline measured in the same run; nothing her
 status is 1 when a scenario or a plot failed, or a figure with a target could not be measured (verdict FAIL).
 
 Scenarios: pipeline (7.1), batching (3, 7.2: sweep, seeds, 10% load), realmodel (7.3), latency (3, 7.4),
-scaleout (7.5), memory (7.6).
+scaleout (7.5), memory (7.6), generative (issue 28: continuous vs static batching).
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from tests.bench import batching, latency, memory, pipeline, plots, realmodel, scaleout
+from tests.bench import batching, generative, latency, memory, pipeline, plots, realmodel, scaleout
 from tests.bench.common import ROOT, Broker, Ctx, log, percentile, workdir
 
 SCENARIOS = {"pipeline": pipeline, "batching": batching, "realmodel": realmodel, "latency": latency,
-             "scaleout": scaleout, "memory": memory}
+             "scaleout": scaleout, "memory": memory, "generative": generative}
 # Describes the machine in the results section; e.g. KIW_BENCH_MACHINE="2-core shared VM, CPU only".
 MACHINE = os.environ.get("KIW_BENCH_MACHINE") or f"{os.cpu_count()}-core machine, CPU only"
 PAGE = ROOT / "docs" / "benchmarks.md"

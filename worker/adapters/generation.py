@@ -279,3 +279,47 @@ def attach(model: Any, device: str, cfg: Any, dispatch: Any, index: int) -> Gene
     w.setup()
     dispatch.hold(w.abandon)
     return w
+
+
+class GenerationEngine:
+    """Records in, outputs out, synchronously, through a GenerationWorker's thread: ``worker predict`` and
+    ``worker profile`` run a generative model on the path ``worker run`` takes, without Kafka."""
+
+    def __init__(self, model: GenerativeModel, device: str, lanes: list[LaneRule] | None = None) -> None:
+        self._cv = threading.Condition()
+        self._todo: list[Batch] = []
+        self._outs: dict[int, Any] = {}
+        self.worker = GenerationWorker(model, device, lanes=lanes or [LaneRule("default")], limits=model.limits,
+                                       take=self._take, done=self._done, is_current=lambda r: True,
+                                       poll_s=0.01)
+
+    def setup(self) -> None:
+        self.worker.setup()
+        self.worker.start()
+
+    def generate(self, records: list[Record], timeout: float | None = None) -> list[Any]:
+        """One output per record, in order: a GenerationOutput, an Expired or a GenerationError."""
+        now = time.monotonic()
+        with self._cv:
+            self._todo.append(Batch("default", list(records), now, now, "generate"))
+            self._cv.notify_all()
+            ok = self._cv.wait_for(lambda: all(id(r) in self._outs for r in records) or self.worker.error is not None,
+                                   timeout)
+            if self.worker.error is not None or not ok:
+                raise RuntimeError(f"{self.worker.name}: generation stopped: {self.worker.error!r}")
+            return [self._outs.pop(id(r)) for r in records]
+
+    def close(self) -> None:
+        self.worker.stop(5.0)
+
+    def _take(self, timeout: float, in_flight: int) -> Batch | None:
+        with self._cv:
+            if not self._todo:
+                self._cv.wait(timeout)
+            return self._todo.pop(0) if self._todo else None
+
+    def _done(self, batch: Batch, outputs: list[Any], timings: dict[str, float]) -> None:
+        with self._cv:
+            for rec, out in zip(batch.records, outputs, strict=True):
+                self._outs[id(rec)] = out
+            self._cv.notify_all()
