@@ -81,10 +81,12 @@ class Feed:
                 self.lanes[r.lane].put(rec)
                 self._next += 1
 
-    def pop(self, limit: int) -> list[Record]:
+    def pop(self, limit: int, only: frozenset[str] | None = None) -> list[Record]:
         self.release(time.monotonic())
         out: list[Record] = []
         for lane in ("high", "low"):
+            if only is not None and lane not in only:
+                continue
             q = self.lanes[lane]
             while len(out) < limit:
                 try:
@@ -116,7 +118,7 @@ def make_reqs(n: int, rate: float | None, seed: int, high_share: float = 0.0) ->
 
 def model() -> GenerativeModel:
     m = load_model(ModelConfig(name="synthetic-lm", options={"a_ms": A_MS, "b_ms": B_MS},
-                               generation=GenerationConfig(max_new_tokens=MAX_NEW, max_sequences=256,
+                               generation=GenerationConfig(max_new_tokens=MAX_NEW, max_sequences=128,
                                                            max_batch_tokens=MEMORY_TOKENS,
                                                            priority_headroom_tokens=HEADROOM)))
     assert isinstance(m, GenerativeModel)
@@ -129,10 +131,10 @@ def run_continuous(reqs: list[Req]) -> float:
     by_id = {r.i: r for r in reqs}
     left = threading.Semaphore(0)
 
-    def take(timeout: float, in_flight: int) -> Batch | None:
+    def take(timeout: float, in_flight: int, only: frozenset[str] | None) -> Batch | None:
         if not in_flight:
             feed.wait_any(timeout)
-        recs = feed.pop(64)
+        recs = feed.pop(32, only)  # a lane's max_batch_size
         if not recs:
             return None
         now = time.monotonic()

@@ -46,7 +46,7 @@ class Feed:
         now = time.monotonic()
         self.todo.put(Batch("default", list(records), now, now, "count"))
 
-    def take(self, timeout: float, in_flight: int) -> Batch | None:
+    def take(self, timeout: float, in_flight: int, only: frozenset[str] | None) -> Batch | None:
         self.max_in_flight = max(self.max_in_flight, in_flight)
         try:
             return self.todo.get(timeout=max(timeout, 0.001))

@@ -34,8 +34,8 @@ from worker.models.inputs import GenerationOutput
 
 log = logging.getLogger("worker.generation")
 
-# (timeout_s, sequences in flight here) -> the next batch of records, or None
-TakeFn = Callable[[float, int], Batch | None]
+# (timeout_s, sequences in flight here, only these lanes or None: any) -> the next batch of records, or None
+TakeFn = Callable[[float, int, frozenset[str] | None], Batch | None]
 DoneFn = Callable[[Batch, list[Any], dict[str, float]], None]
 
 
@@ -71,6 +71,10 @@ class GenerationWorker:
         self._started: set[int] = set()
         self._release: list[int] = []
         self._isolated: set[int] = set()  # sequences of a suspect (a batch with reason "isolate")
+        top = max(r.priority for r in lanes)
+        # The lanes at the highest priority, when lower ones exist (else none is more urgent than another).
+        self._urgent = frozenset(r.name for r in lanes if r.priority == top) if len(
+            {r.priority for r in lanes}) > 1 else frozenset()
         self._step_since: float | None = None
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -186,12 +190,17 @@ class GenerationWorker:
         return tokens, failed
 
     def _intake(self) -> None:
-        """Takes records while fewer than max_sequences wait here; waits for one only when nothing runs."""
+        """Takes records while fewer than max_sequences wait here; waits for one only when nothing runs. With
+        the pool full, records of the highest-priority lanes are still taken (the step scheduler admits them
+        first): a refill of lower-lane records must not keep an urgent one in the queue behind it."""
         with self._lock:
             in_flight = len(self.sched)
+            only = None
             if self.sched.waiting >= self.limits.max_sequences:
-                return
-            batch = self.take(0.0 if in_flight else self.poll_s, in_flight)
+                if not self._urgent:
+                    return
+                only = self._urgent
+            batch = self.take(0.0 if in_flight else self.poll_s, in_flight, only)
             if batch is None:
                 return
             now = time.monotonic()
@@ -273,7 +282,7 @@ def attach(model: Any, device: str, cfg: Any, dispatch: Any, index: int) -> Gene
     if not isinstance(model, GenerativeModel):
         model = GenerativeModel(model, cfg.model.generation)
     w = GenerationWorker(model, device, lanes=lane_rules(cfg.batching.lanes), limits=cfg.model.generation,
-                         take=lambda timeout, n: dispatch.take_sequences(timeout, index, n),
+                         take=lambda timeout, n, only: dispatch.take_sequences(timeout, index, n, only),
                          done=lambda b, outs, t: dispatch.done_sequences(b, outs, t, index),
                          is_current=dispatch.is_current, name=f"generate-{device}")
     w.setup()
@@ -312,7 +321,7 @@ class GenerationEngine:
     def close(self) -> None:
         self.worker.stop(5.0)
 
-    def _take(self, timeout: float, in_flight: int) -> Batch | None:
+    def _take(self, timeout: float, in_flight: int, only: frozenset[str] | None) -> Batch | None:
         with self._cv:
             if not self._todo:
                 self._cv.wait(timeout)

@@ -159,11 +159,13 @@ class Dispatch:
         """A generation worker keeps records in flight across steps: a revoke or rewind asks it for theirs."""
         self._holders.append(holder)
 
-    def take_sequences(self, timeout: float, worker: int, in_flight: int) -> Batch | None:
+    def take_sequences(self, timeout: float, worker: int, in_flight: int,
+                       only: frozenset[str] | None = None) -> Batch | None:
         """The next batch for a generation worker, whose sequences join its running batch at once (so an open
         window goes now: the worker is never "busy" the way a batch device is). ``in_flight``: its sequences
         not finished; a suspect goes only to a worker with none, and nothing else goes while it runs. Only a
-        suspect's batch counts in ``busy_on`` (until ``done_sequences``)."""
+        suspect's batch counts in ``busy_on`` (until ``done_sequences``). ``only``: take a batch only while
+        one of these lanes has records queued (the worker's pool is full; these lanes' records go first)."""
         deadline = Deadline(timeout)
         with self.cv:
             while True:
@@ -178,7 +180,7 @@ class Dispatch:
                         self.isolated += 1
                         batch = Batch(lane=rec.lane, records=[rec], opened_at=now, closed_at=now,
                                       reason="isolate", max_batch_size=1)
-                elif self.isolated == 0:
+                elif self.isolated == 0 and (only is None or any(self.scheduler.queued(ln) for ln in only)):
                     batch = self.scheduler.next_batch(now, idle=True)
                 if batch is not None:
                     batch.closed_at = now
