@@ -150,6 +150,9 @@ class GenerationConfig(_Strict):
     max_batch_tokens: PosInt = 16_384
     # Of max_batch_tokens, kept free for the highest-priority lane (its time to first token under overload).
     priority_headroom_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # reserve: prompt + max_new_tokens held from admission; grow: tokens as the caches hold them, with
+    # preemption (and recompute) of the lowest lane's latest sequence when they outgrow the budget.
+    admission: Literal["reserve", "grow"] = "reserve"
 
 
 class ModelConfig(_Strict):

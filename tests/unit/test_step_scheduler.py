@@ -18,9 +18,11 @@ def detok(ids: Sequence[int]) -> str:
     return "".join(chr(ord("a") + (i - 1) % 26) for i in ids)  # 1 -> "a", 2 -> "b", ...
 
 
-def make(lanes: Sequence[LaneRule] = (LaneRule("default"),), headroom: int = 0, **kw: int) -> StepScheduler:
+def make(lanes: Sequence[LaneRule] = (LaneRule("default"),), headroom: int = 0, admission: str = "reserve",
+         **kw: int) -> StepScheduler:
     opts = {"max_sequences": 4, "max_batch_tokens": 1000, "max_context": 512} | kw
-    return StepScheduler(lanes, eos_token_id=EOS, detokenize=detok, headroom=headroom, **opts)
+    return StepScheduler(lanes, eos_token_id=EOS, detokenize=detok, headroom=headroom, admission=admission,
+                         **opts)
 
 
 def params(n: int = 4, stop: tuple[str, ...] = ()) -> GenParams:
@@ -186,19 +188,23 @@ ops = st.lists(st.one_of(
 ), max_size=80)
 
 
-@settings(max_examples=150, deadline=None)
-@given(ops, st.integers(1, 4), st.integers(4, 30))
-@example([("submit", "hi", 12, 9, None), ("submit", "lo", 1, 1, None), ("step", 1)], 2, 4)
-def test_every_sequence_ends_exactly_once_and_limits_hold(ops: list[tuple], slots: int, budget: int) -> None:
+@settings(max_examples=200, deadline=None)
+@given(ops, st.integers(1, 4), st.integers(4, 30), st.sampled_from(["reserve", "grow"]))
+@example([("submit", "hi", 12, 9, None), ("submit", "lo", 1, 1, None), ("step", 1)], 2, 4, "reserve")
+@example([("submit", "lo", 1, 9, None)] * 4 + [("submit", "hi", 1, 9, None)] + [("step", 1)] * 12, 4, 10, "grow")
+def test_every_sequence_ends_exactly_once_and_limits_hold(ops: list[tuple], slots: int, budget: int,
+                                                          admission: str) -> None:
     s = make([LaneRule("lo"), LaneRule("hi", priority=1, weight=2.0)], max_sequences=slots, headroom=3,
-             max_batch_tokens=budget, max_context=16)
+             max_batch_tokens=budget, max_context=16, admission=admission)
     submitted: list = []
     handed: list = []
     now = 0.0
 
-    def check() -> None:
+    def check(grown: bool = False) -> None:
         assert s.running <= slots
-        assert s.reserved_tokens <= budget or s.running == 1
+        # "grow": the step just taken added a token to each running cache; the next schedule preempts.
+        slack = s.running if grown and admission == "grow" else 0
+        assert s.reserved_tokens <= budget + slack or s.running == 1
         assert s.reserved_tokens == sum(x.reserved for x in submitted if x.state is SeqState.RUNNING)
 
     def one_round(tok: int) -> None:
@@ -219,8 +225,8 @@ def test_every_sequence_ends_exactly_once_and_limits_hold(ops: list[tuple], slot
             handed.extend(s.drop(lambda x, m=op[1]: x.key % 5 == m, now))
         else:
             handed.extend(s.fail_running("boom", now))
-        check()
-    for _ in range(200):  # drains: every sequence ends (max_new_tokens and the context bound each one)
+        check(grown=op[0] == "step")
+    for _ in range(5000):  # drains: every sequence ends (max_new_tokens and the context bound each one)
         if not len(s) and not s._refused:
             break
         now += 1.0
@@ -237,3 +243,21 @@ def test_headroom_is_for_the_highest_lane_only() -> None:
     assert s.schedule(0.0).admitted == (lo[0], lo[1])  # 6 <= 10 - 4; a third would cut into the headroom
     hi = s.submit("h", "hi", [1], params(2), 0.5)
     assert s.schedule(1.0).admitted == (hi,) and s.reserved_tokens == 9
+
+
+def test_grow_admits_by_cached_tokens_and_preempts_the_lowest_latest() -> None:
+    s = make([LaneRule("lo"), LaneRule("hi", priority=1)], max_sequences=8, max_batch_tokens=20,
+             admission="grow")  # watermark 2
+    a = s.submit("a", "hi", [1] * 4, params(30), 0.0)  # reserve would hold 34 > 20: here 5 at first
+    b = s.submit("b", "lo", [1] * 4, params(30), 0.0)
+    c = s.submit("c", "lo", [1] * 4, params(30), 0.0)
+    plan = s.schedule(0.0)
+    assert plan.admitted == (a, b, c) and s.reserved_tokens == 15
+    s.update([1, 1, 1], 0.0)  # 18
+    assert s.schedule(1.0).preempted == ()
+    s.update([1, 1, 1], 1.0)  # 21 > 20: c, the latest of the lowest lane, goes back with its tokens dropped
+    plan = s.schedule(2.0)
+    assert plan.preempted == (c,) and c.state is SeqState.WAITING and c.tokens == []
+    assert plan.seq_ids == (a.id, b.id) and s.reserved_tokens == 14 and s.preemptions == 1
+    s.update([1, 1], 2.0)
+    assert s.schedule(3.0).admitted == ()  # 16 + 5 + watermark 2 > 20

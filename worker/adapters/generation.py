@@ -87,7 +87,7 @@ class GenerationWorker:
         self.sched = StepScheduler(self.lanes, max_sequences=lim.max_sequences,
                                    max_batch_tokens=lim.max_batch_tokens, max_context=self.sm.max_context,
                                    eos_token_id=self.sm.eos_token_id, detokenize=self.sm.decode,
-                                   headroom=lim.priority_headroom_tokens)
+                                   headroom=lim.priority_headroom_tokens, admission=lim.admission)
         self.ready = True
 
     def start(self) -> None:
@@ -149,6 +149,7 @@ class GenerationWorker:
             with self._lock:
                 self._drop_stale()
                 plan = self.sched.schedule(time.monotonic())
+                self._forget(list(plan.preempted))  # admitted again later: started again then
                 for seq in plan.admitted:
                     self._started.add(seq.id)
             self._hand_back(list(plan.ended))

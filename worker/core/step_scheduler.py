@@ -10,12 +10,18 @@ Lifecycle (``SeqState``): WAITING -> RUNNING -> FINISHED | EXPIRED | FAILED, or 
 the first two (its partition was released). Each submitted sequence reaches exactly one final state, once,
 and is handed back exactly once: by ``schedule`` (``plan.ended``), ``update``, ``fail_running`` or ``drop``.
 
-Admission. A sequence reserves ``len(prompt) + max_new_tokens`` tokens (capped at the model's context) for
-its whole life, so the tokens in the device's caches never exceed ``max_batch_tokens`` whatever lengths the
+Admission (``admission="reserve"``, the default). A sequence reserves ``len(prompt) + max_new_tokens``
+tokens (capped at the model's context) for its whole life, so the tokens in the device's caches never exceed ``max_batch_tokens`` whatever lengths the
 sequences reach. It is admitted when a slot is free (``max_sequences``) and its reservation fits in what is
 left of the budget; a sequence whose reservation alone exceeds the budget is admitted when nothing else
 runs (it runs alone). Within a lane admission is FIFO, and a head that does not fit stops admission for
 this round: the freed tokens go to it first, so a long request is not starved by a stream of short ones.
+With ``admission="grow"`` a sequence counts the tokens its cache holds after the next step (prompt +
+generated + 1), as a paged cache allocates them; admission keeps a tenth of the budget free for growth, and
+when the next step would still exceed the budget, the latest-admitted sequence of the lowest-priority
+running lane is preempted: back to the front of its lane, its tokens dropped and recomputed when it runs
+again (the same tokens: its seed and prompt decide them). More sequences run at once, at the cost of the
+recomputed steps.
 ``headroom`` tokens of the budget are for the highest-priority lane only: the other lanes stop admitting
 while their head would cut into it, so an urgent sequence that arrives under overload finds room at once
 instead of waiting for running ones to finish (a lower lane gives up that much of the budget).
@@ -94,6 +100,7 @@ class StepPlan:
     admitted: tuple[Seq, ...]
     seq_ids: tuple[int, ...]
     ended: tuple[Seq, ...]
+    preempted: tuple[Seq, ...] = ()  # ("grow" admission) back to waiting: release their caches
 
 
 class Expired(NamedTuple):
@@ -116,11 +123,18 @@ class _LaneState:
 class StepScheduler:
     def __init__(self, lanes: Sequence[LaneRule], *, max_sequences: int, max_batch_tokens: int,
                  max_context: int, eos_token_id: int | None,
-                 detokenize: Callable[[Sequence[int]], str], headroom: int = 0) -> None:
+                 detokenize: Callable[[Sequence[int]], str], headroom: int = 0,
+                 admission: str = "reserve") -> None:
         if not lanes:
             raise ValueError("StepScheduler: at least one lane")
         if max_sequences < 1 or max_batch_tokens < 1 or max_context < 2:
             raise ValueError("StepScheduler: max_sequences, max_batch_tokens >= 1 and max_context >= 2")
+        if admission not in ("reserve", "grow"):
+            raise ValueError(f"StepScheduler: admission {admission!r}: expected reserve or grow")
+        self._grow = admission == "grow"
+        # "grow": tokens kept free at admission for the running sequences' next steps.
+        self._watermark = max_batch_tokens // 10 if self._grow else 0
+        self.preemptions = 0
         self._lanes = {r.name: _LaneState(r) for r in lanes}
         # Priority order once: highest first, ties in config order (sorted is stable).
         self._order = sorted(self._lanes.values(), key=lambda s: -s.rule.priority)
@@ -159,7 +173,7 @@ class StepScheduler:
         """Queues a sequence. One whose prompt leaves no room in the context for a token is FAILED and handed
         back by the next ``schedule``."""
         ids = list(prompt_ids)
-        reserve = min(len(ids) + params.max_new_tokens, self.max_context)
+        reserve = len(ids) + 1 if self._grow else min(len(ids) + params.max_new_tokens, self.max_context)
         seq = Seq(self._next_id, key, self.lane_of(lane), ids, params, now, deadline, reserve)
         self._next_id += 1
         if not ids or len(ids) >= self.max_context:
@@ -180,14 +194,15 @@ class StepScheduler:
         ended = self._refused
         self._refused = []
         ended.extend(self._expire(now))
+        preempted = self._preempt() if self._grow else []
         admitted: list[Seq] = []
-        while len(self._running) < self.max_sequences:
+        while not preempted and len(self._running) < self.max_sequences:
             st = self._pick()
             if st is None:
                 break
             head = st.waiting[0]
             room = self.max_batch_tokens - (0 if st is self._order[0] else self.headroom)
-            if self._running and self.reserved_tokens + head.reserved > room:
+            if self._running and self.reserved_tokens + head.reserved + self._watermark > room:
                 break  # FIFO: the head gets the next tokens freed
             st.waiting.popleft()
             st.v += 1.0 / st.rule.weight
@@ -197,7 +212,7 @@ class StepScheduler:
             self.reserved_tokens += head.reserved
             admitted.append(head)
         self._planned = tuple(self._running)
-        return StepPlan(tuple(admitted), self._planned, tuple(ended))
+        return StepPlan(tuple(admitted), self._planned, tuple(ended), tuple(preempted))
 
     def update(self, tokens: Sequence[int], now: float) -> list[Seq]:
         """The next token of each sequence of the last plan, in its order. Returns those that finished.
@@ -216,6 +231,9 @@ class StepScheduler:
                 self._leave(seq)
                 self._end(seq, SeqState.FINISHED, reason, now)
                 done.append(seq)
+            elif self._grow:
+                seq.reserved += 1  # the token the next step adds to its cache
+                self.reserved_tokens += 1
         self._planned = ()
         return done
 
@@ -256,6 +274,27 @@ class StepScheduler:
             if st.v < v_min + self._lag:
                 return st
         return cands[0]  # unreachable: the lane at v_min is eligible
+
+    def _preempt(self) -> list[Seq]:
+        """"grow": while the next step would take the caches past the budget, the latest-admitted sequence of
+        the lowest-priority running lane goes back to the front of its lane, its tokens dropped (recomputed
+        when it is admitted again). The last running one is never preempted (it runs alone)."""
+        out: list[Seq] = []
+        while len(self._running) > 1 and self.reserved_tokens > self.max_batch_tokens:
+            victim = min(reversed(list(self._running.values())),
+                         key=lambda x: self._lanes[x.lane].rule.priority)
+            self._leave(victim)
+            victim.state = SeqState.WAITING
+            victim.tokens = []
+            victim.text = None
+            victim.admitted_at = None
+            victim.reserved = len(victim.prompt_ids) + 1
+            st = self._lanes[victim.lane]
+            st.waiting.appendleft(victim)
+            st.v -= 1.0 / st.rule.weight
+            self.preemptions += 1
+            out.append(victim)
+        return out
 
     def _expire(self, now: float) -> list[Seq]:
         out: list[Seq] = []
