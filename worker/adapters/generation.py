@@ -130,6 +130,9 @@ class GenerationWorker:
         with self._lock:
             dropped = self.sched.drop(lambda s: s.key.tp in tps, time.monotonic())
             self._forget(dropped)
+        if dropped:
+            log.info("%s: abandoned %d sequences of released partitions", self.name, len(dropped),
+                     extra={"sequences": len(dropped)})
         return [s.key for s in dropped]
 
     # ---- the thread
