@@ -261,3 +261,17 @@ def test_grow_admits_by_cached_tokens_and_preempts_the_lowest_latest() -> None:
     assert plan.seq_ids == (a.id, b.id) and s.reserved_tokens == 14 and s.preemptions == 1
     s.update([1, 1], 2.0)
     assert s.schedule(3.0).admitted == ()  # 16 + 5 + watermark 2 > 20
+
+
+def test_grow_high_head_preempts_lower_lanes_to_start_at_once() -> None:
+    s = make([LaneRule("lo"), LaneRule("hi", priority=1)], max_sequences=8, max_batch_tokens=20,
+             admission="grow")  # watermark 2
+    lo = [s.submit(i, "lo", [1] * 4, params(30), 0.0) for i in range(3)]
+    assert s.schedule(0.0).admitted == tuple(lo) and s.reserved_tokens == 15
+    s.update([1, 1, 1], 0.0)  # 18
+    hi = s.submit("h", "hi", [1] * 3, params(5), 0.5)  # 4 + watermark 2: needs 4 freed
+    plan = s.schedule(1.0)
+    assert plan.preempted == (lo[2],) and plan.admitted == (hi,)
+    assert plan.seq_ids == (lo[0].id, lo[1].id, hi.id) and s.reserved_tokens == 16
+    late = s.submit("h2", "hi", [1] * 20, params(5), 1.5)  # no preemption can make room: none happens
+    assert s.schedule(2.0).preempted == () and late.state is SeqState.WAITING

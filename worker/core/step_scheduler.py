@@ -20,7 +20,8 @@ With ``admission="grow"`` a sequence counts the tokens its cache holds after the
 generated + 1), as a paged cache allocates them; admission keeps a tenth of the budget free for growth, and
 when the next step would still exceed the budget, the latest-admitted sequence of the lowest-priority
 running lane is preempted: back to the front of its lane, its tokens dropped and recomputed when it runs
-again (the same tokens: its seed and prompt decide them). More sequences run at once, at the cost of the
+again (the same tokens: its seed and prompt decide them). A head of the highest-priority lane that does not
+fit preempts lower-lane sequences the same way, when that makes room for it. More sequences run at once, at the cost of the
 recomputed steps.
 ``headroom`` tokens of the budget are for the highest-priority lane only: the other lanes stop admitting
 while their head would cut into it, so an urgent sequence that arrives under overload finds room at once
@@ -203,14 +204,12 @@ class StepScheduler:
             head = st.waiting[0]
             room = self.max_batch_tokens - (0 if st is self._order[0] else self.headroom)
             if self._running and self.reserved_tokens + head.reserved + self._watermark > room:
+                if self._grow and st is self._order[0]:
+                    preempted = self._preempt_for(head, room)
+                    if preempted:  # the head goes now; the rest of the round waits (caches being released)
+                        self._admit(st, head, now, admitted)
                 break  # FIFO: the head gets the next tokens freed
-            st.waiting.popleft()
-            st.v += 1.0 / st.rule.weight
-            head.state = SeqState.RUNNING
-            head.admitted_at = now
-            self._running[head.id] = head
-            self.reserved_tokens += head.reserved
-            admitted.append(head)
+            self._admit(st, head, now, admitted)
         self._planned = tuple(self._running)
         return StepPlan(tuple(admitted), self._planned, tuple(ended), tuple(preempted))
 
@@ -275,6 +274,45 @@ class StepScheduler:
                 return st
         return cands[0]  # unreachable: the lane at v_min is eligible
 
+    def _admit(self, st: _LaneState, head: Seq, now: float, admitted: list[Seq]) -> None:
+        st.waiting.popleft()
+        st.v += 1.0 / st.rule.weight
+        head.state = SeqState.RUNNING
+        head.admitted_at = now
+        self._running[head.id] = head
+        self.reserved_tokens += head.reserved
+        admitted.append(head)
+
+    def _preempt_for(self, head: Seq, room: int) -> list[Seq]:
+        """"grow": a highest-priority head that does not fit preempts running sequences of lower lanes, the
+        latest admitted first, when that makes room for it; otherwise nothing is preempted."""
+        top = self._lanes[head.lane].rule.priority
+        lower = [x for x in reversed(list(self._running.values())) if self._lanes[x.lane].rule.priority < top]
+        need = self.reserved_tokens + head.reserved + self._watermark - room
+        victims: list[Seq] = []
+        for x in lower:
+            if need <= 0:
+                break
+            victims.append(x)
+            need -= x.reserved
+        if need > 0:
+            return []
+        for victim in victims:
+            self._requeue(victim)
+        return victims
+
+    def _requeue(self, victim: Seq) -> None:
+        self._leave(victim)
+        victim.state = SeqState.WAITING
+        victim.tokens = []
+        victim.text = None
+        victim.admitted_at = None
+        victim.reserved = len(victim.prompt_ids) + 1
+        st = self._lanes[victim.lane]
+        st.waiting.appendleft(victim)
+        st.v -= 1.0 / st.rule.weight
+        self.preemptions += 1
+
     def _preempt(self) -> list[Seq]:
         """"grow": while the next step would take the caches past the budget, the latest-admitted sequence of
         the lowest-priority running lane goes back to the front of its lane, its tokens dropped (recomputed
@@ -283,16 +321,7 @@ class StepScheduler:
         while len(self._running) > 1 and self.reserved_tokens > self.max_batch_tokens:
             victim = min(reversed(list(self._running.values())),
                          key=lambda x: self._lanes[x.lane].rule.priority)
-            self._leave(victim)
-            victim.state = SeqState.WAITING
-            victim.tokens = []
-            victim.text = None
-            victim.admitted_at = None
-            victim.reserved = len(victim.prompt_ids) + 1
-            st = self._lanes[victim.lane]
-            st.waiting.appendleft(victim)
-            st.v -= 1.0 / st.rule.weight
-            self.preemptions += 1
+            self._requeue(victim)
             out.append(victim)
         return out
 
