@@ -8,6 +8,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from tests.support.props import examples
 from worker.core.step_model import GenParams
 from worker.core.step_scheduler import LaneRule, SeqState, StepScheduler
 
@@ -188,7 +189,7 @@ ops = st.lists(st.one_of(
 ), max_size=80)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(ops, st.integers(1, 4), st.integers(4, 30), st.sampled_from(["reserve", "grow"]))
 @example([("submit", "hi", 12, 9, None), ("submit", "lo", 1, 1, None), ("step", 1)], 2, 4, "reserve")
 @example([("submit", "lo", 1, 9, None)] * 4 + [("submit", "hi", 1, 9, None)] + [("step", 1)] * 12, 4, 10, "grow")
