@@ -23,8 +23,9 @@ from tests.support.kafka_io import (
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.parametrize("admission", ["reserve", "grow"])
 @pytest.mark.parametrize("model", ["synthetic-lm"])
-def test_generative_exactly_once_in_offset_order(kafka, topic_names, tmp_path, model):
+def test_generative_exactly_once_in_offset_order(kafka, topic_names, tmp_path, model, admission):
     bs, n = kafka.bootstrap, 600
     create_topics(bs, {topic_names["in"]: 2, topic_names["out"]: 2, topic_names["dlq"]: 1})
     # Long then short: the later records finish first.
@@ -32,7 +33,9 @@ def test_generative_exactly_once_in_offset_order(kafka, topic_names, tmp_path, m
         {"id": f"e-{i}", "inputs": {"prompt": f"p{i}", "max_new_tokens": 40 if i % 4 == 0 else 2}}))
         for i in range(n)]
     produce_values(bs, topic_names["in"], items)
-    cfg = worker_config(bs, topic_names, model={"name": model, "options": {"a_ms": 1.0, "b_ms": 0.01}},
+    # A small token budget: under grow admission sequences outgrow it and are preempted and recomputed.
+    cfg = worker_config(bs, topic_names, model={"name": model, "options": {"a_ms": 1.0, "b_ms": 0.01},
+                                                "generation": {"admission": admission, "max_batch_tokens": 600}},
                         delivery={"mode": "exactly_once", "transactional_id": f"tx-{topic_names['run']}"})
     w = WorkerProcess(cfg, tmp_path).start()
     try:
