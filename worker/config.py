@@ -129,6 +129,25 @@ class BatchingConfig(_Strict):
     max_uncommitted: PosInt = 50_000
 
 
+class GenerationConfig(_Strict):
+    """Generative handlers only (``kind = "generative"``): the limits requests are validated against and
+    the continuous batch's size."""
+
+    max_new_tokens: PosInt = 512  # the most a request may ask for
+    default_max_new_tokens: PosInt = 64  # what a request that names none gets (capped at max_new_tokens)
+    max_stop: Annotated[int, msgspec.Meta(ge=0)] = 4  # stop strings per request
+    max_stop_chars: PosInt = 64  # characters per stop string
+    max_prompt_chars: PosInt = 100_000
+    max_sequences: PosInt = 32  # sequences decoded together in one step
+    # Tokens reserved by the running sequences (prompt + max_new_tokens each), the KV-cache bound.
+    max_batch_tokens: PosInt = 16_384
+    # Of max_batch_tokens, kept free for the highest-priority lane (its time to first token under overload).
+    priority_headroom_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # reserve: prompt + max_new_tokens held from admission; grow: tokens as the caches hold them, with
+    # preemption (and recompute) of the lowest lane's latest sequence when they outgrow the budget.
+    admission: Literal["reserve", "grow"] = "reserve"
+
+
 class ModelConfig(_Strict):
     # A built-in handler ("synthetic", "minilm", "identity", "tiny"), a "package.module:factory" callable,
     # or a file (worker.models.loaders.MODEL_FILE_SUFFIXES): TorchScript (.pt/.pth/.ts/.jit), torch.export
@@ -151,6 +170,7 @@ class ModelConfig(_Strict):
     # Worker processes sharing the device(s), each a full member of the consumer group (worker/supervisor.py):
     # for handlers whose host work holds the GIL. `worker run --processes N` overrides it.
     processes: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    generation: GenerationConfig = msgspec.field(default_factory=GenerationConfig)
 
 
 class DeliveryConfig(_Strict):

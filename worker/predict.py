@@ -27,6 +27,7 @@ import msgspec
 
 from worker.config import Config
 from worker.core.records import Outcome, Record, TopicPartition
+from worker.core.step_scheduler import Expired
 
 log = logging.getLogger("worker.predict")
 
@@ -108,10 +109,18 @@ class Predictor:
         self.cfg = cfg
         self.model = load_model(cfg.model)
         self.lanes = {lane.name: lane for lane in cfg.batching.lanes}
-        self.engine = Engine(self.model, device, dtype=cfg.model.dtype, compile=cfg.model.compile,
+        self.generation: Any = None
+        if getattr(self.model, "kind", None) == "generative":
+            from worker.adapters.generation import GenerationEngine, lane_rules
+
+            # Sequences join and leave one continuous batch, as in ``worker run``.
+            self.generation = GenerationEngine(self.model, device, lane_rules(cfg.batching.lanes))  # type: ignore[arg-type]
+            self.generation.setup()
+        self.engine = None if self.generation is not None else Engine(self.model, device, dtype=cfg.model.dtype, compile=cfg.model.compile,
                              warmup=cfg.model.warmup,
                              max_batch_sizes={n: ln.max_batch_size for n, ln in self.lanes.items()})
-        self.engine.setup()
+        if self.engine is not None:
+            self.engine.setup()
         self.intake = Intake(cfg, self.model)
         self.sink = Collector()
         self.emitter = Emitter(self.sink, cfg.kafka.output_topic, cfg.kafka.dlq_topic,
@@ -139,12 +148,19 @@ class Predictor:
             for start in range(0, len(idx), size):
                 part = idx[start:start + size]
                 closed = time.monotonic()
-                outs = self.engine.infer([records[i].item for i in part], lane)
+                if self.generation is not None:
+                    outs = self.generation.generate([records[i] for i in part])
+                else:
+                    assert self.engine is not None
+                    outs = self.engine.infer([records[i].item for i in part], lane)
                 infer_s = time.monotonic() - closed
                 for i, out in zip(part, outs, strict=True):
                     rec = records[i]
                     timings = {"queue": closed - rec.received_at, "infer": infer_s}
-                    if isinstance(out, BaseException):
+                    if isinstance(out, Expired):
+                        outcomes[i] = Outcome(rec, "expired", output=out.output, error=out.error,
+                                              dlq_stage="expired", batch_size=len(part), timings=timings)
+                    elif isinstance(out, BaseException):
                         outcomes[i] = Outcome(rec, "error", error=f"{type(out).__name__}: {out}",
                                               dlq_stage="inference", batch_size=len(part), timings=timings)
                     else:
@@ -190,6 +206,8 @@ def predict(cfg: Config, requests: Sequence[Request], *, device: str, topic: str
                 stage = f" ({o.dlq_stage})" if o.dlq_stage else ""
                 err.write(f"{req.where}: {o.status}{stage}: {o.error}\n")
         out.flush()
+    if predictor.generation is not None:
+        predictor.generation.close()
     if failed:
         err.write(f"{failed} of {len(requests)} request(s) failed\n")
     return 1 if failed else 0

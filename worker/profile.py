@@ -185,6 +185,49 @@ def profile_engine(engine: Any, sizes: list[int], iters: int = 20, warmup: int =
     return rows
 
 
+def profile_steps(model: Any, device: str, sizes: list[int], iters: int = 20, warmup: int = 3,
+                  out: Any = None) -> list[Row]:
+    """A generative handler: one decode step over ``k`` running sequences per row (``batch_size`` = k, the
+    throughput in tokens/s). The sequences are prefilled first (untimed, with the warm-up steps); each is
+    started with room for every timed step."""
+    from worker.core.step_model import GenParams
+
+    model.setup(device)
+    sm = model.step_model()
+    prompts = [sm.encode(model.decode(model.input_type(**x)).prompt) for x in model.example_inputs()]
+    rows: list[Row] = []
+    next_id = 0
+    for bs in sizes:
+        row = Row(bs)
+        ids = list(range(next_id, next_id + bs))
+        next_id += bs
+        try:
+            for k, sid in enumerate(ids):
+                sm.start(sid, prompts[k % len(prompts)], GenParams(max_new_tokens=iters + warmup + 1, seed=k))
+            _reset_peak(device)
+            for _ in range(1 + warmup):  # the first step is the prefill
+                sm.step(ids)
+            times = []
+            for _ in range(iters):
+                t = time.perf_counter()
+                sm.step(ids)
+                times.append(time.perf_counter() - t)
+            row.peak_mem_mb = _peak_mb(device)
+            ms = [x * 1000.0 for x in times]
+            row.p50_ms, row.p99_ms = percentile(ms, 0.5), percentile(ms, 0.99)
+            row.mean_ms = statistics.fmean(ms)
+            row.throughput = bs / (row.mean_ms / 1000.0)
+        except Exception as e:
+            row.status = f"error: {type(e).__name__}: {e}"
+        finally:
+            for sid in ids:
+                sm.release(sid)
+        rows.append(row)
+        if out is not None:
+            print(f"  {bs} sequences: p50 {row.p50_ms:.2f} ms per step ({row.status})", file=out)
+    return rows
+
+
 def recommend(rows: list[Row], budget_ms: float | None) -> Row | None:
     """Highest throughput among the sizes whose p99 fits the budget (ties: the smaller size)."""
     ok = [r for r in rows if r.status == "ok" and (budget_ms is None or r.p99_ms <= budget_ms)]
@@ -272,6 +315,8 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if getattr(model, "kind", None) == "generative":
+        return _run_generative(model, cfg.device, sizes, iters, int(getattr(args, "warmup", 3)), budget, out)
     engine.setup()
     import torch
 
@@ -305,6 +350,25 @@ def run(args: argparse.Namespace) -> int:
                        "rows": [{k: (None if isinstance(v, float) and v != v else v) for k, v in asdict(r).items()}
                                 for r in rows],
                        "recommended": best.batch_size if best else None}, f, indent=2)
+    return 0
+
+
+def _run_generative(model: Any, device: str, sizes: list[int], iters: int, warmup: int, budget: float | None,
+                    out: Any) -> int:
+    from worker.adapters.torch_engine import resolve_device
+
+    dev = resolve_device(device)
+    print(f"profiling {model.name} on {dev}: one decode step over N running sequences, {iters} steps per N",
+          file=out)
+    rows = profile_steps(model, dev, sizes, iters=iters, warmup=warmup, out=out)
+    print(format_table(rows).replace("batch", "sequences", 1).replace("items/s", "tokens/s", 1), file=out)
+    best = recommend(rows, budget)
+    if best is None:
+        print("recommended model.generation.max_sequences: none (no size ran, or none meets the budget)", file=out)
+    else:
+        why = f"p99 step {best.p99_ms:.2f} ms <= {budget:g} ms budget" if budget is not None else "highest throughput"
+        print(f"recommended model.generation.max_sequences: {best.batch_size} ({why}, "
+              f"{best.throughput:.1f} tokens/s)", file=out)
     return 0
 
 

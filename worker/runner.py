@@ -181,6 +181,11 @@ class Runner:
         budgets = {lane.name: lane.max_batch_tokens for lane in self.cfg.batching.lanes}
         for i, dev in enumerate(devices):
             model = self._model_arg if (i == 0 and self._model_arg is not None) else load_model(mcfg)
+            if getattr(model, "kind", None) == "generative":  # its own worker (worker.adapters.generation)
+                from worker.adapters.generation import attach
+                self.workers.append(attach(model, dev, self.cfg, dispatch, len(self.workers)))
+                self._models.append(self.workers[-1].model)
+                continue
             engine = Engine(model, dev, dtype=mcfg.dtype, compile=mcfg.compile, warmup=mcfg.warmup,
                             on_limit=dispatch.on_limit, max_batch_sizes=limits,
                             on_tokens=dispatch.on_tokens, max_batch_tokens=budgets,

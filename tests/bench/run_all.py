@@ -11,7 +11,8 @@ Every figure is a ratio against a baseline measured in the same run; nothing her
 status is 1 when a scenario or a plot failed, or a figure with a target could not be measured (verdict FAIL).
 
 Scenarios: pipeline (7.1), batching (3, 7.2: sweep, seeds, 10% load), realmodel (7.3), latency (3, 7.4),
-scaleout (7.5), memory (7.6), token_budget (token budget vs count-only batching), gpu_feed (27).
+scaleout (7.5), memory (7.6), token_budget (token budget vs count-only batching), gpu_feed (27),
+generative (issue 28: continuous vs static batching).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 
 from tests.bench import (
     batching,
+    generative,
     gpu_feed,
     latency,
     memory,
@@ -42,7 +44,8 @@ from tests.bench import (
 from tests.bench.common import ROOT, Broker, Ctx, log, percentile, workdir
 
 SCENARIOS = {"pipeline": pipeline, "batching": batching, "realmodel": realmodel, "latency": latency,
-             "scaleout": scaleout, "memory": memory, "token_budget": token_budget, "gpu_feed": gpu_feed}
+             "scaleout": scaleout, "memory": memory, "token_budget": token_budget, "gpu_feed": gpu_feed,
+             "generative": generative}
 # Describes the machine in the results section; e.g. KIW_BENCH_MACHINE="2-core shared VM, CPU only".
 MACHINE = os.environ.get("KIW_BENCH_MACHINE") or f"{os.cpu_count()}-core machine, CPU only"
 PAGE = ROOT / "docs" / "benchmarks.md"

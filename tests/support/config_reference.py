@@ -49,6 +49,18 @@ MEANINGS: dict[str, str] = {
                           "this process may use (affinity, cgroup v2 cpu.max)",
     "model.processes": "worker processes sharing the device(s), each a group member, under a supervisor "
                        "(`worker run --processes` overrides it)",
+    "model.generation.max_new_tokens": "generative models: the most new tokens a request may ask for",
+    "model.generation.default_max_new_tokens": "generative models: new tokens for a request that names none",
+    "model.generation.max_stop": "generative models: stop strings per request",
+    "model.generation.max_stop_chars": "generative models: characters per stop string",
+    "model.generation.max_prompt_chars": "generative models: characters per prompt",
+    "model.generation.max_sequences": "generative models: sequences decoded together in one step",
+    "model.generation.max_batch_tokens": ("generative models: tokens the running sequences reserve in all "
+                                          "(prompt + max_new_tokens each), the cache bound"),
+    "model.generation.admission": ("generative models: reserve (prompt + max_new_tokens held from admission) "
+                                   "or grow (tokens as cached, preempting on overflow)"),
+    "model.generation.priority_headroom_tokens": ("generative models: of max_batch_tokens, tokens only the "
+                                                  "highest-priority lane may reserve"),
     "batching.policy": "`fixed` windows, or `adaptive` (online `a + b*n` latency model)",
     "batching.lanes": "the priority lanes, each with its own batching settings (table below)",
     "batching.lanes[].name": "the lane's name, as requests and the `x-priority` header give it",

@@ -37,6 +37,8 @@ class LaneSpec(Protocol):
 
     @property
     def fill_efficiency(self) -> float: ...
+
+    @property
     def max_batch_tokens(self) -> int | None: ...
 
 

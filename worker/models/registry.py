@@ -17,6 +17,7 @@ BUILTINS: dict[str, str] = {
     "identity": "worker.models.identity:IdentityModel",
     "minilm": "worker.models.minilm:MiniLMModel",
     "synthetic": "worker.models.synthetic:SyntheticModel",
+    "synthetic-lm": "worker.models.synthetic_lm:SyntheticLMHandler",
     "tiny": "worker.models.tiny:TinyModel",
 }
 
@@ -27,6 +28,7 @@ def builtin_input_types() -> dict[str, Any]:
         "identity": inputs.IdentityInput,
         "minilm": inputs.TextInput,
         "synthetic": inputs.SyntheticInput,
+        "synthetic-lm": inputs.GenerateInput,
         "tiny": inputs.TinyInput,
     }
 
@@ -75,6 +77,10 @@ def load_model(cfg: ModelConfig) -> Model:
         model = loaders.from_file(name, options)
     else:
         model = loaders.from_factory(name, options)
+    if getattr(model, "kind", None) == "generative":
+        from worker.models.generative import GenerativeModel
+
+        model = GenerativeModel(model, cfg.generation)  # intake's view: input type, request limits
     if cfg.version:
         try:
             model.version = cfg.version

@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from worker.core.ports import Metrics
@@ -24,6 +24,8 @@ from worker.store_gate import StoreGate
 
 log = logging.getLogger("worker.runner")
 Completion = tuple[Batch, list[Any], dict[str, float]]
+# A generation worker's records in flight: given the released partitions, it abandons theirs and returns them.
+Holder = Callable[[set[TopicPartition]], list[Record]]
 
 
 class Dispatch:
@@ -43,6 +45,7 @@ class Dispatch:
         # device alone, so the innocent ones clear themselves and only the killer keeps counting.
         self._suspects: deque[Record] = deque()
         self.isolated = 0  # suspects on a device now: nothing else is dispatched meanwhile
+        self._holders: list[Holder] = []
 
     def devices(self, n: int) -> None:
         self.busy_on = [0] * n
@@ -158,6 +161,62 @@ class Dispatch:
             self.cv.notify_all()  # a device became free: a waiting collate stage may take an open window
         self.completions.put((batch, outputs, timings))
 
+    # ---- generation workers (worker.adapters.generation): records join a running batch one by one
+    def hold(self, holder: Holder) -> None:
+        """A generation worker keeps records in flight across steps: a revoke or rewind asks it for theirs."""
+        self._holders.append(holder)
+
+    def take_sequences(self, timeout: float, worker: int, in_flight: int,
+                       only: frozenset[str] | None = None) -> Batch | None:
+        """The next batch for a generation worker, whose sequences join its running batch at once (so an open
+        window goes now: the worker is never "busy" the way a batch device is). ``in_flight``: its sequences
+        not finished; a suspect goes only to a worker with none, and nothing else goes while it runs. Only a
+        suspect's batch counts in ``busy_on`` (until ``done_sequences``). ``only``: take a batch only while
+        one of these lanes has records queued (the worker's pool is full; these lanes' records go first)."""
+        deadline = Deadline(timeout)
+        with self.cv:
+            while True:
+                now = time.monotonic()
+                while self._suspects and not self._partitions.is_current(self._suspects[0]):
+                    self._suspects.popleft()
+                batch = None
+                if self._suspects:
+                    if in_flight == 0 and not any(self.busy_on):
+                        rec = self._suspects.popleft()
+                        self.busy_on[worker] += 1
+                        self.isolated += 1
+                        batch = Batch(lane=rec.lane, records=[rec], opened_at=now, closed_at=now,
+                                      reason="isolate", max_batch_size=1)
+                elif self.isolated == 0 and (only is None or any(self.scheduler.queued(ln) for ln in only)):
+                    batch = self.scheduler.next_batch(now, idle=True)
+                if batch is not None:
+                    batch.closed_at = now
+                    break
+                if now >= deadline.at or self._lifecycle.closed:
+                    return None
+                wake = None if self._suspects or self.isolated else self.scheduler.next_wakeup(now)
+                until = deadline.at if wake is None else min(deadline.at, wake)
+                self.cv.wait(max(until - now, 0.0002))
+        self._gate.count_dispatch(batch)
+        return batch
+
+    def done_sequences(self, batch: Batch, outputs: list[Any], timings: dict[str, float], worker: int) -> None:
+        """Finished sequences, as a batch of their records (``reason="isolate"``: the suspect's)."""
+        if batch.reason == "isolate":
+            self._gate.came_back(batch)
+            with self.cv:
+                self.busy_on[worker] -= 1
+                self.isolated -= 1
+                self.cv.notify_all()
+        self.completions.put((batch, outputs, timings))
+
+    def is_current(self, rec: Record) -> bool:
+        return self._partitions.is_current(rec)
+
+    def _from_holders(self, tps: set[TopicPartition]) -> list[Record]:
+        # Outside ``cv``: a holder takes its own lock, which it holds while it calls take_sequences.
+        return [r for holder in self._holders for r in holder(tps)]
+
     # ---- loop side
     def add(self, records: Iterable[Record], now: float) -> list[Record]:
         """Queues ``records``; returns those the scheduler expired to make room (their deadline passed)."""
@@ -189,13 +248,14 @@ class Dispatch:
             dropped = list(self.scheduler.revoke(tps))
             dropped += [r for r in self._suspects if r.tp in tps]
             self._suspects = deque(r for r in self._suspects if r.tp not in tps)
-        return dropped
+        return dropped + self._from_holders(tps)
 
     def clear(self, tps: set[TopicPartition]) -> None:
         """A rewind: every queued record of ``tps`` and every suspect is forgotten."""
         with self.cv:
             self.scheduler.revoke(tps)
             self._suspects.clear()
+        self._from_holders(tps)
 
     def flush(self, now: float) -> None:
         """Stopping: every open window closes, so the devices take what is queued at once."""

@@ -11,6 +11,7 @@ from typing import Any
 
 from worker.core.ports import DecodeFailed
 from worker.core.records import Batch, Outcome, Record, TopicPartition
+from worker.core.step_scheduler import Expired
 from worker.pipeline.context import Loop
 from worker.pipeline.delivery import DeliveryMode
 
@@ -73,7 +74,7 @@ class Results:
             raise ValueError(f"{len(outputs)} outputs for a batch of {n} records")
         epochs = {tp: epoch_of(tp) for tp in set(map(_tp, records))}
         current = all(r.epoch == epochs[r.tp] for r in records)
-        errors = [i for i, out in enumerate(outputs) if isinstance(out, BaseException)]
+        errors = [i for i, out in enumerate(outputs) if isinstance(out, BaseException | Expired)]
         if current and not errors:
             ok_recs, ok_outs = records, outputs
         else:
@@ -83,6 +84,11 @@ class Results:
                 if rec.epoch != epochs[rec.tp]:
                     continue  # partition revoked meanwhile: the new owner reprocesses it
                 if i in failed:
+                    if isinstance(out, Expired):  # a generative sequence past its deadline: its partial output
+                        outcomes.append(Outcome(rec, "expired", output=out.output, error=out.error,
+                                                dlq_stage="expired", batch_size=n,
+                                                timings={"queue": closed - rec.received_at, "infer": infer_s}))
+                        continue
                     decode = isinstance(out, DecodeFailed)  # decode_batch on the host threads: stage decode
                     why = str(out) if decode else f"{type(out).__name__}: {out}"
                     outcomes.append(Outcome(rec, "error", error=why,

@@ -1,0 +1,104 @@
+"""A generative model on the real broker: continuous batching, finish reasons, deadlines, bad requests, commits.
+
+Parametrised over the model name so that every built-in generative model runs the same checks.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+import pytest
+
+from tests.support.kafka_io import (
+    WorkerProcess,
+    committed_offsets,
+    create_topics,
+    decode,
+    end_offsets,
+    produce_values,
+    read_all,
+    wait_for,
+    worker_config,
+)
+
+pytestmark = pytest.mark.integration
+
+MODELS: dict[str, dict[str, Any]] = {
+    "synthetic-lm": {"a_ms": 2.0, "b_ms": 0.05, "fail_on": "POISON"},
+}
+
+
+def gen(rid: str, prompt: str, **extra: Any) -> tuple[bytes, bytes]:
+    body: dict[str, Any] = {"id": rid, "inputs": {"prompt": prompt, **extra}}
+    if "deadline_ms" in extra:
+        body["deadline_ms"] = extra.pop("deadline_ms")
+        body["inputs"] = {"prompt": prompt, **extra}
+    return rid.encode(), msgspec.json.encode(body)
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_generation_end_to_end(kafka, topic_names, tmp_path, model):
+    bs, n = kafka.bootstrap, 240
+    create_topics(bs, {topic_names["in"]: 3, topic_names["out"]: 3, topic_names["dlq"]: 1})
+    lengths = {f"g-{i}": 1 + (i * 37) % 48 for i in range(n)}
+    for part in range(3):
+        produce_values(bs, topic_names["in"], [gen(rid, f"event {rid}", max_new_tokens=k, seed=i)
+                                               for i, (rid, k) in enumerate(lengths.items()) if i % 3 == part],
+                       partition=part)
+    produce_values(bs, topic_names["in"], [
+        gen("too-many", "x", max_new_tokens=10_000),  # over model.generation.max_new_tokens
+        gen("poison", "POISON here", max_new_tokens=5),  # the step raises: error result + dead letter
+        gen("stopper", "s", max_new_tokens=60, stop=[" "], seed=3),
+    ], partition=0)
+    cfg = worker_config(bs, topic_names, model={"name": model, "options": MODELS[model],
+                                                "generation": {"max_new_tokens": 400, "max_sequences": 16,
+                                                               "max_batch_tokens": 2048}})
+    group = cfg["kafka"]["group_id"]
+    w = WorkerProcess(cfg, tmp_path).start()
+    try:
+        w.wait_assigned()
+        # About 400 steps of at least 2 ms: the deadline stops it part way.
+        produce_values(bs, topic_names["in"], [gen("late", "l", max_new_tokens=400,
+                                                   deadline_ms=int(time.time() * 1000) + 300)], partition=1)
+        results = read_all(bs, topic_names["out"], want=n + 4, timeout=120)
+        ends = end_offsets(bs, topic_names["in"])
+        wait_for(lambda: committed_offsets(bs, group, topic_names["in"]) == ends, 30,
+                 what="committed offsets to reach the end offsets")
+        assert w.stop() == 0, w.log()[-3000:]
+    finally:
+        w.kill()
+    by_id = {v["id"]: v for v in decode(results)}
+    assert len(results) == n + 4 == len(by_id), "a duplicate or a missing result"
+    for rid, k in lengths.items():
+        v = by_id[rid]
+        assert v["status"] == "ok", v
+        out = v["outputs"]
+        assert out["generated_tokens"] == len(out["token_ids"]) == k and out["finish_reason"] == "length"
+        assert out["prompt_tokens"] > 0 and out["ttft_ms"] is not None and out["ttft_ms"] >= 0
+        assert isinstance(out["text"], str) and v["model"] == model
+    assert by_id["too-many"]["status"] == "error"
+    assert "$.inputs.max_new_tokens" in by_id["too-many"]["error"]
+    assert by_id["poison"]["status"] == "error" and "poison" in by_id["poison"]["error"]
+    stopper = by_id["stopper"]["outputs"]
+    assert stopper["finish_reason"] == "stop" and " " not in stopper["text"]
+    late = by_id["late"]
+    assert late["status"] == "expired", late
+    if late.get("outputs") is not None:  # (a loaded machine may have read it past its deadline: no tokens)
+        assert late["outputs"]["finish_reason"] == "deadline" and 0 < late["outputs"]["generated_tokens"] < 400
+    dlq = read_all(bs, topic_names["dlq"], want=3, timeout=30)
+    stages = sorted(dict(m.headers())["x-error-stage"].decode() for m in dlq)
+    assert stages == ["decode", "expired", "inference"], stages
+
+    # Committed at the end: a restart processes nothing again.
+    w2 = WorkerProcess(cfg, tmp_path, name="restart").start()
+    try:
+        w2.wait_assigned()
+        produce_values(bs, topic_names["in"], [gen("after", "again", max_new_tokens=3)], partition=1)
+        read_all(bs, topic_names["out"], want=n + 5, timeout=60)
+        assert w2.stop() == 0
+    finally:
+        w2.kill()
+    again = decode(read_all(bs, topic_names["out"], timeout=30, idle=2))
+    assert len(again) == n + 5, f"restart reprocessed {len(again) - n - 5} records"

@@ -1,0 +1,69 @@
+"""A second worker joins while the first has sequences in flight: the first abandons the sequences of the
+partitions it gives up (its revoke does not wait for them), every id gets a result, offsets reach the end."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+import msgspec
+import pytest
+
+from tests.support.kafka_io import (
+    WorkerProcess,
+    committed_offsets,
+    create_topics,
+    decode,
+    end_offsets,
+    produce_values,
+    read_all,
+    wait_for,
+    worker_config,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def test_revoke_abandons_in_flight_sequences(kafka, topic_names, tmp_path):
+    bs, n = kafka.bootstrap, 400
+    create_topics(bs, {topic_names["in"]: 4, topic_names["out"]: 4, topic_names["dlq"]: 1})
+    items = [(f"s-{i}".encode(), msgspec.json.encode(
+        {"id": f"s-{i}", "inputs": {"prompt": f"p{i}", "max_new_tokens": 250 + i % 50}})) for i in range(n)]
+    produce_values(bs, topic_names["in"], items)
+    # 400 requests of 250-300 tokens, 32 sequences a step of >= 4 ms: a sequence runs for more than a second.
+    cfg = worker_config(bs, topic_names, model={"name": "synthetic-lm", "options": {"a_ms": 4.0, "b_ms": 0.05},
+                                                "generation": {"max_sequences": 32}},
+                        delivery={"revoke_timeout_ms": 20000})
+    group = cfg["kafka"]["group_id"]
+    a = WorkerProcess(cfg, tmp_path, name="gen-a").start()
+    b = WorkerProcess(cfg, tmp_path, name="gen-b")
+    try:
+        a.wait_assigned()
+        wait_for(lambda: len(read_all(bs, topic_names["out"], timeout=5, idle=0.5)) >= 20, 60,
+                 what="the first results")
+        b.start()
+        b.wait_assigned()
+        results = read_all(bs, topic_names["out"], want=n, timeout=180)
+        ends = end_offsets(bs, topic_names["in"])
+        wait_for(lambda: committed_offsets(bs, group, topic_names["in"]) == ends, 60,
+                 what="committed offsets to reach the end offsets")
+        assert a.stop() == 0, a.log()[-3000:]
+        assert b.stop() == 0, b.log()[-3000:]
+    finally:
+        a.kill()
+        b.kill()
+    ids = {v["id"] for v in decode(results)}
+    assert ids == {f"s-{i}" for i in range(n)}
+    lines = [json.loads(line) for line in a.log().splitlines() if line.startswith("{")]
+    abandoned = [x for x in lines if "abandoned" in x["msg"]]
+    released = [x for x in lines if x["msg"] == "partitions released"]
+    assert abandoned and released, a.log()[-3000:]
+    assert abandoned[0]["sequences"] > 0
+
+    def ts(x: dict) -> float:
+        return dt.datetime.fromisoformat(x["ts"].replace("Z", "+00:00")).timestamp()
+
+    # The revoke dropped the in-flight sequences instead of waiting (up to revoke_timeout_ms, 20 s) for them
+    # to finish, which takes over a second.
+    took = ts(released[0]) - ts(abandoned[0])
+    assert 0 <= took < 1.0, f"the revoke took {took:.2f} s after abandoning"
