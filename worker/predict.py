@@ -111,7 +111,7 @@ class Predictor:
         self.lanes = {lane.name: lane for lane in cfg.batching.lanes}
         self.generation: Any = None
         if getattr(self.model, "kind", None) == "generative":
-            from worker.adapters.generation import GenerationEngine, lane_rules
+            from worker.generation import GenerationEngine, lane_rules
 
             # Sequences join and leave one continuous batch, as in ``worker run``.
             self.generation = GenerationEngine(self.model, device, lane_rules(cfg.batching.lanes))  # type: ignore[arg-type]

@@ -181,8 +181,8 @@ class Runner:
         budgets = {lane.name: lane.max_batch_tokens for lane in self.cfg.batching.lanes}
         for i, dev in enumerate(devices):
             model = self._model_arg if (i == 0 and self._model_arg is not None) else load_model(mcfg)
-            if getattr(model, "kind", None) == "generative":  # its own worker (worker.adapters.generation)
-                from worker.adapters.generation import attach
+            if getattr(model, "kind", None) == "generative":  # its own worker (worker.generation)
+                from worker.generation import attach
                 self.workers.append(attach(model, dev, self.cfg, dispatch, len(self.workers)))
                 self._models.append(self.workers[-1].model)
                 continue

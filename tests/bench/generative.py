@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tests.bench.common import Ctx, log, row
-from worker.adapters.generation import GenerationWorker
+from worker.generation import GenerationWorker
 from worker.config import GenerationConfig, ModelConfig
 from worker.core.records import Batch, Record, TopicPartition
 from worker.core.step_model import GenParams

@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from worker.adapters.generation import GenerationError, GenerationWorker
+from worker.generation import GenerationError, GenerationWorker
 from worker.config import GenerationConfig, ModelConfig
 from worker.core.records import Batch, Record, TopicPartition
 from worker.core.step_scheduler import Expired, LaneRule

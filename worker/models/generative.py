@@ -2,7 +2,7 @@
 the request limits of ``model.generation``, and the handler's ``step_model()`` for the generation worker.
 
 ``decode`` runs on the loop thread and only validates: tokenizing belongs to the device thread, which owns
-the step model (``worker.adapters.generation``).
+the step model (``worker.generation``).
 """
 
 from __future__ import annotations

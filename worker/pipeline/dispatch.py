@@ -161,7 +161,7 @@ class Dispatch:
             self.cv.notify_all()  # a device became free: a waiting collate stage may take an open window
         self.completions.put((batch, outputs, timings))
 
-    # ---- generation workers (worker.adapters.generation): records join a running batch one by one
+    # ---- generation workers (worker.generation): records join a running batch one by one
     def hold(self, holder: Holder) -> None:
         """A generation worker keeps records in flight across steps: a revoke or rewind asks it for theirs."""
         self._holders.append(holder)
