@@ -2,8 +2,8 @@
 
 ``HFStepModel`` keeps every started sequence's KV cache in a *block*: the caches of a few sequences, one
 row each, left-padded to the longest (an attention mask hides the padding; position ids count each row's
-own tokens). ``step(ids)`` runs each new sequence's prompt alone (its prefill) and then one batched decode
-forward over the others. When the set of decoding sequences is the one the previous step decoded, their
+own tokens). ``step(ids)`` runs the prompts of the new sequences in one forward (their prefill, a new
+block) and then one batched decode forward over the others. When the set of decoding sequences is the one the previous step decoded, their
 block is used as it is; when sequences join or leave, the blocks involved are cut and joined into one
 (one copy of those caches). A released sequence's row is dropped at the next such rebuild, or at once
 when nothing else lives in its block.
@@ -139,9 +139,9 @@ class HFStepModel:
                 raise ValueError(f"step: sequence {s} would pass the model's context of {self._max_context}")
         out: dict[int, int] = {}
         with torch.inference_mode():
-            for s in ids:
-                if self._seqs[s].block is None:
-                    out[s] = self._prefill(s)
+            new = [s for s in ids if self._seqs[s].block is None]
+            if new:
+                out.update(self._prefill(new))
             decoding = [s for s in ids if s not in out]
             if decoding:
                 out.update(self._decode(decoding))
@@ -181,19 +181,25 @@ class HFStepModel:
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **kw)
         return out.logits[:, -1, :]
 
-    def _prefill(self, seq_id: int) -> int:
-        seq = self._seqs[seq_id]
+    def _prefill(self, ids: list[int]) -> dict[int, int]:
+        """The prompts of ``ids`` in one forward, left-padded: a new block, its rows in the order of ``ids``."""
+        seqs = [self._seqs[s] for s in ids]
         dev = self.model.device
-        n = len(seq.feed)
-        ids = torch.tensor([seq.feed], dtype=torch.long, device=dev)
+        width = max(len(s.feed) for s in seqs)
+        pads = [width - len(s.feed) for s in seqs]
+        feed = torch.tensor([[0] * p + s.feed for p, s in zip(pads, seqs, strict=True)], device=dev)
+        pad_t = torch.tensor(pads, device=dev)[:, None]
+        columns = torch.arange(width, device=dev)[None, :]
+        mask = (columns >= pad_t).long()
+        positions = (columns - pad_t).clamp(min=0)
         cache = self._cache_type(config=self._config)
-        logits = self._forward(ids, torch.ones_like(ids), torch.arange(n, device=dev)[None, :], cache)
-        block = _Block(cache, [seq_id], [0])
+        logits = self._forward(feed, mask, positions, cache)
+        block = _Block(cache, list(ids), pads)
         self._blocks.append(block)
-        seq.block, seq.length = block, n
-        (token,) = self._sample(logits, [seq])
-        seq.feed = [token]
-        return token
+        tokens = self._sample(logits, seqs)
+        for s, t in zip(seqs, tokens, strict=True):
+            s.block, s.length, s.feed = block, len(s.feed), [t]
+        return dict(zip(ids, tokens, strict=True))
 
     def _decode(self, ids: list[int]) -> dict[int, int]:
         block = self._gather(ids)
