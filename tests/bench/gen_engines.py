@@ -121,7 +121,8 @@ def hf_continuous(model: Any, reqs: list[Request], eos: int | None) -> Outcome:
     return out, lat, wall
 
 
-def measure(device: str, n: int, repeat: int) -> list[dict[str, Any]]:
+def measure(device: str, n: int, repeat: int, only: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """One row per engine (those named in ``only``, else all)."""
     handler = TinyLM()
     handler.setup(device)
     m = handler.step_model()
@@ -139,6 +140,8 @@ def measure(device: str, n: int, repeat: int) -> list[dict[str, Any]]:
     useful = sum(len(t) for t in want)
     rows = []
     for name, run in engines.items():
+        if only and name not in only:
+            continue
         run(reqs[:4])  # warm-up
         best: Outcome | None = None
         for _ in range(repeat):
