@@ -55,7 +55,8 @@ def shaped_model(shape: str, device: str, dtype: torch.dtype) -> HFStepModel:
                       num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
                       num_key_value_heads=s["kv_heads"], max_position_embeddings=4096, eos_token_id=None)
     with torch.device(device):
-        model = LlamaForCausalLM(cfg).to(dtype)
+        model: Any = LlamaForCausalLM(cfg)
+    model.to(dtype)
     g = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for _, p in sorted(model.named_parameters()):
