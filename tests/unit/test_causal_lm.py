@@ -112,9 +112,10 @@ def test_the_sequence_id_seeds_a_sequence_without_a_seed() -> None:
     assert first == second and first[0] != first[1]
 
 
-def test_a_tiny_top_p_keeps_only_the_most_likely_token() -> None:
+@pytest.mark.parametrize("top_p", [1e-6, 0.0])
+def test_a_tiny_top_p_keeps_only_the_most_likely_token(top_p: float) -> None:
     greedy = list(reference(PROMPTS[4], 20))
-    got = run(tiny(), [(0, PROMPTS[4], 20)], {0: GenParams(max_new_tokens=20, temperature=2.0, top_p=1e-6)})[0]
+    got = run(tiny(), [(0, PROMPTS[4], 20)], {0: GenParams(max_new_tokens=20, temperature=2.0, top_p=top_p)})[0]
     assert got == greedy
 
 

@@ -289,8 +289,9 @@ def _draw(logits: torch.Tensor, params: GenParams, gen: torch.Generator) -> int:
     probs = torch.softmax(logits / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_p, order = probs.sort(descending=True)
-        # A token stays when the mass before it is below top_p: the first token always stays.
+        # A token stays when the mass before it is below top_p.
         drop = (sorted_p.cumsum(0) - sorted_p) >= params.top_p
+        drop[0] = False  # top_p of 0 keeps the most likely token
         sorted_p[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
     return int(torch.multinomial(probs, 1, generator=gen).item())
