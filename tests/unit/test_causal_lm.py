@@ -6,12 +6,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from tests.support.props import examples
 from worker.config import ConfigError
 from worker.core.step_model import GenerativeHandler, GenParams, StepModel
 from worker.models.causal_lm import CausalLM, HFStepModel, causal_lm
@@ -80,7 +82,7 @@ def test_continuous_greedy_stepping_matches_generate_on_each_prompt_alone() -> N
     assert tiny().active() == 0 and tiny().cache_bytes() == 0
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(4), deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, len(PROMPTS) - 1), st.integers(1, 16)),
                 min_size=1, max_size=5))
 @example([(0, 0, 1)])
@@ -197,3 +199,44 @@ def test_tiny_lm_is_the_same_model_every_time() -> None:
     for (na, pa), (nb, pb) in zip(ma.model.named_parameters(), mb.model.named_parameters(), strict=True):
         assert na == nb and torch.equal(pa, pb)
     assert not torch.equal(ma.model.lm_head.weight, tiny().model.lm_head.weight)  # another seed
+
+
+def _random_weights(model: Any) -> Any:
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    return model.eval()
+
+
+def _architecture(kind: str) -> Any:
+    import transformers as t
+
+    small: dict[str, Any] = {"vocab_size": 259, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                             "num_attention_heads": 4, "num_key_value_heads": 2}
+    if kind == "gpt2":
+        return t.GPT2LMHeadModel(t.GPT2Config(vocab_size=259, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                              bos_token_id=256, eos_token_id=256))
+    if kind == "qwen2":
+        return t.Qwen2ForCausalLM(t.Qwen2Config(**small))
+    return t.MistralForCausalLM(t.MistralConfig(**small, sliding_window=None if kind == "mistral" else 8))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "qwen2", "mistral"])
+def test_other_full_attention_architectures_step_like_generate(kind: str) -> None:
+    model = _random_weights(_architecture(kind))
+    m = HFStepModel(model, tiny().tokenizer)
+    plan = [(0, PROMPTS[0], 12), (0, PROMPTS[1], 6), (2, PROMPTS[2], 9)]
+    got = run(m, plan)
+    for i, (_, prompt, n) in enumerate(plan):
+        ids = torch.tensor([m.encode(prompt)])
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                              pad_token_id=257)[0, ids.shape[1]:].tolist()
+        assert got[i] == want, (kind, i)
+    assert m.cache_bytes() == 0
+
+
+def test_a_sliding_window_model_is_refused_with_its_class_named() -> None:
+    with pytest.raises(ConfigError, match=r"MistralForCausalLM uses cache layers \['DynamicSlidingWindowLayer'\]"):
+        HFStepModel(_random_weights(_architecture("mistral-window")), tiny().tokenizer)
