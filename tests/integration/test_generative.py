@@ -102,3 +102,55 @@ def test_generation_end_to_end(kafka, topic_names, tmp_path, model):
         w2.kill()
     again = decode(read_all(bs, topic_names["out"], timeout=30, idle=2))
     assert len(again) == n + 5, f"restart reprocessed {len(again) - n - 5} records"
+
+
+def _greedy_reference(prompts: dict[str, tuple[str, int]]) -> dict[str, list[int]]:
+    """``generate(do_sample=False)`` on each prompt alone, cut after the first EOS (what a result must hold)."""
+    import torch
+
+    from worker.models.tiny_lm import TinyLM
+
+    h = TinyLM()
+    h.setup("cpu")
+    m = h.step_model()
+    want: dict[str, list[int]] = {}
+    for rid, (prompt, k) in prompts.items():
+        ids = torch.tensor([m.encode(prompt)])
+        out = m.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=k,  # type: ignore[attr-defined]
+                               do_sample=False)
+        toks = out[0, ids.shape[1]:].tolist()
+        eos = m.eos_token_id
+        want[rid] = toks[: toks.index(eos) + 1] if eos in toks else toks
+    return want
+
+
+def test_tiny_lm_through_the_worker_gives_what_generate_gives_alone(kafka, topic_names, tmp_path):
+    """The random-weight tiny-lm, continuously batched across 2 partitions: every greedy result holds the
+    tokens ``generate`` gives for its prompt alone, whatever ran beside it, and the offsets reach the end."""
+    bs = kafka.bootstrap
+    create_topics(bs, {topic_names["in"]: 2, topic_names["out"]: 2, topic_names["dlq"]: 1})
+    prompts = {f"t-{i}": (f"event {i} " * (1 + i % 4), 4 + (i * 7) % 29) for i in range(24)}
+    for part in range(2):
+        produce_values(bs, topic_names["in"], [gen(rid, p, max_new_tokens=k) for i, (rid, (p, k))
+                                               in enumerate(prompts.items()) if i % 2 == part], partition=part)
+    cfg = worker_config(bs, topic_names, model={"name": "tiny-lm",
+                                                "generation": {"max_new_tokens": 64, "max_sequences": 8,
+                                                               "max_batch_tokens": 1024}})
+    w = WorkerProcess(cfg, tmp_path).start()
+    try:
+        w.wait_assigned()
+        results = read_all(bs, topic_names["out"], want=len(prompts), timeout=180)
+        ends = end_offsets(bs, topic_names["in"])
+        wait_for(lambda: committed_offsets(bs, cfg["kafka"]["group_id"], topic_names["in"]) == ends, 30,
+                 what="committed offsets to reach the end offsets")
+        assert w.stop() == 0, w.log()[-3000:]
+    finally:
+        w.kill()
+    by_id = {v["id"]: v for v in decode(results)}
+    assert sorted(by_id) == sorted(prompts), "a duplicate or a missing result"
+    want = _greedy_reference(prompts)
+    for rid, v in by_id.items():
+        assert v["status"] == "ok" and v["model"] == "tiny-lm", v
+        out = v["outputs"]
+        assert out["token_ids"] == want[rid], rid
+        assert out["finish_reason"] in ("length", "eos") and out["generated_tokens"] == len(want[rid])

@@ -14,22 +14,26 @@ from worker.models import inputs
 # name -> "module:class"; imported lazily so the schema export and a worker running one model do not
 # import torch/transformers for the others.
 BUILTINS: dict[str, str] = {
+    "causal-lm": "worker.models.causal_lm:CausalLM",
     "identity": "worker.models.identity:IdentityModel",
     "minilm": "worker.models.minilm:MiniLMModel",
     "synthetic": "worker.models.synthetic:SyntheticModel",
     "synthetic-lm": "worker.models.synthetic_lm:SyntheticLMHandler",
     "tiny": "worker.models.tiny:TinyModel",
+    "tiny-lm": "worker.models.tiny_lm:TinyLM",
 }
 
 
 def builtin_input_types() -> dict[str, Any]:
     """Built-in name -> its ``inputs`` type (``Request[T]``'s T), for ``schemas/models/*.request.schema.json``."""
     return {
+        "causal-lm": inputs.GenerateInput,
         "identity": inputs.IdentityInput,
         "minilm": inputs.TextInput,
         "synthetic": inputs.SyntheticInput,
         "synthetic-lm": inputs.GenerateInput,
         "tiny": inputs.TinyInput,
+        "tiny-lm": inputs.GenerateInput,
     }
 
 
