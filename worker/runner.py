@@ -21,7 +21,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from confluent_kafka import TopicPartition as KTP
 
@@ -183,16 +183,18 @@ class Runner:
             model = self._model_arg if (i == 0 and self._model_arg is not None) else load_model(mcfg)
             if getattr(model, "kind", None) == "generative":  # its own worker (worker.generation)
                 from worker.generation import attach
-                self.workers.append(attach(model, dev, self.cfg, dispatch, len(self.workers)))
-                self._models.append(self.workers[-1].model)
+
+                gen = attach(model, dev, self.cfg, dispatch, len(pairs))
+                pairs.append((cast(Model, gen.model), gen))  # intake reads its decode, name, version
                 continue
             engine = Engine(model, dev, dtype=mcfg.dtype, compile=mcfg.compile, warmup=mcfg.warmup,
                             on_limit=dispatch.on_limit, max_batch_sizes=limits,
                             on_tokens=dispatch.on_tokens, max_batch_tokens=budgets,
                             host_threads=mcfg.host_threads)
             engine.setup()
-            pairs.append((model, DeviceWorker(engine, take=functools.partial(dispatch.take, worker=i),
-                                              done=functools.partial(dispatch.done, worker=i),
+            w = len(pairs)
+            pairs.append((model, DeviceWorker(engine, take=functools.partial(dispatch.take, worker=w),
+                                              done=functools.partial(dispatch.done, worker=w),
                                               swap=dispatch.swap, name=f"device-{dev}")))
         # Hundreds of thousands of long-lived objects (torch, the model) would otherwise be walked by every
         # full garbage collection, which the per-record allocations trigger every few thousand records.

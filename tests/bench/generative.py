@@ -36,11 +36,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tests.bench.common import Ctx, log, row
-from worker.generation import GenerationWorker
 from worker.config import GenerationConfig, ModelConfig
 from worker.core.records import Batch, Record, TopicPartition
 from worker.core.step_model import GenParams
 from worker.core.step_scheduler import LaneRule
+from worker.generation import GenerationWorker
 from worker.models.generative import GenerativeModel, GenRequest
 from worker.models.registry import load_model
 

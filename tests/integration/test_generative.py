@@ -105,7 +105,8 @@ def test_generation_end_to_end(kafka, topic_names, tmp_path, model):
 
 
 def _greedy_reference(prompts: dict[str, tuple[str, int]]) -> dict[str, list[int]]:
-    """``generate(do_sample=False)`` on each prompt alone, cut after the first EOS (what a result must hold)."""
+    """``generate(do_sample=False)`` on each prompt alone, cut before the first EOS: a result's token ids
+    are the generated ones, without the EOS that ended them."""
     import torch
 
     from worker.models.tiny_lm import TinyLM
@@ -120,7 +121,7 @@ def _greedy_reference(prompts: dict[str, tuple[str, int]]) -> dict[str, list[int
                                do_sample=False)
         toks = out[0, ids.shape[1]:].tolist()
         eos = m.eos_token_id
-        want[rid] = toks[: toks.index(eos) + 1] if eos in toks else toks
+        want[rid] = toks[: toks.index(eos)] if eos in toks else toks
     return want
 
 
@@ -153,4 +154,5 @@ def test_tiny_lm_through_the_worker_gives_what_generate_gives_alone(kafka, topic
         assert v["status"] == "ok" and v["model"] == "tiny-lm", v
         out = v["outputs"]
         assert out["token_ids"] == want[rid], rid
-        assert out["finish_reason"] in ("length", "eos") and out["generated_tokens"] == len(want[rid])
+        assert out["generated_tokens"] == len(want[rid])
+        assert out["finish_reason"] == ("length" if len(want[rid]) == prompts[rid][1] else "eos"), (rid, out)

@@ -10,10 +10,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from worker.generation import GenerationError, GenerationWorker
 from worker.config import GenerationConfig, ModelConfig
 from worker.core.records import Batch, Record, TopicPartition
 from worker.core.step_scheduler import Expired, LaneRule
+from worker.generation import GenerationError, GenerationWorker
 from worker.models.generative import GenerationRequestError, GenerativeModel
 from worker.models.inputs import GenerateInput, GenerationOutput
 from worker.models.registry import load_model
