@@ -139,13 +139,13 @@ class GenerationConfig(_Strict):
     max_stop_chars: PosInt = 64  # characters per stop string
     max_prompt_chars: PosInt = 100_000
     max_sequences: PosInt = 32  # sequences decoded together in one step
-    # Tokens reserved by the running sequences (prompt + max_new_tokens each), the KV-cache bound.
+    # Tokens the running sequences' caches may hold in all, the KV-cache bound.
     max_batch_tokens: PosInt = 16_384
     # Of max_batch_tokens, kept free for the highest-priority lane (its time to first token under overload).
     priority_headroom_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
-    # reserve: prompt + max_new_tokens held from admission; grow: tokens as the caches hold them, with
-    # preemption (and recompute) of the lowest lane's latest sequence when they outgrow the budget.
-    admission: Literal["reserve", "grow"] = "reserve"
+    # grow: tokens as the caches hold them, with preemption (and recompute) of the lowest lane's latest
+    # sequence when they outgrow the budget; reserve: prompt + max_new_tokens held from admission.
+    admission: Literal["reserve", "grow"] = "grow"
 
 
 class ModelConfig(_Strict):

@@ -127,7 +127,8 @@ class Predictor:
                                getattr(self.model, "name", "model"),
                                cfg.model.version or getattr(self.model, "version", None), "json",
                                on_done=lambda _r: None, on_failed=lambda _r, _e: None,
-                               max_message_bytes=int(cfg.kafka.producer.get("message.max.bytes", 1_000_000)))
+                               max_message_bytes=int(cfg.kafka.producer.get("message.max.bytes", 1_000_000)),
+                               outputs_encoding=cfg.delivery.outputs_encoding)
 
     def run(self, requests: Sequence[Request], topic: str, first_offset: int = 0) -> list[tuple[Outcome, bytes]]:
         """One (final outcome, result JSON) per request, in order."""

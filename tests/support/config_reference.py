@@ -57,8 +57,8 @@ MEANINGS: dict[str, str] = {
     "model.generation.max_sequences": "generative models: sequences decoded together in one step",
     "model.generation.max_batch_tokens": ("generative models: tokens the running sequences reserve in all "
                                           "(prompt + max_new_tokens each), the cache bound"),
-    "model.generation.admission": ("generative models: reserve (prompt + max_new_tokens held from admission) "
-                                   "or grow (tokens as cached, preempting on overflow)"),
+    "model.generation.admission": ("generative models: grow (tokens as cached, preempting on overflow) or "
+                                   "reserve (prompt + max_new_tokens held from admission, never recomputes)"),
     "model.generation.priority_headroom_tokens": ("generative models: of max_batch_tokens, tokens only the "
                                                   "highest-priority lane may reserve"),
     "batching.policy": "`fixed` windows, or `adaptive` (online `a + b*n` latency model)",

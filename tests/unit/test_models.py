@@ -36,7 +36,7 @@ def decode_request(model: Any, raw: bytes) -> Any:
 
 def test_builtin_input_types_cover_builtins_and_export_schemas() -> None:
     types = builtin_input_types()
-    assert set(types) == {"identity", "minilm", "synthetic", "synthetic-lm", "tiny"}
+    assert set(types) == {"causal-lm", "identity", "minilm", "synthetic", "synthetic-lm", "tiny", "tiny-lm"}
     for t in types.values():
         msgspec.json.schema(Request[t])  # type: ignore[valid-type]  # exportable
 

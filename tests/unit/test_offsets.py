@@ -70,23 +70,9 @@ def test_commit_not_marked_is_offered_again() -> None:
     assert t.committed(A) == 1 and t.committable() == {}
 
 
-def test_nack_keeps_the_record_blocking_until_acked() -> None:
-    t = OffsetTracker()
-    for o in range(3):
-        t.track(A, o)
-    t.nack(A, 0)
-    t.ack(A, 1)
-    assert t.failed() == {(A, 0)}
-    assert t.committable() == {}
-    assert t.first_pending(A) == 0
-    t.ack(A, 0)
-    assert t.failed() == set()
-    assert t.committable() == {A: 2}
-
-
 def test_unknown_acks_and_redeliveries_are_ignored() -> None:
     t = OffsetTracker()
-    assert t.ack(A, 7) is False and t.nack(A, 7) is False
+    assert t.ack(A, 7) is False
     assert t.track(A, 5) is True
     assert t.track(A, 5) is False and t.track(A, 3) is False  # not after the last tracked: ignored
     assert t.in_flight() == 1
@@ -210,13 +196,6 @@ class TrackerMachine(RuleBasedStateMachine):
         assert self.t.ack(tp, off)
         self.done[tp].add(off)
 
-    @precondition(lambda self: bool(self._not_done()))
-    @rule(data=st.data())
-    def fail(self, data: st.DataObject) -> None:
-        tp, off = data.draw(st.sampled_from(self._not_done()))
-        assert self.t.nack(tp, off)
-        assert (tp, off) in self.t.failed()
-
     @rule(succeed=st.booleans())
     def commit(self, succeed: bool) -> None:
         offered = self.t.committable()
@@ -334,20 +313,17 @@ test_loss_state_machine = LossMachine.TestCase
 
 @settings(max_examples=examples(200), deadline=None)
 @given(st.lists(st.integers(0, 40), min_size=1, max_size=30, unique=True).map(sorted),
-       st.lists(st.lists(st.integers(0, 45), max_size=12), max_size=6), st.sets(st.integers(0, 40)))
-def test_ack_many_leaves_the_state_acking_one_by_one_leaves(tracked: list[int], runs: list[list[int]],
-                                                            nacked: set[int]) -> None:
-    """A delivered batch's run acked at once: the same done prefix, in-flight count, failed set and return
+       st.lists(st.lists(st.integers(0, 45), max_size=12), max_size=6))
+def test_ack_many_leaves_the_state_acking_one_by_one_leaves(tracked: list[int], runs: list[list[int]]) -> None:
+    """A delivered batch's run acked at once: the same done prefix, in-flight count and return
     count as its acks one by one, whatever the run holds (untracked, done already, repeated offsets)."""
     one, many = OffsetTracker(), OffsetTracker()
     for t in (one, many):
         for o in tracked:
             t.track(A, o)
-        for o in nacked:
-            t.nack(A, o)
     for run in runs:
         done = sum(one.ack(A, o) for o in run)
         assert many.ack_many(A, run) == done
-        assert (many.committable(), many.in_flight(), many.pending(A), many.first_pending(A), many.failed()) == (
-            one.committable(), one.in_flight(), one.pending(A), one.first_pending(A), one.failed())
+        assert (many.committable(), many.in_flight(), many.pending(A), many.first_pending(A)) == (
+            one.committable(), one.in_flight(), one.pending(A), one.first_pending(A))
     assert many.ack_many(B, [0, 1]) == 0  # an unknown partition: nothing

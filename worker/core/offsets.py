@@ -10,8 +10,6 @@ Model, per partition:
 - ``track(tp, offset)`` when a record is received. Offsets increase but may have gaps (compacted topics,
   transaction markers): an untracked offset is not a hole, only a tracked offset that is not done blocks.
 - ``ack(tp, offset)`` when its result (or DLQ record) is delivered: it is done.
-- ``nack(tp, offset)`` when a delivery failed: still not done, listed by ``failed()`` so the runner can
-  retry; a later ``ack`` clears it.
 - ``committable()``: for each partition whose position advanced past the last ``mark_committed``, the
   offset *after* the done prefix, i.e. the first tracked offset not yet done, or the last tracked offset
   + 1 when all are done. That is the value Kafka expects in a commit (the next offset to consume).
@@ -38,12 +36,11 @@ from worker.core.records import TopicPartition
 
 
 class _Partition:
-    __slots__ = ("order", "pending", "failed", "started", "last", "committed", "first")
+    __slots__ = ("order", "pending", "started", "last", "committed", "first")
 
     def __init__(self) -> None:
         self.order: deque[int] = deque()  # tracked offsets not yet popped, increasing; the front is not done
         self.pending: set[int] = set()  # tracked, not done
-        self.failed: set[int] = set()  # nacked, not done
         # True once the front record completed: before that, committing the first tracked offset would be
         # a no-op, so nothing is offered.
         self.started = False
@@ -97,8 +94,6 @@ class OffsetTracker:
         if p is None or offset not in p.pending:
             return False
         p.pending.remove(offset)
-        if p.failed:
-            p.failed.discard(offset)
         self._in_flight -= 1
         if p.order[0] == offset:
             p.advance()
@@ -115,20 +110,10 @@ class OffsetTracker:
         pending.difference_update(offsets)
         done = n - len(pending)
         if done:
-            if p.failed:
-                p.failed.difference_update(offsets)
             self._in_flight -= done
             if p.order[0] not in pending:
                 p.advance()
         return done
-
-    def nack(self, tp: TopicPartition, offset: int) -> bool:
-        """A delivery failed: the record stays not done and is listed by ``failed()``."""
-        p = self._parts.get(tp)
-        if p is None or offset not in p.pending:
-            return False
-        p.failed.add(offset)
-        return True
 
     # ------------------------------------------------------------------ commits
     def committable(self) -> dict[TopicPartition, int]:
@@ -181,7 +166,6 @@ class OffsetTracker:
         if p is None or offset not in p.pending:
             return False
         p.pending.remove(offset)
-        p.failed.discard(offset)
         if p.order[0] == offset:
             p.advance()
         return True
@@ -220,9 +204,6 @@ class OffsetTracker:
         p = self._parts.get(tp)
         return len(p.pending) if p is not None else 0
 
-    def failed(self) -> set[tuple[TopicPartition, int]]:
-        """Nacked records not acked since."""
-        return {(tp, off) for tp, p in self._parts.items() for off in p.failed}
 
     def first_pending(self, tp: TopicPartition) -> int | None:
         """The offset blocking the partition's commit (oldest tracked, not done), if any."""
