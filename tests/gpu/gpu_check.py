@@ -311,6 +311,14 @@ def check_feed(device: str, quick: bool) -> list[Result]:
     return out
 
 
+def check_generate(device: str, quick: bool) -> list[Result]:
+    """The generative step path (``tests/gpu/gpu_generate.py``): greedy agreement per dtype, decode tokens/s,
+    and the engines compared on the device, in this one table."""
+    from tests.gpu.gpu_generate import run_all as generate_checks
+
+    return generate_checks(device, quick)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -334,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         "real_oom": lambda: check_real_oom(args.device, args.quick),
         "profile_curve": lambda: check_profile_curve(args.device, args.quick, out_dir),
         "feed": lambda: check_feed(args.device, args.quick),
+        "generate": lambda: check_generate(args.device, args.quick),
     }
     only = {c for c in args.only.split(",") if c}
     results: list[Result] = []
