@@ -14,8 +14,8 @@ import msgspec
 T = TypeVar("T")
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=512, description="Caller's id, echoed in the result")]
-# Bounded so that the worker's float arithmetic on it cannot overflow: a 309-digit deadline decoded as a Python
-# int and raised OverflowError in the loop, on every restart, for whichever worker took the partition.
+# Bounded so that the worker's float arithmetic on it cannot overflow: a 309-digit deadline decoded as a
+# Python int and raised OverflowError in the loop, on every restart, for whichever worker took the partition.
 DeadlineMs = Annotated[int, msgspec.Meta(ge=-(2**53), le=2**53, description="Absolute deadline, Unix epoch ms")]
 
 

@@ -147,15 +147,16 @@ def backfill(cfg: Config, from_beginning: bool = False, from_timestamp: int | No
             done = runner.committed.get(tp, -1)
             if done > start[tp]:
                 # Assigned again in this run (a lost assignment, a replaced consumer, a member that joined the
-                # group and left): on from this run's commit, as a rerun would. From the start again, everything
-                # done so far was processed twice.
+                # group and left): on from this run's commit, as a rerun would. From the start again,
+                # everything done so far was processed twice.
                 p.offset = done
                 continue
             # Always the start chosen above, never auto.offset.reset: with "latest" and no commit the consumer
             # began at the end, read nothing, met EOF, and the backfill exited 0 with its range unprocessed.
             # librdkafka resolves OFFSET_BEGINNING itself, should retention have moved the low watermark.
             p.offset = start[tp] if (tp in resumed or not from_beginning) else OFFSET_BEGINNING
-        # Explicit assign with the chosen offsets (eager protocol, forced below), instead of the automatic one.
+        # Explicit assign with the chosen offsets (eager protocol, forced below), instead of the automatic
+        # one.
         consumer.assign(partitions)
 
     # EOF events tell a fully read partition apart from a slow one; the eager assignor makes the explicit
@@ -183,7 +184,8 @@ def backfill(cfg: Config, from_beginning: bool = False, from_timestamp: int | No
     finished = reached | runner.finished
     short = [tp for tp in end if tp not in finished]
     if rc == 0 and short:
-        # Stopped (SIGTERM/SIGINT) before the end: not a success, or a Job would count it done and never resume.
+        # Stopped (SIGTERM/SIGINT) before the end: not a success, or a Job would count it done and never
+        # resume.
         print(f"backfill: stopped before the end of {len(short)} of {len(end)} partitions; run it again to go on "
               "from the committed offsets", flush=True)
         rc = 1

@@ -42,8 +42,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         return 2
     cfg = report.cfg
     assert cfg is not None
-    # The config may be checked outside the pod its CA or key files are mounted in: a file that is not here is a
-    # note, as a device that is not here is.
+    # The config may be checked outside the pod its CA or key files are mounted in: a file that is not here is
+    # a note, as a device that is not here is.
     from worker.adapters.kafka_clients import absent_files
 
     for key, file in absent_files(cfg):
@@ -52,8 +52,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     try:
         check_devices(cfg)
     except ConfigError as e:
-        # Not an error here: the config may well be checked on a CI machine without the run's GPU. `worker run`
-        # on this machine would refuse it (exit 2).
+        # Not an error here: the config may well be checked on a CI machine without the run's GPU. `worker
+        # run` on this machine would refuse it (exit 2).
         print(f"note: {name_overrides(str(e))} (`worker run` here would exit 2)", file=sys.stderr)
     if args.print:
         import yaml
@@ -333,8 +333,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         # The runner freezes the objects alive after the model load (gc.freeze), and what is frozen is never
         # collected, not even at exit: a nanobind extension among them (triton's, which torch._dynamo imports
-        # when transformers loads a model) would then print ~30 "nanobind: leaked ..." lines as the process ends.
-        # Unfrozen, they are collected at exit like everything else.
+        # when transformers loads a model) would then print ~30 "nanobind: leaked ..." lines as the process
+        # ends. Unfrozen, they are collected at exit like everything else.
         gc.unfreeze()
 
 
@@ -342,7 +342,8 @@ def _main(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:
-        # The checks after loading (model, devices) name the key; README promises the variable that set it too.
+        # The checks after loading (model, devices) name the key; README promises the variable that set it
+        # too.
         for problem in e.problems:
             print(f"config error: {name_overrides(problem)}", file=sys.stderr)
         return 2

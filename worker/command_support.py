@@ -9,7 +9,8 @@ from typing import Any
 
 from worker.config import Config, ConfigError
 
-# librdkafka's codes for "no broker answered" (as opposed to e.g. an authorization failure or a missing topic).
+# librdkafka's codes for "no broker answered" (as opposed to e.g. an authorization failure or a missing
+# topic).
 _UNREACHABLE = {"_TRANSPORT", "_TIMED_OUT", "_ALL_BROKERS_DOWN", "_RESOLVE", "_MSG_TIMED_OUT"}
 
 

@@ -33,8 +33,8 @@ class Report:
 
 
 def check(path: str) -> Report:
-    """The config at ``path`` checked as ``worker run`` would check it, without connecting to anything, loading
-    weights or needing the pod's secrets and files (those not here are notes)."""
+    """The config at ``path`` checked as ``worker run`` would check it, without connecting to anything,
+    loading weights or needing the pod's secrets and files (those not here are notes)."""
     report = Report()
     model: ModelConfig | None
     try:

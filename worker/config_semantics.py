@@ -131,16 +131,16 @@ def semantic_problems(cfg: Config) -> list[str]:
     return problems
 
 
-# Set by the store from redis.timeout_ms; redis-py lets a URL's query string override them, which would turn the
-# short bounded calls on the loop thread into seconds of blocking during an outage.
+# Set by the store from redis.timeout_ms; redis-py lets a URL's query string override them, which would turn
+# the short bounded calls on the loop thread into seconds of blocking during an outage.
 _REDIS_URL_OWNED = ("socket_timeout", "socket_connect_timeout")
 
 
 def redis_url_problem(url: str, tls: bool = False) -> str | None:
-    """What redis-py would reject in ``url`` when the store first connects (a ValueError or TypeError that names
-    no config key, raised on the first record), found without connecting; None when it is fine. The text never
-    quotes the URL where it carries credentials (userinfo before ``@``): a mangled one can put part of the
-    password where the port or path is expected."""
+    """What redis-py would reject in ``url`` when the store first connects (a ValueError or TypeError that
+    names no config key, raised on the first record), found without connecting; None when it is fine. The text
+    never quotes the URL where it carries credentials (userinfo before ``@``): a mangled one can put part of
+    the password where the port or path is expected."""
     import inspect
     from urllib.parse import parse_qs, urlsplit
 

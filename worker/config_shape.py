@@ -95,8 +95,8 @@ def merge(base: Any, over: Any) -> Any:
 def check_shape(value: Any, path: str, above: tuple[int, ...] = ()) -> None:
     """Keys are text, and no mapping or list contains itself. msgspec names a key that is not text only by its
     section ("Expected `str` - at `key` in `$.kafka`"), and a YAML alias to an anchor above it (``kafka: &k
-    {consumer: *k}``) makes a structure with no end: the checks after this one would recurse until Python gives
-    up (RecursionError, exit 1)."""
+    {consumer: *k}``) makes a structure with no end: the checks after this one would recurse until Python
+    gives up (RecursionError, exit 1)."""
     if not isinstance(value, dict | list):
         return
     if id(value) in above:

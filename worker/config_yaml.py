@@ -77,7 +77,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     # What yaml.load does, keeping the composed tree (to name a repeated key by its path) and the file's
     # name (positions in errors say 'in "worker.yaml", line 3' rather than 'in "<unicode string>"').
     try:
-        loader = _UniqueKeyLoader(text)  # checks the characters first: a NUL or another control one is refused
+        # checks the characters first: a NUL or another control one is refused
+        loader = _UniqueKeyLoader(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML: {e}") from None
     loader.name = str(p)

@@ -81,9 +81,10 @@ def demo(records: int = 5000, model: str = "tiny", bootstrap: str | None = None,
         # broker), which would otherwise show as the first records' latency.
         p = load_producer(bootstrap)
         if warm_up_s > 0:
-            # While the model loads. A broker just started has not compiled its request paths yet: for its first
-            # seconds a produce -> fetch round trip took 20-80 ms at p50 instead of 5-10 (2-core VM), and the
-            # summary showed that rather than the worker. A broker given with --bootstrap is warm already.
+            # While the model loads. A broker just started has not compiled its request paths yet: for its
+            # first seconds a produce -> fetch round trip took 20-80 ms at p50 instead of 5-10 (2-core VM),
+            # and the summary showed that rather than the worker. A broker given with --bootstrap is warm
+            # already.
             print(f"warming up the broker ({warm_up_s:g} s of throwaway traffic) ...", flush=True)
             _warm_broker(bootstrap, topics["warm"], partitions, p, seconds=warm_up_s, rate=rate)
         if not worker.wait_ready(300):

@@ -116,8 +116,8 @@ def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_
                     gave_up = True
                     return 1
                 if left:
-                    # Not delivered yet (broker down or slow): committing now would skip dead letters that were
-                    # never replayed. The next run starts again from the last commit.
+                    # Not delivered yet (broker down or slow): committing now would skip dead letters that
+                    # were never replayed. The next run starts again from the last commit.
                     print(f"dlq replay: {left} records still undelivered after 60 s; nothing more committed")
                     gave_up = True
                     return 1

@@ -64,8 +64,8 @@ class Intake:
                           for n, ln in self.lanes.items()}
         self._topic_lane = {t: ln for t, ln in self.topic_lanes.items() if ln in self.lanes}
         self.default_lane = cfg.batching.default_lane
-        # A handler with decode_batch is decoded on the device's host threads: its record carries the validated
-        # inputs, sized by estimate_size before decoding.
+        # A handler with decode_batch is decoded on the device's host threads: its record carries the
+        # validated inputs, sized by estimate_size before decoding.
         self._deferred = callable(getattr(model, "decode_batch", None))
         self._size_of = getattr(model, "estimate_size" if self._deferred else "size_of", None)
         self._max_size = getattr(model, "max_size", None)  # the most one record may cost the model

@@ -2,10 +2,10 @@
 
 Each request takes the path a consumed record takes in ``worker run``: the intake's size check, decoding and
 validation into ``Request[model.input_type]``, lane routing and deadline, the model's ``decode``; the engine's
-``collate``/``forward``/``split`` in batches of the lane's ``max_batch_size`` (with its failure policy: a batch
-that fails is bisected down to the record that fails it); the emitter's result encoding, with its handling of
-outputs that cannot be encoded and results over ``message.max.bytes``. The emitter sends to a collector
-instead of a producer: the result it would put on the output topic is the line printed.
+``collate``/``forward``/``split`` in batches of the lane's ``max_batch_size`` (with its failure policy: a
+batch that fails is bisected down to the record that fails it); the emitter's result encoding, with its
+handling of outputs that cannot be encoded and results over ``message.max.bytes``. The emitter sends to a
+collector instead of a producer: the result it would put on the output topic is the line printed.
 
 Requests and results are JSON whatever ``delivery.format`` says. A result's ``source`` is the topic the
 request is taken to come from (``--topic``, by default the first input topic of the default lane; the topic

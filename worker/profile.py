@@ -2,10 +2,10 @@
 
 For each batch size it runs ``iters`` synchronous batches (collate -> copy -> forward -> copy back -> split,
 after ``warmup`` untimed ones) drawn in turn from the handler's ``example_inputs()`` (built-in sample
-sentences of varied length for text models, so padding and length variance show in p99), and reports p50/p99 batch latency, throughput (items/s)
-and peak memory (CUDA max allocated, or the process's peak RSS). The recommended ``max_batch_size`` is
-the size with the highest throughput whose p99 fits ``--latency-budget-ms`` (the highest throughput
-overall without a budget). Sizes past the first out-of-memory are skipped.
+sentences of varied length for text models, so padding and length variance show in p99), and reports p50/p99
+batch latency, throughput (items/s) and peak memory (CUDA max allocated, or the process's peak RSS). The
+recommended ``max_batch_size`` is the size with the highest throughput whose p99 fits ``--latency-budget-ms``
+(the highest throughput overall without a budget). Sizes past the first out-of-memory are skipped.
 
 The latencies are those of a lone batch; in the running worker collate overlaps forward, so sustained
 throughput is somewhat higher and per-record latency adds the batching wait (``max_wait_ms``).

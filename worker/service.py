@@ -48,7 +48,8 @@ def run_service(cfg: Config, metrics_port: int | None = None) -> int:
 
     # Before the health port opens: a device this machine lacks is the config's fault (exit 2), not a crash.
     check_devices(cfg)
-    # ... and so is a secured broker refusing its credentials or certificates (librdkafka would retry for ever).
+    # ... and so is a secured broker refusing its credentials or certificates (librdkafka would retry for
+    # ever).
     from worker.broker_access import check_access
 
     check_access(cfg)

@@ -1,4 +1,5 @@
-"""``worker run`` with ``model.processes: N`` (or ``--processes N``): N worker processes sharing the device(s).
+"""``worker run`` with ``model.processes: N`` (or ``--processes N``): N worker processes sharing the
+device(s).
 
 Each child is a full ``worker run``: its own consumer (a member of the one consumer group), offsets,
 producers, store client and metrics/health server. What differs between them comes in through the
@@ -14,10 +15,10 @@ The supervisor restarts a child that exits by itself, after a backoff that doubl
 times within ``EXIT_WINDOW_S`` is crash-looping: the supervisor drains the others and exits 1 saying which
 child and how it exited. A child that exits 2 (its config is bad) stops everything with exit 2.
 
-SIGTERM/SIGINT: the supervisor sends SIGTERM to every child, waits for them for ``delivery.shutdown_timeout_s``
-plus ``DRAIN_MARGIN_S`` (a child's own stop takes up to about 13 s past its shutdown timeout), then kills
-the ones left. Exit 0 when every child exited 0. On Linux each child gets SIGTERM when the supervisor dies
-(even by kill -9), so no child outlives it.
+SIGTERM/SIGINT: the supervisor sends SIGTERM to every child, waits for them for
+``delivery.shutdown_timeout_s`` plus ``DRAIN_MARGIN_S`` (a child's own stop takes up to about 13 s past its
+shutdown timeout), then kills the ones left. Exit 0 when every child exited 0. On Linux each child gets
+SIGTERM when the supervisor dies (even by kill -9), so no child outlives it.
 """
 
 from __future__ import annotations

@@ -44,12 +44,13 @@ def log(msg: str) -> None:
 # ------------------------------------------------------------------------------------------------ broker
 
 
-# The local broker keeps its data in memory (tmpfs) when there is room. On the shared 2-core VM its disk stalled
-# appends and fetches for 100-200 ms, a minute or two after the pipeline scenario had written its results
-# (page-cache writeback): a bare consumer's Kafka hop p99 read 40-90 ms instead of 2-3, and sweep points whose
-# ideal p99 is 21-46 ms read 110-210 ms. The same sequence (pipeline, then the B=1..16 points and the 10% run)
-# stalled in 3 runs of 3 with the data on disk, and in 0 of 2 on /dev/shm. Every system in a run uses the same
-# broker, so this only takes out noise that is not theirs. KIW_BENCH_BROKER_DISK=1 keeps the data on disk.
+# The local broker keeps its data in memory (tmpfs) when there is room. On the shared 2-core VM its disk
+# stalled appends and fetches for 100-200 ms, a minute or two after the pipeline scenario had written its
+# results (page-cache writeback): a bare consumer's Kafka hop p99 read 40-90 ms instead of 2-3, and sweep
+# points whose ideal p99 is 21-46 ms read 110-210 ms. The same sequence (pipeline, then the B=1..16 points and
+# the 10% run) stalled in 3 runs of 3 with the data on disk, and in 0 of 2 on /dev/shm. Every system in a run
+# uses the same broker, so this only takes out noise that is not theirs. KIW_BENCH_BROKER_DISK=1 keeps the
+# data on disk.
 SHM = Path("/dev/shm")
 SHM_MIN_FREE = 4 << 30  # a full run writes well under 1 GB; less free than this, and disk it is
 
@@ -187,8 +188,8 @@ class Paced:
 
 def produce_paced(bootstrap: str, plan: Iterator[tuple[str, bytes, bytes]], rate: float, duration_s: float,
                   partitions: int, linger_ms: float = 0.0) -> Paced:
-    """Produce ``plan`` items (topic, key, value) at ``rate``/s for ``duration_s`` (evenly spaced; keys are the
-    request ids). ``linger.ms=0`` so producer-side batching is not charged to the worker's latency."""
+    """Produce ``plan`` items (topic, key, value) at ``rate``/s for ``duration_s`` (evenly spaced; keys are
+    the request ids). ``linger.ms=0`` so producer-side batching is not charged to the worker's latency."""
     p = _producer(bootstrap, **{"linger.ms": linger_ms, "enable.idempotence": False})
     first = next(plan)
     # The paced producer connects before the schedule starts, and is not idempotent. An idempotent producer

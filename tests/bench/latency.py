@@ -1,11 +1,12 @@
-"""Issue 3 (latency at 10% load, priority under 2x overload) and issue 7.4 (p50/p99 per lane at 10/50/90/200%).
+"""Issue 3 (latency at 10% load, priority under 2x overload) and issue 7.4 (p50/p99 per lane at
+10/50/90/200%).
 
 One worker process, synthetic model (a=20 ms, b=1 ms), two lanes fed by two topics:
-``high`` (priority 1, weight 4) gets 10% of the traffic, ``low`` (priority 0, weight 1) 90%; both max batch 32,
-max wait 10 ms, queue_bound 2000 (the low lane's backlog pauses only the low topic). The offered load steps
-through 10%, 50%, 90% and 200% of the ideal saturated rate ``32 / (a + 32 b)``; requests are evenly spaced,
-produced with ``linger.ms=0`` (producer batching is not charged to the worker). End-to-end latency is the
-result's ``timings.e2e_ms`` (result time - the request's Kafka timestamp). The first seconds of each step
+``high`` (priority 1, weight 4) gets 10% of the traffic, ``low`` (priority 0, weight 1) 90%; both max batch
+32, max wait 10 ms, queue_bound 2000 (the low lane's backlog pauses only the low topic). The offered load
+steps through 10%, 50%, 90% and 200% of the ideal saturated rate ``32 / (a + 32 b)``; requests are evenly
+spaced, produced with ``linger.ms=0`` (producer batching is not charged to the worker). End-to-end latency is
+the result's ``timings.e2e_ms`` (result time - the request's Kafka timestamp). The first seconds of each step
 are discarded.
 
 For context each step also reports the p99 an ideal work-conserving batcher would get on the very same
@@ -74,8 +75,8 @@ def plan(topics: dict[str, str], prefix: str, seed: int = 11,
 
 def simulate(arrivals: list[tuple[float, str]], bs: int = MAX_B,
              order: tuple[str, ...] = ("high", "low")) -> tuple[dict[str, list[float]], list[float]]:
-    """An ideal work-conserving batcher on the given (arrival ms, lane) list: one server; whenever it is free it
-    takes up to ``bs`` queued records of the first lane in ``order`` that has any (batches never mix lanes,
+    """An ideal work-conserving batcher on the given (arrival ms, lane) list: one server; whenever it is free
+    it takes up to ``bs`` queued records of the first lane in ``order`` that has any (batches never mix lanes,
     strict priority), service ``a + b*n``; no Kafka, no threads. Returns latencies per lane and the
     completion time of every record."""
     arr = sorted(arrivals)

@@ -1,9 +1,9 @@
 """Issue 7.6 - memory under 10x overload, and the overload timeline.
 
-One ``worker run`` process (synthetic model, B=32, ``batching.max_in_flight`` = 2000, metrics on port 0) is fed
-at 10x its ideal rate for 60 s (15 s with --quick). Every 0.5 s the benchmark samples the process's VmRSS
-(/proc/<pid>/status) and scrapes its /metrics (kiw_in_flight, kiw_paused_partitions, kiw_records_out_total, and
-kiw_consumer_lag summed over partitions, reported every second here: the queue waiting in Kafka).
+One ``worker run`` process (synthetic model, B=32, ``batching.max_in_flight`` = 2000, metrics on port 0) is
+fed at 10x its ideal rate for 60 s (15 s with --quick). Every 0.5 s the benchmark samples the process's VmRSS
+(/proc/<pid>/status) and scrapes its /metrics (kiw_in_flight, kiw_paused_partitions, kiw_records_out_total,
+and kiw_consumer_lag summed over partitions, reported every second here: the queue waiting in Kafka).
 
 The bound its settings imply: RSS when idle (interpreter, libraries, model) + max_in_flight x the memory one
 in-flight record holds (measured here with tracemalloc on the worker's own intake and result encoding; the
@@ -88,7 +88,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
                         lanes=[{"name": "default", "max_batch_size": MAIN_B, "max_wait_ms": WAIT_MS}],
                         model=synthetic_model(), batching={"max_in_flight": MAX_IN_FLIGHT}, metrics=True,
                         kafka={"consumer": {"queued.max.messages.kbytes": QUEUED_KB, **EXTRA_CONSUMER}})
-    cfg["metrics"]["lag_interval_s"] = 1.0  # the timeline's queue in Kafka (consumer lag), sampled every 0.5 s
+    # the timeline's queue in Kafka (consumer lag), sampled every 0.5 s
+    cfg["metrics"]["lag_interval_s"] = 1.0
     rate = 10 * ideal(MAIN_B)
     log(f"memory: 10x overload ({rate:.0f}/s offered, capacity {ideal(MAIN_B):.0f}/s) for {seconds:.0f}s, "
         f"max_in_flight {MAX_IN_FLIGHT}")
@@ -142,7 +143,8 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     per_rec = res["bytes_per_in_flight_record"]
     b = res.get("bound_inputs") or {"max_in_flight": MAX_IN_FLIGHT, "poll_max_records": POLL_MAX,
                                     "queued_kb": QUEUED_KB, "partitions": PARTITIONS, "fetch_bytes": FETCH_BYTES}
-    # The worker checks the bound after each consume(), so in flight can pass it by one poll (poll_max_records).
+    # The worker checks the bound after each consume(), so in flight can pass it by one poll
+    # (poll_max_records).
     above_idle_kb = ((b["max_in_flight"] + b["poll_max_records"]) * per_rec + b["queued_kb"] * 1024
                      + b["partitions"] * b["fetch_bytes"]) / 1024
     bound_kb = idle_kb + above_idle_kb

@@ -4,10 +4,12 @@
 [--model identity|synthetic] [--records N] [--max-batch B] [--top 30] [--metrics] [--producer K=V]
 [--consumer K=V]`` prints per-thread CPU seconds and the functions with the most own CPU time (yappi,
 CPU clock, so time spent waiting for the GIL or in sleep does not count), plus the records/s reached while
-profiled. ``--tool cprofile`` profiles the loop thread with the standard library's cProfile. ``--tool none`` runs unprofiled and splits the process's CPU per record by OS thread (the loop
-thread, the device threads, librdkafka's own), read from /proc. Needs ``yappi`` or ``pyinstrument`` (``pip install yappi pyinstrument``; not project dependencies);
-``--tool none`` needs neither (e.g. ``--tool none --gc freeze`` against ``--tool none --gc on``). Uses $KAFKA_BOOTSTRAP_SERVERS
-or starts a local broker.
+profiled. ``--tool cprofile`` profiles the loop thread with the standard library's cProfile. ``--tool none``
+runs unprofiled and splits the process's CPU per record by OS thread (the loop thread, the device threads,
+librdkafka's own), read from /proc. Needs ``yappi`` or ``pyinstrument`` (``pip install yappi pyinstrument``;
+not project dependencies);
+``--tool none`` needs neither (e.g. ``--tool none --gc freeze`` against ``--tool none --gc on``). Uses
+$KAFKA_BOOTSTRAP_SERVERS or starts a local broker.
 """
 
 from __future__ import annotations
@@ -191,9 +193,9 @@ def _plain(runner: Any, records: int, gc_mode: str, calls: dict[str, list[float]
 
 
 def _time_kafka_calls() -> dict[str, list[float]]:
-    """Wrap the runner's Kafka clients so each call's thread CPU time and wall time are summed per method (from the moment
-    the steady state starts; see _plain). A wrapper call costs well under a microsecond, and poll/consume
-    are called once per loop turn, produce once per record."""
+    """Wrap the runner's Kafka clients so each call's thread CPU time and wall time are summed per method
+    (from the moment the steady state starts; see _plain). A wrapper call costs well under a microsecond, and
+    poll/consume are called once per loop turn, produce once per record."""
     import worker.runner
 
     acc: dict[str, list[float]] = {}

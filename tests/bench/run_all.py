@@ -1,8 +1,8 @@
 """``make bench`` = ``python -m tests.bench.run_all [--only NAME[,NAME]] [--quick] [--out DIR]``.
 
 Runs the benchmark scenarios against one Kafka broker ($KAFKA_BOOTSTRAP_SERVERS, else a local one it starts),
-prints one table (scenario, figure, baseline, ratio, target, verdict) and writes ``results.json`` and PNG plots
-to ``docs/bench/``. Only a full run writes there: ``--quick`` (smaller counts) and ``--only`` write to
+prints one table (scenario, figure, baseline, ratio, target, verdict) and writes ``results.json`` and PNG
+plots to ``docs/bench/``. Only a full run writes there: ``--quick`` (smaller counts) and ``--only`` write to
 /tmp/kiw-bench-quick and /tmp/kiw-bench-only unless --out is given, so the published table is always one run
 of every scenario, never rows picked from several. A full run also rewrites the results section of
 ``docs/benchmarks.md`` (between its ``<!-- results: begin -->`` and ``<!-- results: end -->`` markers; the

@@ -99,8 +99,9 @@ class OutputWatcher:
 
     def _reopen_if_behind(self) -> None:
         """Nothing new for REOPEN_AFTER_S: if the topic holds records past what was read (asked with a new
-        client), go on from there with a new consumer; the old one closes on a thread (its close may hang too).
-        With read_committed, an aborted transaction at a partition's end looks the same: a harmless re-read."""
+        client), go on from there with a new consumer; the old one closes on a thread (its close may hang
+        too). With read_committed, an aborted transaction at a partition's end looks the same: a harmless
+        re-read."""
         try:
             ends = end_offsets(self.bootstrap, self.topic)
         except Exception:  # noqa: BLE001 - the broker may be down: try again later

@@ -1,6 +1,6 @@
 """A corpus of bad inputs mixed into valid traffic: each bad record becomes a dead letter with the right
-``x-error-stage`` and/or an ``error``/``expired`` result; every valid record gets an ok result; every partition's
-committed offset reaches its end offset (nothing blocks a partition)."""
+``x-error-stage`` and/or an ``error``/``expired`` result; every valid record gets an ok result; every
+partition's committed offset reaches its end offset (nothing blocks a partition)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ enc = msgspec.json.encode
 
 def corpus(suffix: str) -> list[tuple[str, bytes | None, str | None, str | None]]:
     """(case, value, expected DLQ stage or None, expected result status or None). Keys are f"{case}-{suffix}"
-    and ids (where there is one) the same, so dead letters can be matched by key even without a readable id."""
+    and ids (where there is one) the same, so dead letters can be matched by key even without a readable
+    id."""
     k = lambda case: f"{case}-{suffix}"  # noqa: E731
     return [
         ("truncated-json", b'{"id": "' + k("truncated-json").encode() + b'", "inputs": [1, 2', "decode", None),

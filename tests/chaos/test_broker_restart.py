@@ -40,7 +40,8 @@ N_BEFORE = 12_000
 N_AFTER = 8_000
 OUTAGE_S = 5.0
 REPLACED = "replacing it with a new one"  # the worker's log line when it replaces its consumer
-RESUMED = "partitions lost earlier are back: going on after"  # ... when lost partitions come back (_resume_lost)
+# ... when lost partitions come back (_resume_lost)
+RESUMED = "partitions lost earlier are back: going on after"
 PRODUCER_REPLACED = "replacing it and sending them again"  # ... and a producer (delivery.producer_stall_s)
 
 
@@ -129,9 +130,10 @@ def test_broker_stop_start_mid_run(kafka, topic_names, tmp_path):
     assert t.dlq == 0
     assert all(v["status"] == "ok" for vs in t.by_id.values() for v in vs)
     # The session usually expires with thousands of results delivered since the last commit (8,152-10,848 were
-    # produced twice before the worker went on from what it had delivered, 0 since): the partitions come back to
-    # the same worker seconds after its producers delivered everything. A second result now comes only from a
-    # record whose delivery was not confirmed when its partition came back. (No expiry: no duplicates either.)
+    # produced twice before the worker went on from what it had delivered, 0 since): the partitions come back
+    # to the same worker seconds after its producers delivered everything. A second result now comes only from
+    # a record whose delivery was not confirmed when its partition came back. (No expiry: no duplicates
+    # either.)
     assert t.duplicates <= N_BEFORE // 10, f"{t.duplicates} duplicates: {log.count(RESUMED)} resume lines"
 
 
@@ -139,11 +141,11 @@ FROZEN_S = 15.0
 
 
 def test_broker_frozen_past_the_session_timeout(kafka, topic_names, tmp_path):
-    """SIGSTOP: connections stay open and nothing answers. The consumer's session (6 s) expires on its side, it
-    stays out of the group past ``rejoin_timeout_ms`` (2 s) while the broker is frozen, and is replaced (again
-    after 4 s, with the allowance doubled, if the broker is still frozen then). Once the broker runs again the
-    new consumer joins: nothing lost, everything committed, the same process throughout, and the replaced
-    consumers closed."""
+    """SIGSTOP: connections stay open and nothing answers. The consumer's session (6 s) expires on its side,
+    it stays out of the group past ``rejoin_timeout_ms`` (2 s) while the broker is frozen, and is replaced
+    (again after 4 s, with the allowance doubled, if the broker is still frozen then). Once the broker runs
+    again the new consumer joins: nothing lost, everything committed, the same process throughout, and the
+    replaced consumers closed."""
     broker = local_broker(kafka)
     bs = kafka.bootstrap
     create_topics(bs, {topic_names["in"]: 4, topic_names["out"]: 4, topic_names["dlq"]: 1})

@@ -3,8 +3,8 @@
 at-least-once: every id gets >= 1 result. Duplicates are allowed only where a kill left them: right after each
 kill the test reads the group's committed offset C and the end of what has a visible result V per partition;
 every duplicate must have its source offset in one of those [C, V) windows, and there can be no more
-duplicates than the windows hold. ``max_in_flight`` is 1,000 so that in-flight work is a small part of the run.
-exactly-once: every id exactly once for a read_committed reader.
+duplicates than the windows hold. ``max_in_flight`` is 1,000 so that in-flight work is a small part of the
+run. exactly-once: every id exactly once for a read_committed reader.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Redis stopped for 10 s mid-run (ledger and cache on): nothing is lost, results keep coming during the outage,
-the run finishes, and the outage is visible: ``kiw_redis_errors_total`` on /metrics and the breaker's
+"""Redis stopped for 10 s mid-run (ledger and cache on): nothing is lost, results keep coming during the
+outage, the run finishes, and the outage is visible: ``kiw_redis_errors_total`` on /metrics and the breaker's
 "redis circuit open" warning in the worker log; the circuit closes again once Redis is back."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The chaos tests' OutputWatcher reads on with a new consumer when its own stops delivering while the topic has
-more (tests/chaos/support.py: REOPEN_AFTER_S). Its consumer is paused here to stand for one stuck after a
+"""The chaos tests' OutputWatcher reads on with a new consumer when its own stops delivering while the topic
+has more (tests/chaos/support.py: REOPEN_AFTER_S). Its consumer is paused here to stand for one stuck after a
 frozen broker resumed; the reopened one starts where the old one stopped (no id counted twice)."""
 
 from __future__ import annotations

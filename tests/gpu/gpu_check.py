@@ -225,9 +225,10 @@ def check_real_oom(device: str, quick: bool) -> list[Result]:
 
 
 def profile_verdict(rc: int, data: dict[str, Any], budget_ms: float) -> str | None:
-    """Why a ``worker profile`` run failed (None when it did not): exit 0 is not enough, since a run where every
-    batch size failed exits 0 too, recommending none. Wanted: a recommended size whose row ran ("ok") within
-    the budget, and no size that failed other than by running out of memory (a small device's largest)."""
+    """Why a ``worker profile`` run failed (None when it did not): exit 0 is not enough, since a run where
+    every batch size failed exits 0 too, recommending none. Wanted: a recommended size whose row ran ("ok")
+    within the budget, and no size that failed other than by running out of memory (a small device's
+    largest)."""
     if rc != 0:
         return f"worker profile exited {rc}"
     rows = data.get("rows") or []

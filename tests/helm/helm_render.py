@@ -1,4 +1,5 @@
-"""`helm template` of the chart for the pytest checks in tests/helm, with the helm binary check_chart.sh builds.
+"""`helm template` of the chart for the pytest checks in tests/helm, with the helm binary check_chart.sh
+builds.
 
 Outside CI a missing helm (none cached in ~/.cache/kafka-inference-worker/tools and no Go toolchain to build
 it) skips the test that needs it, with the reason; in CI (CI=true) it fails.

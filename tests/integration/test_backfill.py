@@ -1,5 +1,5 @@
-"""``worker backfill``: exactly the snapshot, exit 0; killed or stopped halfway and rerun -> every id has a result; --from-timestamp;
-an input written by a transactional producer."""
+"""``worker backfill``: exactly the snapshot, exit 0; killed or stopped halfway and rerun -> every id has a
+result; --from-timestamp; an input written by a transactional producer."""
 
 from __future__ import annotations
 
@@ -95,7 +95,8 @@ def test_backfill_assigned_again_mid_run_goes_on_from_its_commits(kafka, topic_n
         other.close()  # leaves: the backfill gets every partition again
     assert w.wait(300) == 0, w.log()[-3000:]
     assert 0 < done_before < n, "the other member did not join mid-backfill; nothing was tested"
-    assert w.log().count("partitions assigned") >= 3, w.log()[-3000:]  # start, after the join, after the leave
+    # start, after the join, after the leave
+    assert w.log().count("partitions assigned") >= 3, w.log()[-3000:]
     results = decode(read_all(bs, topic_names["out"], want=n, timeout=60))
     ids = collections.Counter(r["id"] for r in results)
     dupes = sum(c - 1 for c in ids.values())
@@ -134,7 +135,8 @@ def test_backfill_stopped_early_exits_1_and_from_timestamp_counts_from_there(kaf
 
 def test_backfill_of_a_topic_written_in_transactions_exits_0(kafka, topic_names, tmp_path):
     """A transactional producer's commit marker takes the offset after its last record: the end snapshot (high
-    watermark) is one past the last commit a consumer can make. The backfill never exited 0, nor did a rerun."""
+    watermark) is one past the last commit a consumer can make. The backfill never exited 0, nor did a
+    rerun."""
     bs = kafka.bootstrap
     create_topics(bs, {topic_names["in"]: 2, topic_names["out"]: 2, topic_names["dlq"]: 1})
     p = Producer({"bootstrap.servers": bs, "transactional.id": f"upstream-{topic_names['run']}"})

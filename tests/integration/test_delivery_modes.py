@@ -120,7 +120,8 @@ def test_a_live_zombie_is_fenced_and_readers_still_see_each_id_once(kafka, topic
     create_topics(bs, {topic_names["in"]: 2, topic_names["out"]: 2, topic_names["dlq"]: 1})
     produce_values(bs, topic_names["in"], [(f"z-{i}".encode(), enc({"id": f"z-{i}", "inputs": {"x": i}}))
                                            for i in range(n)])
-    cfg = worker_config(bs, topic_names, model={"name": "synthetic", "options": {"a_ms": 20, "b_ms": 1}},  # ~600/s
+    # ~600/s
+    cfg = worker_config(bs, topic_names, model={"name": "synthetic", "options": {"a_ms": 20, "b_ms": 1}},
                         delivery={"mode": "exactly_once", "transactional_id": f"tx-zombie-{topic_names['run']}"})
     old = WorkerProcess(cfg, tmp_path, name="old").start()
     new = WorkerProcess(cfg, tmp_path, name="new")

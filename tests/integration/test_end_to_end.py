@@ -82,7 +82,8 @@ def test_5000_requests_exactly_once_each_and_offsets_committed(kafka, topic_name
 def test_input_from_a_transactional_producer_is_committed_to_its_end(kafka, topic_names, tmp_path):
     """Each committed transaction leaves a marker after its records, an offset no consume returns. The worker
     commits the consumer's position past it once everything before it is done: committing "last record + 1"
-    left a lag of 1 per partition for good (KEDA never scaled to zero; the HPA read an idle replica as busy)."""
+    left a lag of 1 per partition for good (KEDA never scaled to zero; the HPA read an idle replica as
+    busy)."""
     from confluent_kafka import Producer
 
     bs = kafka.bootstrap

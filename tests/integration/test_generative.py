@@ -1,4 +1,5 @@
-"""A generative model on the real broker: continuous batching, finish reasons, deadlines, bad requests, commits.
+"""A generative model on the real broker: continuous batching, finish reasons, deadlines, bad requests,
+commits.
 
 Parametrised over the model name so that every built-in generative model runs the same checks.
 """

@@ -28,7 +28,8 @@ def test_ledger_skips_ids_already_delivered_ok_and_reprocesses_failed_ones(kafka
     bs, n = kafka.bootstrap, 400
     create_topics(bs, {topic_names["in"]: 2, topic_names["out"]: 2, topic_names["dlq"]: 1})
     produce_values(bs, topic_names["in"], [request(i) for i in range(n)])
-    produce_values(bs, topic_names["in"], [(b"bad", b'{"id": "bad", "inputs": "not a list"}')])  # error result
+    # error result
+    produce_values(bs, topic_names["in"], [(b"bad", b'{"id": "bad", "inputs": "not a list"}')])
     redis = {"url": local_redis.url, "ledger": True, "key_prefix": f"kiw-ledger:{uuid.uuid4().hex[:8]}:"}
 
     def run(group: str, want: int) -> list[dict]:

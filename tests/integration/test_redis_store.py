@@ -231,8 +231,8 @@ def test_hung_server_is_bounded_by_the_socket_timeout(local_redis: LocalRedis) -
         t0 = time.monotonic()
         assert store.get_cached("k") is None
         assert store.incr_attempts("k") == 0
-        # Two timeouts of 0.1 s. Not a performance figure: a bound on blocking (a hung server must not hold the
-        # loop thread), with 10x slack for a busy machine.
+        # Two timeouts of 0.1 s. Not a performance figure: a bound on blocking (a hung server must not hold
+        # the loop thread), with 10x slack for a busy machine.
         assert time.monotonic() - t0 < 2.0
         assert store.breaker.state == "open"
         reached = _count_client_use(store)

@@ -193,14 +193,15 @@ class FakeConsumer:
         self.config = dict(config or {})
         self.logs: dict[TopicPartition, list[FakeMessage]] = defaultdict(list)
         self.positions: dict[TopicPartition, int] = {}
-        # librdkafka's application position: after the last message returned, unknown (OFFSET_INVALID) after an
-        # assign or a seek until a message is returned (what position() answers).
+        # librdkafka's application position: after the last message returned, unknown (OFFSET_INVALID) after
+        # an assign or a seek until a message is returned (what position() answers).
         self.app_positions: dict[TopicPartition, int] = {}
         self.markers: set[tuple[TopicPartition, int]] = set()  # (partition, offset) of transaction markers
         self.committed_offsets: dict[TopicPartition, int] = {}
         self.assignment_set: list[TopicPartition] = []
         self.paused: set[TopicPartition] = set()
-        # High watermarks as of the last fetch (get_watermark_offsets(cached=True)): a paused partition's go stale.
+        # High watermarks as of the last fetch (get_watermark_offsets(cached=True)): a paused partition's go
+        # stale.
         self.fetched_high: dict[TopicPartition, int] = {}
         self.watermark_queries: list[TopicPartition] = []  # cached=False calls (a broker round trip each)
         self.topics: list[str] = []
@@ -254,8 +255,8 @@ class FakeConsumer:
         return log[-1].offset() + 1 if log else 0
 
     def sibling(self) -> FakeConsumer:
-        """Another consumer of the same broker and group: the logs, markers and the group's commits are shared,
-        nothing else (no assignment, no callbacks)."""
+        """Another consumer of the same broker and group: the logs, markers and the group's commits are
+        shared, nothing else (no assignment, no callbacks)."""
         c = FakeConsumer(self.clock)
         c.logs, c.markers, c.committed_offsets = self.logs, self.markers, self.committed_offsets
         return c
@@ -771,7 +772,8 @@ class FakeProducer:
         return self.visible("dlq")
 
 
-# ----------------------------------------------------------------------------------------------- model / device
+# ----------------------------------------------------------------------------------------------- model /
+# device
 class FakeModel:
     """A handler that echoes its inputs (``{"echo": x}``); an input equal to ``"poison"`` fails alone (as
     the engine's bisection isolates it); ``input_type`` is configurable to test validation."""
@@ -928,12 +930,13 @@ class Harness:
             c.config = dict(extra)
             self.consumers.append(c)
             self.consumer = c
-            # A wrapper the runner holds instead (a proxy that times every call, say); ``inner`` is the consumer.
+            # A wrapper the runner holds instead (a proxy that times every call, say); ``inner`` is the
+            # consumer.
             return c if wrap_consumer is None else wrap_consumer(c)
 
         def make_producer(cfg: Any, **extra: Any) -> FakeProducer:
-            # The first call makes the producer, a second one the spare (Harness(spare=True)); later ones replace
-            # a stalled producer (worker.emit), listed in ``replacements``.
+            # The first call makes the producer, a second one the spare (Harness(spare=True)); later ones
+            # replace a stalled producer (worker.emit), listed in ``replacements``.
             if not made:
                 p = self.producer
             elif len(made) == 1 and self.spare is not None:

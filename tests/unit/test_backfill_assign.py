@@ -1,5 +1,5 @@
-"""worker backfill's assignment hook (backfill.on_assign), driven through backfill() on the fakes: the start offsets
-it chooses, and a partition added to an input topic while the backfill runs."""
+"""worker backfill's assignment hook (backfill.on_assign), driven through backfill() on the fakes: the start
+offsets it chooses, and a partition added to an input topic while the backfill runs."""
 from __future__ import annotations
 
 import pytest
@@ -69,9 +69,9 @@ def read_to_end(h: Harness) -> None:
 
 
 def test_a_partition_added_to_the_topic_during_the_backfill_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A partition the end snapshot does not know made on_assign raise KeyError, which Runner._on_assign logged:
-    the chosen start offsets were not applied, and the partitions were not resumed either, so one read to its end
-    (paused) before the rebalance stayed paused in the client, and the backfill never completed."""
+    """A partition the end snapshot does not know made on_assign raise KeyError, which Runner._on_assign
+    logged: the chosen start offsets were not applied, and the partitions were not resumed either, so one read
+    to its end (paused) before the rebalance stayed paused in the client, and the backfill never completed."""
     h = build(monkeypatch)
     read_to_end(h)
     h.c.revoke(("in", 0))

@@ -132,7 +132,8 @@ def test_thread_cpu_names_python_threads_and_counts_their_cpu() -> None:
 
     def spin() -> None:
         # Busy until the test has read its CPU (so the thread's own clock ticks; sleeping would not), whenever
-        # the loaded machine gets round to that: a fixed amount of spinning could end before the first reading.
+        # the loaded machine gets round to that: a fixed amount of spinning could end before the first
+        # reading.
         end = time.monotonic() + 10
         while not done.is_set() and time.monotonic() < end:
             pass

@@ -1,5 +1,5 @@
-"""``worker check-config`` as strict as ``worker run``: factory options, handler classes, every problem at once,
-suggestions for unknown keys, and secrets that exist only where the worker runs."""
+"""``worker check-config`` as strict as ``worker run``: factory options, handler classes, every problem at
+once, suggestions for unknown keys, and secrets that exist only where the worker runs."""
 
 from __future__ import annotations
 

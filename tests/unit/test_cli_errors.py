@@ -209,9 +209,9 @@ def test_a_second_ctrl_c_during_the_model_load_exits_130(tmp_path: Path, monkeyp
 def test_ctrl_c_after_the_model_load_is_a_graceful_stop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                        caplog: pytest.LogCaptureFixture,
                                                        no_log_setup: None) -> None:
-    """Between the model load and the loop (clients being created) the service still treated signals as 'during
-    the load': it logged 'finishing the model load first', and a second Ctrl-C raised KeyboardInterrupt inside
-    the runner's setup, leaving the clients it had created unclosed (exit 130)."""
+    """Between the model load and the loop (clients being created) the service still treated signals as
+    'during the load': it logged 'finishing the model load first', and a second Ctrl-C raised
+    KeyboardInterrupt inside the runner's setup, leaving the clients it had created unclosed (exit 130)."""
     from worker.pipeline.lag import LagReport
 
     def two_ctrl_c(self: object) -> None:  # the runner's first step once its clients are made
@@ -282,6 +282,7 @@ def test_a_ca_file_not_on_this_machine_fails_run_and_is_a_note_in_check_config(
     assert capsys.readouterr().err == (
         f"config error: $.kafka.consumer.ssl.ca.location: no such file on this machine: {tmp_path}/mounted-in-the-pod/"
         "ca.crt (set by WORKER__KAFKA__CONSUMER__SSL_CA_LOCATION)\n")
-    monkeypatch.setenv("WORKER__KAFKA__CONSUMER__SSL_CA_LOCATION", "probe")  # librdkafka's own lookup: checked
+    # librdkafka's own lookup: checked
+    monkeypatch.setenv("WORKER__KAFKA__CONSUMER__SSL_CA_LOCATION", "probe")
     assert main(["check-config", "--config", _config(tmp_path)]) == 0
     assert "note:" not in capsys.readouterr().err

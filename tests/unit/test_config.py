@@ -293,8 +293,8 @@ def test_redis_url_scheme_is_checked(url, ok):
     ("redis://[::1:6379/0", "not a valid URL"),
 ])
 def test_a_redis_url_redis_py_would_reject_is_a_config_error(url, message):
-    """redis-py reads the URL only when the store first connects (the worker's first record), and its ValueError
-    named no key: check-config passed and the worker crashed."""
+    """redis-py reads the URL only when the store first connects (the worker's first record), and its
+    ValueError named no key: check-config passed and the worker crashed."""
     with pytest.raises(ConfigError) as e:
         from_dict({**BASE, "redis": {"url": url}}, environ={})
     assert str(e.value).startswith(f"$.redis.url: {message}")
@@ -330,7 +330,8 @@ def test_max_attempts_1_is_refused_with_redis():
     """With the attempt counters on, 1 dead-letters every record that was on a device when a process stopped."""
     with pytest.raises(ConfigError, match=r"^\$.delivery.max_attempts: must be >= 2 with redis.url set"):
         from_dict({**BASE, "redis": {"url": "redis://redis:6379/0"}, "delivery": {"max_attempts": 1}}, environ={})
-    assert from_dict({**BASE, "delivery": {"max_attempts": 1}}, environ={}).delivery.max_attempts == 1  # no counters
+    # no counters
+    assert from_dict({**BASE, "delivery": {"max_attempts": 1}}, environ={}).delivery.max_attempts == 1
 
 
 def test_a_repeated_key_next_to_a_cyclic_alias_is_still_a_config_error(tmp_path):
@@ -401,8 +402,8 @@ def test_check_config_print_shows_no_resolved_secret(tmp_path):
 
 @pytest.mark.parametrize("lane_key", ["deadline_ms", "max_wait_ms", "weight"])
 def test_an_infinite_number_is_refused_with_its_path(lane_key: str) -> None:
-    """``.inf`` passed the "> 0" checks; a lane deadline of .inf then crashed the adaptive scheduler's fill (an
-    OverflowError at dispatch, exit 1 at every restart)."""
+    """``.inf`` passed the "> 0" checks; a lane deadline of .inf then crashed the adaptive scheduler's fill
+    (an OverflowError at dispatch, exit 1 at every restart)."""
     data = {"kafka": {"input_topics": ["t"]},
             "batching": {"lanes": [{"name": "default", lane_key: float("inf")}]}}
     with pytest.raises(ConfigError, match=rf"\$\.batching\.lanes\[0\]\.{lane_key}: must be a finite number"):
@@ -423,8 +424,10 @@ def test_rejoin_timeout_defaults_to_the_rebalance_timeout_plus_a_session_timeout
 
 
 @pytest.mark.parametrize("data, path", [
-    ({"kafka": {"input_topics": ["in"], "group_id": ""}}, "$.kafka.group_id"),  # librdkafka: C assertion, exit 134
-    ({"kafka": {"input_topics": ["in"], "bootstrap_servers": ""}}, "$.kafka.bootstrap_servers"),  # waits forever
+    # librdkafka: C assertion, exit 134
+    ({"kafka": {"input_topics": ["in"], "group_id": ""}}, "$.kafka.group_id"),
+    # waits forever
+    ({"kafka": {"input_topics": ["in"], "bootstrap_servers": ""}}, "$.kafka.bootstrap_servers"),
     ({"kafka": {"input_topics": ["in", ""]}}, r"$.kafka.input_topics[1]"),
     ({"kafka": {"input_topics": ["in"], "output_topic": ""}}, "$.kafka.output_topic"),
     ({"kafka": {"input_topics": ["in"], "dlq_topic": ""}}, "$.kafka.dlq_topic"),
@@ -459,7 +462,8 @@ def test_a_passthrough_property_that_breaks_the_guarantees_is_refused(kafka, del
 
 
 def test_passthrough_overrides_that_keep_the_guarantees_are_accepted():
-    # at_least_once may read uncommitted input, and trade idempotence for acks=1: duplicates, not loss of commits.
+    # at_least_once may read uncommitted input, and trade idempotence for acks=1: duplicates, not loss of
+    # commits.
     from_dict({"kafka": {"input_topics": ["in"], "consumer": {"isolation.level": "read_uncommitted"},
                          "producer": {"enable.idempotence": False, "acks": 1}}}, environ={})
 

@@ -181,8 +181,9 @@ def test_a_first_replay_starts_at_the_earliest_dead_letter_whatever_auto_offset_
 
 
 def test_a_slow_delivery_that_succeeds_is_progress(capsys: pytest.CaptureFixture[str]) -> None:
-    """The idle timer ran through a flush that took 35 s and succeeded: everything was delivered and committed,
-    and the replay still exited 1 with "nothing read for 30 s with dead letters left on partitions []"."""
+    """The idle timer ran through a flush that took 35 s and succeeded: everything was delivered and
+    committed, and the replay still exited 1 with "nothing read for 30 s with dead letters left on partitions
+    []"."""
     clock = FakeTime(1000.0)
 
     class SlowFlush(OkProducer):

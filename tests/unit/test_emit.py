@@ -465,7 +465,8 @@ def test_a_message_within_librdkafkas_record_overhead_does_not_stop_the_worker()
                  on_failed=lambda r, e: calls.failed.append((r.offset, e)), max_message_bytes=limit)
     r = rec(8, id="r")
     out = "a" * (limit - 10 - len(em.results.encode(r, "ok", "", None, 1, 0.0, 0.0, 10.0, 0.0)) - len(r.key or b""))
-    assert em.emit_ok_many([r], [out], 1, 10.0, 0.0, 10.0, 0.0) == [0]  # declined: the general path handles it
+    # declined: the general path handles it
+    assert em.emit_ok_many([r], [out], 1, 10.0, 0.0, 10.0, 0.0) == [0]
     em.emit(Outcome(r, "ok", output=out, batch_size=1), 10.0, 0.0)  # an error result and a dead letter
     big = Record(tp=TP, offset=9, value=b"x" * (limit - 10), key=None, received_at=10.0)
     em.emit(Outcome(big, "error", error="invalid request", dlq_stage="validate"), 10.0, 0.0)  # bytes dropped
@@ -499,7 +500,8 @@ def test_a_dead_letter_whose_key_headers_or_reason_do_not_fit_is_trimmed_until_i
         em.emit(Outcome(r, "ok", output=1, batch_size=1), 10.0, 0.0)  # no result fits with that key
     [sent] = em.cur.sent
     assert isinstance(sent, Pending)
-    [(_, dl_key, value, dl_headers)] = [m for m in sent.messages if m[0] == "dlq"]  # librdkafka took it (or raises)
+    # librdkafka took it (or raises)
+    [(_, dl_key, value, dl_headers)] = [m for m in sent.messages if m[0] == "dlq"]
     assert value == b"" and (case not in ("big_key", "ok_result_with_a_big_key")
                              or not [m for m in sent.messages if m[0] == "out"])  # no result fits that key
     h = dict(dl_headers)
@@ -528,8 +530,9 @@ TOO_LARGE = KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, "Broker: Message size too 
 
 
 def _refusing(h: Harness, topic: str, over: int) -> None:
-    """The broker refuses messages of ``topic`` whose value is over ``over`` bytes (the topic's max.message.bytes
-    below the producer's message.max.bytes), in the delivery report as librdkafka gives it."""
+    """The broker refuses messages of ``topic`` whose value is over ``over`` bytes (the topic's
+    max.message.bytes below the producer's message.max.bytes), in the delivery report as librdkafka gives
+    it."""
     h.p.fail_if = lambda p: TOO_LARGE if p.topic == topic and len(p.value or b"") > over else None
 
 
@@ -558,13 +561,15 @@ def test_a_result_the_broker_refuses_as_too_large_becomes_an_error_result_and_a_
     # It was re-sent as it was, refused 6 times, and the worker stopped, at every restart.
     h = _big_second_result(monkeypatch)
     assert h.runner.fatal is None and h.committed() == 3
-    assert sum(1 for p in h.p.produced if p.topic == "out" and len(p.value or b"") > 1500) == 1  # not retried as is
+    # not retried as is
+    assert sum(1 for p in h.p.produced if p.topic == "out" and len(p.value or b"") > 1500) == 1
     results = {r["source"]["offset"]: r for r in h.p.results()}
     assert results[1]["status"] == "error" and "refused by the broker" in results[1]["error"]
     assert results[0]["status"] == results[2]["status"] == "ok"
     [dead] = h.p.dead_letters()
     assert dead.header("x-error-stage") == "output" and dead.header("x-source-offset") == "1"
-    assert msgspec.json.decode(dead.value)["inputs"] == 1  # the request itself, to replay once the topic takes it
+    # the request itself, to replay once the topic takes it
+    assert msgspec.json.decode(dead.value)["inputs"] == 1
     assert h.runner.emitter.too_large == {}  # forgotten once delivered
 
 
@@ -574,7 +579,8 @@ def test_a_dead_letter_the_broker_refuses_as_too_large_goes_without_the_original
     _refusing(h, "dlq", 500)
     h.c.assign(("in", 0))
     h.send(1)
-    h.c.append("in", 0, request("bad", "x" * 800, deadline_ms="nope"))  # invalid, id readable: result + dead letter
+    # invalid, id readable: result + dead letter
+    h.c.append("in", 0, request("bad", "x" * 800, deadline_ms="nope"))
     h.send(1)
     h.process()
     _run_until_committed(h, 3)
@@ -603,8 +609,8 @@ def test_exactly_once_a_result_the_broker_refuses_as_too_large_is_redone_as_an_e
 
 
 def test_a_record_whose_dead_letter_was_refused_gets_none_when_it_no_longer_owes_one(clock: FakeTime) -> None:
-    # Exactly-once: a refused dead letter aborts the transaction and the record is processed again. Should it now
-    # come out ok (an inference error that does not come back), it owes no dead letter, and gets none.
+    # Exactly-once: a refused dead letter aborts the transaction and the record is processed again. Should it
+    # now come out ok (an inference error that does not come back), it owes no dead letter, and gets none.
     p, calls = FakeProducer(), Calls()
     em = emitter(p, calls)
     r = rec(5, id="r")
@@ -703,7 +709,8 @@ def test_replacements_with_nothing_delivered_between_them_wait_twice_as_long_eac
     at: list[float] = []
     start = clock.t
     while len(at) < 6:
-        s.turn(clock, 1.0)  # the purged record is re-sent a moment later on the new producer, and stalls again
+        # the purged record is re-sent a moment later on the new producer, and stalls again
+        s.turn(clock, 1.0)
         if s.replaced > len(at):
             at.append(clock.t)
     gaps = [round(b - a) for a, b in zip([start, *at], at, strict=False)]
@@ -745,7 +752,8 @@ def test_no_replacement_without_a_factory_or_with_the_stall_off(clock: FakeTime)
 
 
 def test_once_the_broker_is_back_a_held_producer_gets_the_stall_time_from_then(clock: FakeTime) -> None:
-    """After replacements that delivered nothing (a broker down), the first delivery says the broker is back: a
+    """After replacements that delivered nothing (a broker down), the first delivery says the broker is back:
+    a
     producer held since before then is given stall_s from then to reconnect and deliver, not replaced at once
     for the time it was held while the broker was down."""
     s = Stalled()
@@ -756,7 +764,8 @@ def test_once_the_broker_is_back_a_held_producer_gets_the_stall_time_from_then(c
     ok(s.em, [1], clock.t)  # on b
     while s.replaced == 0:
         s.turn(clock, 1.0)
-    assert round(clock.t - t0) == 30 and s.em.slots[0].producer is s.made[0]  # a replaced; the wait is 60 s now
+    # a replaced; the wait is 60 s now
+    assert round(clock.t - t0) == 30 and s.em.slots[0].producer is s.made[0]
     s.turn(clock, 1.0)  # 0 is re-sent on the new producer (sending moved to its empty slot)...
     s.turn(clock, 0.01)  # ... which delivers it: the broker is back
     assert s.calls.done == [0]

@@ -59,7 +59,8 @@ def test_resolve_dtype_on_cpu() -> None:
 
 def test_bf16_on_a_gpu_older_than_ampere_falls_back_to_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
     """is_bf16_supported() counts emulation (True on a pre-Ampere GPU) and asks about the current device, not
-    the engine's: the documented fp32 fallback never happened. The engine's own device's capability decides."""
+    the engine's: the documented fp32 fallback never happened. The engine's own device's capability
+    decides."""
     caps = {"cuda:0": (7, 5), "cuda:1": (8, 0)}
     asked: list[object] = []
 
@@ -181,8 +182,8 @@ def test_oom_with_a_record_that_does_not_fit_alone() -> None:
     eng.setup()
     out = eng.infer([m.decode(x) for x in (1, 2, 3)])
     assert all(is_oom(e) for e in out)
-    # Every record runs out of memory alone, each after 2 retries: no batch size would help, so the lane's limit
-    # is not left lowered (it used to stay at 1).
+    # Every record runs out of memory alone, each after 2 retries: no batch size would help, so the lane's
+    # limit is not left lowered (it used to stay at 1).
     assert eng.effective_max("default") is None
 
 
@@ -465,8 +466,9 @@ class NegativeIsPoison:
 
 
 def test_a_poison_record_in_the_first_compiled_batch_does_not_switch_compile_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without example inputs the first batch verifies the compiled forward; a record that fails eager too made
-    it fall back to eager for good. Only a batch that eager runs and the compiled forward does not does."""
+    """Without example inputs the first batch verifies the compiled forward; a record that fails eager too
+    made it fall back to eager for good. Only a batch that eager runs and the compiled forward does not
+    does."""
     calls: list[str] = []
 
     def fake_compile(fn: Any, **kw: Any) -> Any:
@@ -554,7 +556,8 @@ class Exits(Fake):
         return super().forward(batch)
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread dies: intended
+# the thread dies: intended
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_pipeline_thread_that_dies_is_reported_in_error() -> None:
     # The runner reads .error every loop turn and stops the worker (tests/unit/test_runner_loop.py): the
     # batches the dead thread held would never reach done().
@@ -580,9 +583,9 @@ def _error_of(w: DeviceWorker) -> BaseException | None:
 
 
 def test_a_take_done_or_swap_that_raises_is_reported_in_error() -> None:
-    # Each may lose a batch that already left the scheduler (its records then stay in flight for good; swap may
-    # also have put one back that then runs twice): the runner must stop (exit 1), not go on with a partition
-    # that never commits again. They were only logged.
+    # Each may lose a batch that already left the scheduler (its records then stay in flight for good; swap
+    # may also have put one back that then runs twice): the runner must stop (exit 1), not go on with a
+    # partition that never commits again. They were only logged.
     def bad_take(timeout: float) -> Batch | None:
         raise RuntimeError("store said no")
 
@@ -856,7 +859,8 @@ def test_a_sticky_device_error_raises_instead_of_dead_lettering_every_record(mon
         eng.infer([4, 5])  # a later batch too: never an exception per record
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread dies: intended
+# the thread dies: intended
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_sticky_device_error_stops_the_device_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     """It used to bisect every later batch to single records and hand each an exception: every record
     dead-lettered and committed, /healthz green. Now the thread dies with DeviceError in ``error`` (the runner
@@ -923,7 +927,8 @@ def test_a_record_that_runs_out_of_memory_for_a_moment_is_retried_not_dead_lette
 
 def test_a_record_too_big_even_alone_does_not_collapse_the_lane_limit() -> None:
     """One oversized record drove its lane's limit to 1, and the lane then took ~400 batches of 64 arrivals
-    (1,777 small forwards) to climb back. The OOM was the record's, not the batch size's: the limit goes back."""
+    (1,777 small forwards) to climb back. The OOM was the record's, not the batch size's: the limit goes
+    back."""
     m = Squeezed()
     limits: list[int] = []
     eng = Engine(m, "cpu", warmup=False, max_batch_sizes={"default": 64}, on_limit=lambda lane, n: limits.append(n))
@@ -1110,9 +1115,10 @@ def test_off_cuda_an_error_that_reads_like_a_cuda_one_is_the_records() -> None:
 
 
 def test_a_prefetched_batch_over_its_lowered_limit_is_not_one_observation_of_the_latency_model() -> None:
-    """A batch taken before an OOM lowered its lane's limit runs in chunks on the device thread. Its timings had
-    no "recovered" mark, and "infer" ran from when it was taken (its wait behind the previous batch included):
-    the runner fed 2 forwards and a wait to the adaptive policy's latency model as one clean batch of 4."""
+    """A batch taken before an OOM lowered its lane's limit runs in chunks on the device thread. Its timings
+    had no "recovered" mark, and "infer" ran from when it was taken (its wait behind the previous batch
+    included): the runner fed 2 forwards and a wait to the adaptive policy's latency model as one clean batch
+    of 4."""
 
     class Slow:
         name = "slow"

@@ -55,7 +55,8 @@ def test_a_valid_request_is_routed_and_decoded(clock: FakeTime) -> None:
 def test_size_limit(clock: FakeTime) -> None:
     it = intake(delivery={"max_input_bytes": 64})
     ok = request("r", {"x": 1})
-    assert intake(delivery={"max_input_bytes": len(ok)}).admit(record(ok), clock.t) is None  # at the limit: fine
+    # at the limit: fine
+    assert intake(delivery={"max_input_bytes": len(ok)}).admit(record(ok), clock.t) is None
     rec = record(request("big", {"x": 1}, meta={"pad": "x" * 100}))
     o = it.admit(rec, clock.t)
     assert o is not None and (o.status, o.dlq_stage) == ("error", "size")
@@ -104,7 +105,8 @@ def test_lane_routing_by_topic_header_and_field(clock: FakeTime) -> None:
     cases = [
         (record(request("a", {"x": 1}), topic="in-hi"), "hi"),  # topic -> lane
         (record(request("b", {"x": 1}, priority="bulk")), "bulk"),  # request field
-        (record(request("c", {"x": 1}, priority="bulk"), headers=[(H_PRIORITY, b"hi")]), "hi"),  # header first
+        # header first
+        (record(request("c", {"x": 1}, priority="bulk"), headers=[(H_PRIORITY, b"hi")]), "hi"),
         (record(request("d", {"x": 1})), "default"),
     ]
     for rec, lane in cases:
@@ -164,7 +166,8 @@ def test_cache_key_is_canonical_and_only_with_the_cache_on(clock: FakeTime) -> N
     assert intake(FakeModel()).admit(off, clock.t) is None and off.cache_key is None
 
 
-# ------------------------------------------------------------------------------------------ through the runner
+# ------------------------------------------------------------------------------------------ through the
+# runner
 def test_rejected_records_go_to_the_dlq_with_their_bytes_and_never_block_the_partition(
         monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = make_config(delivery={"max_input_bytes": 200}, batching=LANES)
@@ -312,9 +315,9 @@ def test_a_deadline_beyond_any_clock_is_a_validation_error(clock: FakeTime, dead
 
 
 def test_meta_nested_as_deep_as_the_decoder_allows_gets_an_error_result(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Admitted (within the decoder's limit), but the result echoes meta one level deeper and cannot be encoded;
-    the error result that replaces it echoed the same meta and raised out of the loop. The deepest meta the
-    worker's decoder takes depends on the call stack: found by trying, from too deep downwards."""
+    """Admitted (within the decoder's limit), but the result echoes meta one level deeper and cannot be
+    encoded; the error result that replaces it echoed the same meta and raised out of the loop. The deepest
+    meta the worker's decoder takes depends on the call stack: found by trying, from too deep downwards."""
     for depth in range(1100, 700, -2):
         h = Harness(monkeypatch).start()
         h.c.assign(("in", 0))

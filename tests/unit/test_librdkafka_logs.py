@@ -82,10 +82,10 @@ def test_levels_follow_librdkafka_and_transient_coordinator_loads_are_info(caplo
 
 
 def test_worker_run_with_minilm_ends_without_third_party_noise(tmp_path: Path) -> None:
-    """``worker run`` with minilm, stopped with SIGTERM: every stderr line is one of the worker's JSON records.
-    (transformers' BERT imports torch._dynamo, which imports triton, whose nanobind extension reports each of
-    its objects still alive at exit: those the runner's gc.freeze() keeps from being collected, unless the CLI
-    unfreezes them.)"""
+    """``worker run`` with minilm, stopped with SIGTERM: every stderr line is one of the worker's JSON
+    records. (transformers' BERT imports torch._dynamo, which imports triton, whose nanobind extension reports
+    each of its objects still alive at exit: those the runner's gc.freeze() keeps from being collected, unless
+    the CLI unfreezes them.)"""
     cfg = tmp_path / "worker.yaml"
     cfg.write_text(textwrap.dedent("""\
         kafka: {input_topics: [in], bootstrap_servers: "127.0.0.1:1"}

@@ -73,8 +73,8 @@ def test_tiny_is_deterministic_and_validates_dim() -> None:
 
 
 def test_tiny_refuses_inputs_that_are_not_finite_in_float32() -> None:
-    """NaN or inf (msgpack carries them) or 1e39 (inf as a float32) ran and came back as [null, null, null, null]
-    in an ok result; each is a decode error of its record now."""
+    """NaN or inf (msgpack carries them) or 1e39 (inf as a float32) ran and came back as [null, null, null,
+    null] in an ok result; each is a decode error of its record now."""
     import math
 
     m: Any = load_model(ModelConfig(name="tiny"))
@@ -190,7 +190,8 @@ def test_a_list_output_is_one_output_per_record_not_heads() -> None:
     det = TensorModel(PerRecordList(dicts=True), name="det")
     assert run(det, [[1, 2, 3, 4], [5, 6, 7, 8]]) == [
         {"boxes": [[1.0, 2.0], [3.0, 4.0]], "score": 10.0}, {"boxes": [[5.0, 6.0], [7.0, 8.0]], "score": 26.0}]
-    # Heads go in a tuple or dict, as documented; a list of another length than the batch is refused, naming that.
+    # Heads go in a tuple or dict, as documented; a list of another length than the batch is refused, naming
+    # that.
     assert split_rows((torch.zeros(3, 2), torch.ones(3)), 3)[1] == [[0.0, 0.0], 1.0]
     with pytest.raises(OutputCountError, match="list of 2 for a batch of 3.*tuple"):
         split_rows([torch.zeros(3, 2), torch.ones(3)], 3)

@@ -98,8 +98,8 @@ def test_recommend_and_percentile() -> None:
 
 
 def test_the_gpu_check_of_the_profile_curve_fails_when_no_size_ran(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """tests/gpu/gpu_check.py passed profile_curve whenever `worker profile` exited 0, which it does when every
-    batch size failed too (recommending none)."""
+    """tests/gpu/gpu_check.py passed profile_curve whenever `worker profile` exited 0, which it does when
+    every batch size failed too (recommending none)."""
     from tests.gpu import gpu_check
 
     def fake_run(rows: list[dict[str, object]], recommended: int | None) -> None:
@@ -119,7 +119,8 @@ def test_the_gpu_check_of_the_profile_curve_fails_when_no_size_ran(tmp_path: Pat
         ([ok(1), ok(4), {"batch_size": 16, "p99_ms": None, "status": "error: ValueError('x')"}], 4, "batch 16"),
         ([ok(1), ok(4, 70.0)], 4, "p99 70.0 ms over 50"),
         ([], None, "no rows"),
-        ([ok(1), ok(4), {"batch_size": 16, "p99_ms": None, "status": "oom"}], 4, None),  # a small device's largest
+        # a small device's largest
+        ([ok(1), ok(4), {"batch_size": 16, "p99_ms": None, "status": "oom"}], 4, None),
     ]
     for rows, rec, wrong in cases:
         fake_run(rows, rec)

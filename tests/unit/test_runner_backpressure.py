@@ -137,4 +137,5 @@ def test_a_resumed_partition_is_sought_to_its_own_position_to_wake_the_fetcher(
         h.device.run_all()
     h.iterate()
     ids = h.result_ids()
-    assert sorted(ids) == sorted(f"in-0-{i}" for i in range(14))  # each once: nothing skipped, nothing re-read
+    # each once: nothing skipped, nothing re-read
+    assert sorted(ids) == sorted(f"in-0-{i}" for i in range(14))

@@ -411,9 +411,9 @@ def test_results_that_cannot_be_written_are_counted_as_errors_and_dead_letters(m
 
 
 def test_records_at_offsets_the_position_moved_back_to_are_processed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """librdkafka may move the position back without a rebalance (log truncation after an unclean leader election,
-    a topic deleted and recreated): the records at those offsets are new data. A guard meant for exactly-once
-    rewinds skipped them in at-least-once mode too, and the commit passed them."""
+    """librdkafka may move the position back without a rebalance (log truncation after an unclean leader
+    election, a topic deleted and recreated): the records at those offsets are new data. A guard meant for
+    exactly-once rewinds skipped them in at-least-once mode too, and the commit passed them."""
     h = Harness(monkeypatch).start()
     h.c.assign(("in", 0))
     h.send(5)

@@ -301,10 +301,11 @@ def test_a_checkpoint_whose_results_are_not_all_delivered_aborts(monkeypatch: py
     check_transactions(h)
 
 
-# ------------------------------------------------------------------ a delivery that fails inside a transaction
+# ------------------------------------------------------------------ a delivery that fails inside a
+# transaction
 def test_a_failed_delivery_aborts_the_transaction_and_the_records_are_redone(monkeypatch: pytest.MonkeyPatch) -> None:
-    """librdkafka puts a transaction with a failed delivery in an abortable state: a retry inside it is refused
-    (the worker used to exit 1 on it). It aborts and reads again from the last commit instead."""
+    """librdkafka puts a transaction with a failed delivery in an abortable state: a retry inside it is
+    refused (the worker used to exit 1 on it). It aborts and reads again from the last commit instead."""
     h = eos(monkeypatch)
     h.c.assign(("in", 0))
     h.send(3)
@@ -336,7 +337,8 @@ def test_a_delivery_that_fails_every_time_ends_the_worker_after_a_few_aborts(mon
     assert all(src(p) < (0, 1) for p in h.p.visible("out")) and (h.committed() or 0) <= 1
 
 
-# ------------------------------------------------------------------ revoke under load, rewind failure (review)
+# ------------------------------------------------------------------ revoke under load, rewind failure
+# (review)
 def _steady_load(h: Harness) -> None:
     """Other partitions' results keep arriving: every poll produces one more message and the broker
     acknowledges all but the newest, so the producer never drains; a flush (nothing new meanwhile) does."""
@@ -443,5 +445,6 @@ def test_a_refused_dead_letter_aborts_the_open_transaction(monkeypatch: pytest.M
     assert h.run() == 1
     assert "dlq" in (h.runner.fatal or "")
     assert h.p.aborted_txns and not h.p.committed_txns
-    assert h.p.visible("out") == [] and h.committed() is None  # all of it is processed again after the restart
+    # all of it is processed again after the restart
+    assert h.p.visible("out") == [] and h.committed() is None
     check_transactions(h)

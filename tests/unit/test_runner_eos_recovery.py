@@ -1,6 +1,7 @@
-"""Runner, exactly-once recovery (worker/transactions.py): what an abort rewinds to and forgets, a rewind served
-inside consume(), librdkafka's abortable state (produce refused with _STATE after a timed-out message), and a
-commit_transaction that times out (abort and begin refused with _CONFLICT until the commit is called again)."""
+"""Runner, exactly-once recovery (worker/transactions.py): what an abort rewinds to and forgets, a rewind
+served inside consume(), librdkafka's abortable state (produce refused with _STATE after a timed-out message),
+and a commit_transaction that times out (abort and begin refused with _CONFLICT until the commit is called
+again)."""
 
 from __future__ import annotations
 
@@ -184,8 +185,8 @@ def test_a_commit_that_times_out_is_called_again(monkeypatch: pytest.MonkeyPatch
 
 
 def test_a_commit_that_keeps_timing_out_stops_the_worker_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
-    """abort_transaction and begin_transaction are refused (_CONFLICT) while the commit goes on: the abort only
-    logged, and the begin's KafkaException escaped the loop turn (a traceback crash)."""
+    """abort_transaction and begin_transaction are refused (_CONFLICT) while the commit goes on: the abort
+    only logged, and the begin's KafkaException escaped the loop turn (a traceback crash)."""
     h = Harness(monkeypatch, make_config(delivery=EOS)).start()
     h.c.assign(("in", 0))
     h.send(3)
@@ -234,4 +235,5 @@ def test_past_the_shutdown_deadline_a_commit_that_times_out_is_not_called_again(
     h.runner.mode.stopping(Deadline(4.0, h.clock))  # what the shutdown drain sets
     h.commit()
     assert timeouts == [4.0]  # not 30, and not called again once past the deadline
-    assert "could not be aborted" in (h.runner.fatal or "")  # exit 1: the next process starts from the commits
+    # exit 1: the next process starts from the commits
+    assert "could not be aborted" in (h.runner.fatal or "")

@@ -1,6 +1,7 @@
-"""A producer that keeps results undelivered (librdkafka#5430: a partition left without a leader after a broker
-pause) is replaced by the runner's emitter: what it held is sent again on a new producer, the records commit
-once that delivers, the replacement is counted, and the shutdown flushes the producers the emitter uses now."""
+"""A producer that keeps results undelivered (librdkafka#5430: a partition left without a leader after a
+broker pause) is replaced by the runner's emitter: what it held is sent again on a new producer, the records
+commit once that delivers, the replacement is counted, and the shutdown flushes the producers the emitter uses
+now."""
 
 from __future__ import annotations
 

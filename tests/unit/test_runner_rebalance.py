@@ -269,8 +269,8 @@ def test_a_released_partitions_lag_series_is_removed(monkeypatch: pytest.MonkeyP
 
 
 def test_a_refused_message_inside_a_revoke_stops_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Serving results inside the revoke callback can raise FatalDeliveryError (the producer refuses a message);
-    # the callback logged it and the worker went on, where a loop turn would have stopped it.
+    # Serving results inside the revoke callback can raise FatalDeliveryError (the producer refuses a
+    # message); the callback logged it and the worker went on, where a loop turn would have stopped it.
     from worker.emit import FatalDeliveryError
 
     h = Harness(monkeypatch).start()
@@ -300,9 +300,9 @@ def process_all(h: Harness, turns: int = 6) -> None:
 
 
 def test_a_partition_paused_when_revoked_is_read_again_when_assigned_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    """librdkafka keeps a partition's pause through a revoke and a new assign. Paused under backpressure when a
-    rebalance took it, the partition came back paused, while the runner had forgotten that pause: this worker
-    never read it again (scale-out under load, then scale-in)."""
+    """librdkafka keeps a partition's pause through a revoke and a new assign. Paused under backpressure when
+    a rebalance took it, the partition came back paused, while the runner had forgotten that pause: this
+    worker never read it again (scale-out under load, then scale-in)."""
     h = Harness(monkeypatch, make_config(batching={"max_in_flight": 4, "resume_ratio": 0.5})).start()
     h.c.assign(("in", 0))
     h.send(6)
@@ -333,8 +333,9 @@ def test_backfill_partition_read_to_its_end_then_revoked_is_read_again_from_its_
 
 
 def test_an_assign_hook_that_raises_still_leaves_the_partitions_resumed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The start-offsets hook (backfill's) raised once for a partition it did not know; the pause or resume that
-    follows it was skipped, and a partition paused when it was revoked stayed paused in the client for good."""
+    """The start-offsets hook (backfill's) raised once for a partition it did not know; the pause or resume
+    that follows it was skipped, and a partition paused when it was revoked stayed paused in the client for
+    good."""
     def hook(consumer: object, partitions: list[object]) -> None:
         raise KeyError("in[1]")
 
@@ -353,8 +354,10 @@ def test_an_assign_hook_that_raises_still_leaves_the_partitions_resumed(monkeypa
 
 # ---------------------------------------------------------------------------- a lost partition comes back
 def lose_delivered(h: Harness, delivered: int, held: int = 0) -> None:
-    """in/0: record 0 processed and committed; then ``delivered`` more processed and delivered (not committed),
-    then ``held`` more processed whose results the broker has not acknowledged yet; then the partition is lost."""
+    """in/0: record 0 processed and committed; then ``delivered`` more processed and delivered (not
+    committed), then ``held`` more processed whose results the broker has not acknowledged yet; then the
+    partition is
+    lost."""
     h.c.assign(("in", 0))
     h.send(1)
     h.process()

@@ -1,6 +1,7 @@
-"""A consumer out of its group longer than ``kafka.rejoin_timeout_ms`` is replaced (worker/core/membership.py):
-a new consumer subscribes, the old one closes on a thread of its own and nothing it serves while closing
-reaches the runner, and the new member goes on from the group's commits with nothing lost."""
+"""A consumer out of its group longer than ``kafka.rejoin_timeout_ms`` is replaced
+(worker/core/membership.py): a new consumer subscribes, the old one closes on a thread of its own and nothing
+it serves while closing reaches the runner, and the new member goes on from the group's commits with nothing
+lost."""
 
 from __future__ import annotations
 

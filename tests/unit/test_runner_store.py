@@ -95,7 +95,8 @@ class _IncrReplyLost(MemoryStore):
         return [0] * len(list(attempt_keys))
 
 
-# With the reply lost, the count used to stay until attempts_ttl_s: a later crash counted one attempt too many.
+# With the reply lost, the count used to stay until attempts_ttl_s: a later crash counted one attempt too
+# many.
 @pytest.mark.parametrize("store_type", [MemoryStore, _IncrReplyLost])
 def test_attempts_are_counted_at_dispatch_and_cleared_after_delivery(monkeypatch: pytest.MonkeyPatch,
                                                                      store_type: type[MemoryStore]) -> None:
@@ -299,7 +300,8 @@ def test_models_with_the_same_name_and_version_do_not_share_cached_results(monke
         return h
 
     assert run(options={"path": "/models/team-a/current"}).model.calls == 1
-    assert run(options={"path": "/models/team-a/current"}).runner.stats.cache_hits == 1  # the same model: a hit
+    # the same model: a hit
+    assert run(options={"path": "/models/team-a/current"}).runner.stats.cache_hits == 1
     for model in ({"options": {"path": "/models/team-b/current"}}, {"options": {"path": "/models/team-a/current"},
                                                                     "dtype": "fp16"}):
         h = run(**model)
@@ -363,7 +365,8 @@ def test_a_preempted_batch_goes_back_and_its_records_are_not_counted_twice(monke
     assert store.get_attempts_many(lo_keys) == [1, 1]
     h.send(1, topic="in-hi")
     h.iterate()
-    assert h.runner.dispatch.swap(prefetched) is None  # its window is still open: it goes after the prefetched batch
+    # its window is still open: it goes after the prefetched batch
+    assert h.runner.dispatch.swap(prefetched) is None
     h.clock.advance(1.0)  # past max_wait: the high lane's batch is closed
     # Just before the device starts the prefetched batch, the high lane's batch goes first.
     urgent = h.runner.dispatch.swap(prefetched)

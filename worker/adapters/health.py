@@ -128,9 +128,9 @@ class HealthServer:
 
 
 class _Server6(ThreadingHTTPServer):
-    """An IPv6 address (``::``, ``::1``...): ThreadingHTTPServer is IPv4 only, and ``metrics.host: "::"`` made the
-    worker exit at start. ``::`` also takes IPv4 (dual stack, where the kernel allows it): the kubelet probes the
-    pod on whichever family its IP is."""
+    """An IPv6 address (``::``, ``::1``...): ThreadingHTTPServer is IPv4 only, and ``metrics.host: "::"`` made
+    the worker exit at start. ``::`` also takes IPv4 (dual stack, where the kernel allows it): the kubelet
+    probes the pod on whichever family its IP is."""
 
     address_family = socket.AF_INET6
 

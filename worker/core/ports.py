@@ -50,8 +50,9 @@ class Model(Protocol):
     is safe).
 
     Handlers need not be thread-safe: ``forward``, ``collate`` and ``split`` each never run on two threads at
-    once (recovery re-runs them on other threads). ``collate`` of one batch and ``split`` of another may run at
-    the same time: a handler that uses one non-thread-safe object (a tokenizer) in both must lock it itself.
+    once (recovery re-runs them on other threads). ``collate`` of one batch and ``split`` of another may run
+    at the same time: a handler that uses one non-thread-safe object (a tokenizer) in both must lock it
+    itself.
     """
 
     # Read-only properties, so a handler may declare them as class attributes or instance attributes.

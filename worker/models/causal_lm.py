@@ -1,12 +1,13 @@
-"""``causal-lm``: any Hugging Face causal LM folder as a ``StepModel`` (per-sequence KV caches, batched decode).
+"""``causal-lm``: any Hugging Face causal LM folder as a ``StepModel`` (per-sequence KV caches, batched
+decode).
 
 ``HFStepModel`` keeps every started sequence's KV cache in a *block*: the caches of a few sequences, one
 row each, left-padded to the longest (an attention mask hides the padding; position ids count each row's
 own tokens). ``step(ids)`` runs the prompts of the new sequences in one forward (their prefill, a new
-block) and then one batched decode forward over the others. When the set of decoding sequences is the one the previous step decoded, their
-block is used as it is; when sequences join or leave, the blocks involved are cut and joined into one
-(one copy of those caches). A released sequence's row is dropped at the next such rebuild, or at once
-when nothing else lives in its block.
+block) and then one batched decode forward over the others. When the set of decoding sequences is the one the
+previous step decoded, their block is used as it is; when sequences join or leave, the blocks involved are cut
+and joined into one (one copy of those caches). A released sequence's row is dropped at the next such rebuild,
+or at once when nothing else lives in its block.
 
 Sampling runs per sequence: greedy (argmax) at temperature 0; otherwise temperature and top-p on the CPU
 with the sequence's own ``torch.Generator``, seeded by ``GenParams.seed`` or else the sequence id, so a

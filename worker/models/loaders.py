@@ -53,10 +53,11 @@ def is_handler(obj: Any) -> bool:
 
 
 def _import_module(mod_name: str) -> Any:
-    """The module, or a ConfigError naming $.model.name. A module that is not found is looked for once more with
-    the working folder on sys.path: a model module next to the config is a common layout, and the console script
-    does not put the working folder there. A module that is there but broken (a syntax error, an exception at
-    import) is the user's code: named with the key that points at it, not a traceback through importlib."""
+    """The module, or a ConfigError naming $.model.name. A module that is not found is looked for once more
+    with the working folder on sys.path: a model module next to the config is a common layout, and the console
+    script does not put the working folder there. A module that is there but broken (a syntax error, an
+    exception at import) is the user's code: named with the key that points at it, not a traceback through
+    importlib."""
     while True:
         try:
             return importlib.import_module(mod_name)

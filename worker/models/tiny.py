@@ -15,7 +15,8 @@ _F32_MAX = 3.4028234663852886e38  # the largest finite float32
 
 
 class TinyOptions(Options):
-    hidden: Annotated[int, msgspec.Meta(ge=1, le=65_536)] = 64  # 0 divided by zero, a negative one raised in torch
+    # 0 divided by zero, a negative one raised in torch
+    hidden: Annotated[int, msgspec.Meta(ge=1, le=65_536)] = 64
     seed: int = 0
 
 
