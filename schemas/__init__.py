@@ -72,8 +72,9 @@ _TENSOR_SCHEMA = {
 }
 Outputs = Annotated[Any, msgspec.Meta(
     description="What the model returned for the request. With delivery.outputs_encoding: float32 a numeric "
-                "output (a list of floats, nested lists of floats of one shape, an array) is a Float32Tensor; "
-                "every other output (a dict of labels, strings, ints, bools, mixed lists) is as returned.",
+                "output (a list of floats, nested lists of floats of one shape, an array) is a "
+                "Float32Tensor; every other output (a dict of labels, strings, ints, bools, mixed lists) is "
+                "as returned.",
     extra_json_schema={"anyOf": [_TENSOR_SCHEMA, {}]})]
 
 

@@ -186,8 +186,8 @@ def backfill(cfg: Config, from_beginning: bool = False, from_timestamp: int | No
     if rc == 0 and short:
         # Stopped (SIGTERM/SIGINT) before the end: not a success, or a Job would count it done and never
         # resume.
-        print(f"backfill: stopped before the end of {len(short)} of {len(end)} partitions; run it again to go on "
-              "from the committed offsets", flush=True)
+        print(f"backfill: stopped before the end of {len(short)} of {len(end)} partitions; run it again to "
+              "go on from the committed offsets", flush=True)
         rc = 1
     reporter.join(2)
     # Offsets so far; a transactional producer's commit markers take offsets too (one per transaction and

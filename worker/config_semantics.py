@@ -20,8 +20,8 @@ _FALSE = ("false", "f", "0")
 # clients' value and not others' (or be overridden itself) without a word.
 _OWNED = {
     ("consumer", "group.id"): (
-        "set kafka.group_id instead: each client's group is derived from it (worker run ignored this one, while "
-        "backfill's snapshot read the live group's commits with it)"),
+        "set kafka.group_id instead: each client's group is derived from it (worker run ignored this one, "
+        "while backfill's snapshot read the live group's commits with it)"),
     ("producer", "transactional.id"): (
         "set delivery.transactional_id (with delivery.mode: exactly_once) instead: a transactional producer "
         "refuses every record sent outside a transaction, which at_least_once does (exactly_once ignored it)"),
@@ -150,7 +150,8 @@ def redis_url_problem(url: str, tls: bool = False) -> str | None:
     scheme = url.partition("://")[0] if "://" in url else ""
     if scheme not in ("redis", "rediss", "unix"):
         got = f"{scheme!r}://" if scheme else "no scheme"
-        return f"expected redis://, rediss:// or unix:// (redis://host:port/db, rediss://... for TLS, unix:///path), got {got}"
+        return ("expected redis://, rediss:// or unix:// (redis://host:port/db, rediss://... for TLS, "
+                f"unix:///path), got {got}")
     quote = "@" not in url  # only then may parts of the URL be shown
     try:
         parts = urlsplit(url)

@@ -126,8 +126,8 @@ def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_
             if len(done_parts) < len(parts) and clock.monotonic() - last_activity > timeout_s:
                 # Broker or partition leader gone, or every read failing: not "done", whatever was replayed.
                 left = sorted(set(parts) - done_parts)
-                print(f"dlq replay: nothing read for {timeout_s:.0f} s with dead letters left on partitions {left}; "
-                      f"replayed {replayed} (committed); run it again to go on")
+                print(f"dlq replay: nothing read for {timeout_s:.0f} s with dead letters left on partitions "
+                      f"{left}; replayed {replayed} (committed); run it again to go on")
                 return 1
     finally:
         if gave_up:

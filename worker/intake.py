@@ -116,7 +116,8 @@ class Intake:
             return Outcome(rec, "error", error="empty record value (tombstone)", dlq_stage="decode")
         if len(value) > self.max_bytes:
             return Outcome(rec, "error", dlq_stage="size",
-                           error=f"record value is {len(value)} bytes, over delivery.max_input_bytes={self.max_bytes}")
+                           error=f"record value is {len(value)} bytes, over "
+                                 f"delivery.max_input_bytes={self.max_bytes}")
         try:
             req = self.decoder.decode(value)
         except msgspec.ValidationError as e:

@@ -51,7 +51,8 @@ def parse_lanes(spec: str | None) -> list[tuple[str, float]]:
         name = name.strip()
         if not name:
             # (a trailing comma used to add a lane named "" that took a share of the traffic)
-            raise ValueError(f"--lanes: a lane without a name in {spec!r}; expected NAME=FRACTION, e.g. high=0.1,low=0.9")
+            raise ValueError(f"--lanes: a lane without a name in {spec!r}; expected NAME=FRACTION, e.g. "
+                             "high=0.1,low=0.9")
         try:
             value = float(share) if share else 1.0
         except ValueError:
@@ -136,8 +137,8 @@ def produce(bootstrap: str, topic: str, items: Iterator[tuple[bytes, bytes]], ra
     if failed:
         raise RuntimeError(f"{len(failed)} records failed to deliver, first: {failed[0]}")
     if undelivered:
-        raise RuntimeError(f"{undelivered} records still undelivered {FLUSH_TIMEOUT_S:.0f} s after the last was "
-                           f"produced ({delivered} delivered)")
+        raise RuntimeError(f"{undelivered} records still undelivered {FLUSH_TIMEOUT_S:.0f} s after the last "
+                           f"was produced ({delivered} delivered)")
     return delivered
 
 

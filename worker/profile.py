@@ -39,8 +39,8 @@ class Row:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny",
-                        help="built-in (tiny, minilm, synthetic, identity), package.module:factory, or a model file "
-                        "(default tiny)")
+                        help="built-in (tiny, minilm, synthetic, identity), package.module:factory, or a "
+                        "model file (default tiny)")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="model option (repeatable); values are YAML scalars, e.g. --option a_ms=2")
     parser.add_argument("--batch-sizes", default=DEFAULT_SIZES, help=f"comma-separated (default {DEFAULT_SIZES})")
@@ -54,8 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=20, help="timed batches per size (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed batches per size (default 3)")
     parser.add_argument("--threads", type=int, default=None, help=(
-        "torch intra-op threads (default: $WORKER_TORCH_THREADS, else $OMP_NUM_THREADS, else all CPUs but one "
-        "on a CPU device)"))
+        "torch intra-op threads (default: $WORKER_TORCH_THREADS, else $OMP_NUM_THREADS, else all CPUs but "
+        "one on a CPU device)"))
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw throughput and latency vs batch size")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the rows and the recommendation as JSON")
 
@@ -332,7 +332,8 @@ def run(args: argparse.Namespace) -> int:
     if best is None:
         fastest = min((r for r in rows if r.status == "ok"), key=lambda r: r.p99_ms, default=None)
         if fastest is None:  # not one size ran (out of memory, or the model failed): nothing to recommend
-            print("recommended max_batch_size: none; no batch size ran (see the status column); try smaller ones",
+            print("recommended max_batch_size: none; no batch size ran (see the status column); try smaller "
+                  "ones",
                   file=out)
         else:
             hint = f"; the lowest p99 is {fastest.p99_ms:.2f} ms at batch {fastest.batch_size}"

@@ -178,8 +178,8 @@ class Supervisor:
             slot.exits.popleft()
         if len(slot.exits) >= self.policy.max_exits:
             self._give_up(f"child {slot.index} exited {len(slot.exits)} times within "
-                          f"{self.policy.exit_window_s:.0f} s (last: {describe_exit(rc)} after {ran:.1f} s): it is "
-                          "crash-looping; see its log lines above", now, rc=1)
+                          f"{self.policy.exit_window_s:.0f} s (last: {describe_exit(rc)} after {ran:.1f} s): "
+                          "it is crash-looping; see its log lines above", now, rc=1)
             return
         delay = self.policy.delay(slot.streak)
         slot.restart_at = now + delay
@@ -238,8 +238,8 @@ def check_ports(cfg: Config, processes: int, metrics_port: int | None) -> None:
     port = cfg.metrics.port if metrics_port is None else metrics_port
     if cfg.metrics.enabled and port and port + processes - 1 > 65535:
         source = "--metrics-port" if metrics_port is not None else "$.metrics.port"
-        raise ConfigError(f"{source}: {processes} processes serve metrics on ports {port}..{port + processes - 1},"
-                          " past 65535; choose a lower port")
+        raise ConfigError(f"{source}: {processes} processes serve metrics on ports "
+                          f"{port}..{port + processes - 1}, past 65535; choose a lower port")
 
 
 def _die_with_parent(parent: int) -> Callable[[], None]:

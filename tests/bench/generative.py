@@ -224,7 +224,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
     run_static(paced_s)
     lat_s = mean([(r.done or 0.0) - r.at for r in paced_s])
     res["latency"] = {"rate_rps": rate, "continuous_mean_s": lat_c, "static_mean_s": lat_s}
-    log(f"generative: at {rate:.1f}/s mean latency continuous {lat_c * 1000:.0f} ms, static {lat_s * 1000:.0f} ms")
+    log(f"generative: at {rate:.1f}/s mean latency continuous {lat_c * 1000:.0f} ms, static "
+        f"{lat_s * 1000:.0f} ms")
     rows.append(row("28 generative latency", "continuous batching, mean latency", lat_c * 1000,
                     "static batching", lat_s * 1000, "<=", 0.6, "ms",
                     f"Poisson arrivals at {rate:.1f}/s (70% of static's saturated rate)"))

@@ -144,7 +144,8 @@ def _drive(ctx: Ctx, tag: str, high_wait_ms: float, loads: tuple[int, ...], dura
             total += len(p.sent)
             if load < 100:
                 wait_count(ctx.bootstrap, out, total, timeout=120, alive=w.alive)
-            log(f"  {load}%: sent {len(p.sent)} at {rate:.0f}/s (producer behind by {p.behind_s * 1000:.0f} ms max)")
+            log(f"  {load}%: sent {len(p.sent)} at {rate:.0f}/s (producer behind by {p.behind_s * 1000:.0f} "
+                "ms max)")
         time.sleep(1.0)
     finally:
         w.stop(timeout=20)
@@ -197,9 +198,9 @@ def _step(load: int, p: Any, rows: list[tuple[int, dict[str, Any]]], warm: float
         step["low_share"] = n_low / max(len(in_win), 1)
         step["low_min_share"] = W_LOW / (W_LOW + W_HIGH)
     a = step["all"]
-    log(f"  {load}%: p50 {a['p50_ms']:.1f} / p99 {a['p99_ms']:.1f} ms (high p99 {step['high']['p99_ms']:.1f}, "
-        f"low p99 {step['low']['p99_ms']:.1f}); ideal work-conserving p99 {step['ideal_wc_p99_ms']:.1f} ms; "
-        f"mean batch {a['mean_batch']:.1f}")
+    log(f"  {load}%: p50 {a['p50_ms']:.1f} / p99 {a['p99_ms']:.1f} ms (high p99 "
+        f"{step['high']['p99_ms']:.1f}, low p99 {step['low']['p99_ms']:.1f}); ideal work-conserving p99 "
+        f"{step['ideal_wc_p99_ms']:.1f} ms; mean batch {a['mean_batch']:.1f}")
     return step
 
 
@@ -265,9 +266,10 @@ def run(ctx: Ctx) -> dict[str, Any]:
         row("3 fairness under 2x overload", "low-lane share of served records, high lane 10% of traffic",
             s200.get("low_share", float("nan")),
             f"configured minimum w_low/(w_low+w_high) = {W_LOW / (W_LOW + W_HIGH):.2f}", W_LOW / (W_LOW + W_HIGH),
-            ">=", 1.0, "", "issue 3's case; the high lane offers less than its share, so the minimum is not at stake"),
-        row("3 fairness under 2x overload", f"low-lane share of served records, high lane {HEAVY_HIGH_SHARE:.0%} "
-            "of traffic", heavy.get("low_share", float("nan")),
+            ">=", 1.0, "", "issue 3's case; the high lane offers less than its share, so the minimum is not "
+                           "at stake"),
+        row("3 fairness under 2x overload", "low-lane share of served records, high lane "
+            f"{HEAVY_HIGH_SHARE:.0%} of traffic", heavy.get("low_share", float("nan")),
             f"guaranteed minimum: w_low/(w_low+w_high) = {W_LOW / (W_LOW + W_HIGH):.2f} less 4 batches of lag",
             heavy_min, ">=", 1.0, "", f"the high lane alone offers {2 * HEAVY_HIGH_SHARE:.1f}x capacity; "
             f"{heavy.get('window_results', 0)} records served in the window, "

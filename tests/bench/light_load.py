@@ -35,7 +35,8 @@ from worker.runner import Runner
 def pct(values: list[float]) -> str:
     # (interpolated, as every other figure of the bench: v[int(0.99 * n)] was one rank high, the maximum at
     # n=100)
-    return f"p50 {percentile(values, 50):6.1f} p90 {percentile(values, 90):6.1f} p99 {percentile(values, 99):6.1f}"
+    return (f"p50 {percentile(values, 50):6.1f} p90 {percentile(values, 90):6.1f} p99 "
+            f"{percentile(values, 99):6.1f}")
 
 
 def main() -> int:

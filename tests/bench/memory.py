@@ -127,9 +127,10 @@ def run(ctx: Ctx) -> dict[str, Any]:
         "timeline": [{"t": round(t - t_load, 2), **v} for t, v in s.samples if "rss_kb" in v],
         "load_from_s": 0.0, "load_to_s": round(t_end - t_load, 2)}
     summarize(res)
-    log(f"  RSS idle {res['idle_rss_mb']:.0f} MB, max {res['max_rss_mb']:.0f} MB, bound {res['bound_mb']:.0f} MB; "
-        f"median RSS middle third {res['rss_mid_third_mb']:.1f} MB -> last third {res['rss_last_third_mb']:.1f} MB; "
-        f"in flight max {res['max_in_flight_seen']:.0f}; served {res['served_per_s']:.0f}/s")
+    log(f"  RSS idle {res['idle_rss_mb']:.0f} MB, max {res['max_rss_mb']:.0f} MB, bound "
+        f"{res['bound_mb']:.0f} MB; median RSS middle third {res['rss_mid_third_mb']:.1f} MB -> last third "
+        f"{res['rss_last_third_mb']:.1f} MB; in flight max {res['max_in_flight_seen']:.0f}; served "
+        f"{res['served_per_s']:.0f}/s")
     return res
 
 
@@ -175,8 +176,8 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
             "MB", ""),
         row("7.6 memory at 10x overload", "RSS growth, middle -> last third (10th and 90th percentiles), MB", max(growth_mb, 0.0),
             "plateau: 1% of max RSS", allowance, "<=", 1.0, "MB",
-            f"medians {median_growth_mb:+.1f} MB; least-squares slope over the second half {slope:+.1f} MB/min "
-            "(both swing with the two RSS levels)"),
+            f"medians {median_growth_mb:+.1f} MB; least-squares slope over the second half {slope:+.1f} "
+            "MB/min (both swing with the two RSS levels)"),
     ]
     return res
 

@@ -186,8 +186,8 @@ def main() -> int:
     ap.add_argument("--high-wait-ms", default="5,10,20,30,50", help="high-lane max_wait_ms values to compare")
     ap.add_argument("--fill", action="store_true", help="the high lane with fill_with_lower: true")
     ap.add_argument("--high-max-batch", type=int, default=MAX_B,
-                    help=f"the high lane's max_batch_size (default {MAX_B}, the low lane's): with --fill it bounds "
-                         "how long a filled high batch takes")
+                    help=f"the high lane's max_batch_size (default {MAX_B}, the low lane's): with --fill it "
+                         "bounds how long a filled high batch takes")
     ap.add_argument("--seconds", type=float, default=60.0, help="simulated seconds per value (default 60)")
     ap.add_argument("--fill-efficiency", default=None, metavar="E[,E...]",
                     help="instead: the filled high lane's fill_efficiency values (e.g. 1,0.97,0.9) against "

@@ -40,12 +40,14 @@ def main() -> int:
                          "(producer.poll is where delivery reports are served)")
     ap.add_argument("--clock", default="cpu", choices=["cpu", "wall"])
     ap.add_argument("--tool", default="yappi", choices=["yappi", "pyinstrument", "cprofile", "none"],
-                    help="yappi: every thread, CPU clock, deterministic (slow); pyinstrument: the loop thread only, "
-                         "sampling (low overhead, truer proportions); none: just the records/s")
+                    help="yappi: every thread, CPU clock, deterministic (slow); pyinstrument: the loop "
+                         "thread only, sampling (low overhead, truer proportions); none: just the records/s")
     ap.add_argument("--gc", default="on", choices=["on", "off", "freeze"],
-                    help="Python's cyclic GC once the model is loaded: as is, disabled, or gc.freeze() (A/B tests)")
+                    help="Python's cyclic GC once the model is loaded: as is, disabled, or gc.freeze() (A/B "
+                         "tests)")
     ap.add_argument("--mode", default="at_least_once", choices=["at_least_once", "exactly_once"],
-                    help="delivery.mode (exactly_once: one transactional producer, a checkpoint per commit interval)")
+                    help="delivery.mode (exactly_once: one transactional producer, a checkpoint per commit "
+                         "interval)")
     ap.add_argument("--commit-interval-ms", type=int, default=1000,
                     help="kafka.commit_interval_ms (exactly_once: the transaction checkpoint interval)")
     args = ap.parse_args()
@@ -114,7 +116,8 @@ def main() -> int:
         print(f"\ntop {args.top} functions by own time (tsub), all threads:")
         print(f"  {'ncall':>9} {'tsub':>8} {'ttot':>8}  function")
         for s in list(stats)[: args.top]:
-            print(f"  {s.ncall:>9} {s.tsub:8.3f} {s.ttot:8.3f}  {s.module.split('site-packages/')[-1]}:{s.lineno} {s.name}")
+            print(f"  {s.ncall:>9} {s.tsub:8.3f} {s.ttot:8.3f}  "
+                  f"{s.module.split('site-packages/')[-1]}:{s.lineno} {s.name}")
     return 0
 
 

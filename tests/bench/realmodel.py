@@ -40,8 +40,9 @@ PARTITIONS = 4
 BUCKET = 8
 _VOCAB = ("kafka stream batch model latency throughput request result offset partition consumer producer "
           "worker lane priority deadline embedding vector sentence token device memory queue window commit "
-          "delivery broker topic record service scale group cluster cache ledger retry error the a of and to in "
-          "is that for on with as it be at by this from or an are was were not but all can has had which one")
+          "delivery broker topic record service scale group cluster cache ledger retry error the a of and to "
+          "in is that for on with as it be at by this from or an are was were not but all can has had which "
+          "one")
 WORDS = tuple(w for w in _VOCAB.split(" ") if w)
 
 
@@ -101,8 +102,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
     base = offline["rates"][best]
     best_k = max(offline["bucketed_rates"], key=lambda b: offline["bucketed_rates"][b])
     base_k = offline["bucketed_rates"][best_k]
-    log(f"  offline: {', '.join(f'B={k}: {v:.1f}/s' for k, v in offline['rates'].items())}; sorted by length at "
-        f"B={best}: {offline['sorted_rate']:.1f}/s; bucketed "
+    log(f"  offline: {', '.join(f'B={k}: {v:.1f}/s' for k, v in offline['rates'].items())}; sorted by length "
+        f"at B={best}: {offline['sorted_rate']:.1f}/s; bucketed "
         f"{', '.join(f'B={k}: {v:.1f}/s' for k, v in offline['bucketed_rates'].items())}; "
         f"torch threads {offline['threads']}")
     # Each worker configuration runs twice, alternating, as the offline passes do: the target rows compare the
@@ -126,8 +127,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
     offline["best_rate_runs"] = [base, second]
     offline["best_bucketed_rate_runs"] = [base_k, second_k]
     base, base_k = max(base, second), max(base_k, second_k)
-    log(f"  offline again: B={best} {second:.1f}/s, bucketed B={best_k} {second_k:.1f}/s; baselines {base:.1f} "
-        f"and {base_k:.1f}/s")
+    log(f"  offline again: B={best} {second:.1f}/s, bucketed B={best_k} {second_k:.1f}/s; baselines "
+        f"{base:.1f} and {base_k:.1f}/s")
     note = (f"{n} texts, B={best}, torch threads {offline['threads']}; best of 2 each (worker "
             f"{', '.join(f'{x:.1f}' for x in plain['runs_per_s'])}/s, offline "
             f"{', '.join(f'{x:.1f}' for x in offline['best_rate_runs'])}/s)")

@@ -98,8 +98,8 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def lane_table(lat: dict[str, Any]) -> list[str]:
-    out = ["| load | offered/s | high served | high p50 | high p99 | low served | low p50 | low p99 | all p99 | "
-           "ideal p99 | mean batch |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| load | offered/s | high served | high p50 | high p99 | low served | low p50 | low p99 | all "
+           "p99 | ideal p99 | mean batch |", "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def served(x: dict[str, Any]) -> str:
         return f"{x['n']:,}/{x['sent_in_window']:,}" if "sent_in_window" in x else "-"
@@ -108,7 +108,8 @@ def lane_table(lat: dict[str, Any]) -> list[str]:
         h, lo = st["high"], st["low"]
         out.append(f"| {st['load_pct']}% | {st['rate_per_s']:.0f} | {served(h)} | {h['p50_ms']:.0f} ms | "
                    f"{h['p99_ms']:.0f} ms | {served(lo)} | {lo['p50_ms']:.0f} ms | {lo['p99_ms']:.0f} ms | "
-                   f"{st['all']['p99_ms']:.0f} ms | {st['ideal_wc_p99_ms']:.0f} ms | {st['all']['mean_batch']:.1f} |")
+                   f"{st['all']['p99_ms']:.0f} ms | {st['ideal_wc_p99_ms']:.0f} ms | "
+                   f"{st['all']['mean_batch']:.1f} |")
     return out
 
 
@@ -142,7 +143,8 @@ def write_page(results: dict[str, Any]) -> None:
     lines = [
         "## Results",
         "",
-        f"Measured {results['date']} on a {results['machine']} (figures are noisy, so every one is a ratio against",
+        f"Measured {results['date']} on a {results['machine']} (figures are noisy, so every one is a ratio "
+        "against",
         f"a baseline measured in the same run), with a local single-node Kafka broker "
         f"({results.get('broker_storage', 'data on disk')}), by one run of",
         f"{_runs_line(results)} at commit `{results.get('commit', 'unknown')}`.",
@@ -159,10 +161,14 @@ def write_page(results: dict[str, Any]) -> None:
         "",
     ]
     if "latency" in sc and "steps" in sc["latency"]:
-        lines += ["Latency per lane (two lanes: `high` 10% of traffic, priority 1, weight 4; `low` weight 1). Latencies",
-                  "are of the records served (\"served\": results of the records sent after the first seconds of the",
-                  "step); under overload the low lane's backlog is not served before the worker stops, and the ideal",
-                  "p99 then counts only what the ideal batcher would have finished by the worker's last result:", "",
+        lines += ["Latency per lane (two lanes: `high` 10% of traffic, priority 1, weight 4; `low` weight "
+                  "1). Latencies",
+                  "are of the records served (\"served\": results of the records sent after the first "
+                  "seconds of the",
+                  "step); under overload the low lane's backlog is not served before the worker stops, and "
+                  "the ideal",
+                  "p99 then counts only what the ideal batcher would have finished by the worker's last "
+                  "result:", "",
                   *lane_table(sc["latency"]), ""]
     lines += [
         "Plots: [throughput and latency vs batch size](bench/batch_size.png),",
@@ -257,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(SCENARIOS)}")
     ap.add_argument("--quick", action="store_true", help="smaller counts (about 5 minutes)")
     ap.add_argument("--out", default=None,
-                    help="output folder (default: docs/bench for a full run, /tmp/kiw-bench-quick with --quick, "
-                         "/tmp/kiw-bench-only with --only)")
+                    help="output folder (default: docs/bench for a full run, /tmp/kiw-bench-quick with "
+                         "--quick, /tmp/kiw-bench-only with --only)")
     ap.add_argument("--no-page", action="store_true",
                     help="do not rewrite the results section of docs/benchmarks.md")
     ap.add_argument("--rerender", action="store_true",

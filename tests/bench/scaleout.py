@@ -103,7 +103,8 @@ def _run_processes(ctx: Ctx, processes: int, corpus: list[str]) -> dict[str, Any
         deadline = time.monotonic() + 300
         while w.log().count("partitions assigned") < processes:
             if not w.alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"{w.name}: {processes} children never all got partitions:\n{w.log()[-3000:]}")
+                raise RuntimeError(f"{w.name}: {processes} children never all got "
+                                   f"partitions:\n{w.log()[-3000:]}")
             time.sleep(0.05)
         time.sleep(1.0)  # the cooperative rebalance moves the partitions to the last one
         since_ms, cpu0 = int(time.time() * 1000), tree_cpu_s(w.pid)
@@ -117,9 +118,9 @@ def _run_processes(ctx: Ctx, processes: int, corpus: list[str]) -> dict[str, Any
     per_record = cpu / max(len(measured), 1)
     # The cores the worker processes keep busy at the measured rate (their CPU per record times the rate).
     cores = per_record * rate
-    log(f"  null-device minilm, model.processes={processes}: {got}/{len(corpus)} results, {len(measured)} after "
-        f"all joined, {rate:.0f}/s; workers' CPU {1e6 * per_record:.0f} us/record, {cores:.2f} cores at that rate; "
-        f"load average {os.getloadavg()[0]:.1f}")
+    log(f"  null-device minilm, model.processes={processes}: {got}/{len(corpus)} results, {len(measured)} "
+        f"after all joined, {rate:.0f}/s; workers' CPU {1e6 * per_record:.0f} us/record, {cores:.2f} cores "
+        f"at that rate; load average {os.getloadavg()[0]:.1f}")
     return {"processes": processes, "records": len(corpus), "results": got, "measured": len(measured),
             "throughput_per_s": rate, "cpu_us_per_record": 1e6 * per_record, "cores_used": cores,
             "load_average_1m": os.getloadavg()[0]}

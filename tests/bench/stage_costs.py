@@ -182,15 +182,16 @@ def main() -> int:
     rows = [(name, min(r[0][i][1] for r in results)) for i, (name, _) in enumerate(results[0][0])]
     raw_us = min(r[1] for r in results)
     total = sum(us for name, us in rows if not name.startswith("  (of which"))
-    print(f"\nper-record CPU, {n} identity requests of 100 B, one thread, CPU time, no profiler, minimum of {len(results)} rounds\n")
+    print(f"\nper-record CPU, {n} identity requests of 100 B, one thread, CPU time, no profiler, minimum of "
+          f"{len(results)} rounds\n")
     print(f"  {'step':<70} {'us/record':>9}")
     for name, us in rows:
         print(f"  {name:<70} {us:9.2f}")
     print(f"  {'worker loop-thread steps, total':<70} {total:9.2f}  (max {1e6 / total:,.0f} records/s)")
     print(f"  {'raw loop: decode + encode dict + produce (no callback)':<70} {raw_us:9.2f}  "
           f"(max {1e6 / raw_us:,.0f} records/s)")
-    print("\n(not included: consume() itself, Producer.poll (it serves failure reports only), GIL hand-offs with the device "
-          "threads, metrics)")
+    print("\n(not included: consume() itself, Producer.poll (it serves failure reports only), GIL hand-offs "
+          "with the device threads, metrics)")
     return 0
 
 

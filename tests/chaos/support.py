@@ -109,8 +109,8 @@ class OutputWatcher:
         behind = {p: e for p, e in ends.items() if e > self._next.get(p, 0)}
         if not behind:
             return
-        print(f"[watch] nothing new from {self.topic} for {REOPEN_AFTER_S:.0f} s while it has more ({behind}, read "
-              f"up to {self._next}): reading on with a new consumer", file=sys.stderr, flush=True)
+        print(f"[watch] nothing new from {self.topic} for {REOPEN_AFTER_S:.0f} s while it has more "
+              f"({behind}, read up to {self._next}): reading on with a new consumer", file=sys.stderr, flush=True)
         old, self._consumer = self._consumer, Consumer(self._conf)
         self._consumer.assign([TopicPartition(self.topic, p, self._next.get(p, OFFSET_BEGINNING)) for p in ends])
         threading.Thread(target=old.close, name="watch-close", daemon=True).start()
@@ -119,8 +119,8 @@ class OutputWatcher:
     def describe(self) -> str:
         """For a test's failure message: what it read, how far, how often it reopened."""
         with self._lock:
-            return (f"watcher: {self.records} records, {len(self.ids)} ids, read up to {dict(sorted(self._next.items()))} "
-                    f"of {self.topic}, reopened {self.reopened}x")
+            return (f"watcher: {self.records} records, {len(self.ids)} ids, read up to "
+                    f"{dict(sorted(self._next.items()))} of {self.topic}, reopened {self.reopened}x")
 
     def visible_ends(self) -> dict[int, int]:
         """Per input partition: one past the highest source offset that has a visible result."""
@@ -302,7 +302,8 @@ def _results_file() -> Path | None:
 
 
 def report(name: str, t: Tally, **extra: Any) -> str:
-    line = f"[chaos:{name}] sent={t.sent} results={t.results} lost={t.lost} duplicates={t.duplicates} dlq={t.dlq}"
+    line = (f"[chaos:{name}] sent={t.sent} results={t.results} lost={t.lost} duplicates={t.duplicates} "
+            f"dlq={t.dlq}")
     if extra:
         line += " " + " ".join(f"{k}={v}" for k, v in extra.items())
     print("\n" + line, flush=True)

@@ -50,5 +50,6 @@ def test_chart_checks() -> None:
     proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=1500)
     print(proc.stdout)
     print(proc.stderr, file=sys.stderr)
-    assert proc.returncode == 0, f"check_chart.sh exited {proc.returncode}:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, ("check_chart.sh exited "
+                                  f"{proc.returncode}:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}")
     assert " 0 failed" in proc.stdout

@@ -71,4 +71,5 @@ def test_metrics_move_and_health_endpoints(kafka, topic_names, tmp_path):
     assert _value(second, "kiw_model_loaded") == 1
     assert status == 200, body
     print(f"\n[metrics] ok={_value(second, 'kiw_records_out_total', status='ok'):.0f} "
-          f"batches={_value(second, 'kiw_batch_size_count', lane='default'):.0f} readyz={json.loads(body) if body.startswith('{') else body}")
+          f"batches={_value(second, 'kiw_batch_size_count', lane='default'):.0f} "
+          f"readyz={json.loads(body) if body.startswith('{') else body}")

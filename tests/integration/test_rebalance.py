@@ -65,8 +65,8 @@ def test_three_workers_join_and_leave_during_run(kafka, topic_names, tmp_path, a
     missing = {f"rb-{i}" for i in range(n)} - set(ids)
     dupes = sum(c - 1 for c in ids.values())
     revokes = sum(w.log().count("partitions released") for w in everyone)
-    print(f"\n[rebalance:{assignor}] sent={n} results={len(results)} distinct={len(ids)} missing={len(missing)} "
-          f"duplicates={dupes} (records in flight at {revokes} revokes)")
+    print(f"\n[rebalance:{assignor}] sent={n} results={len(results)} distinct={len(ids)} "
+          f"missing={len(missing)} duplicates={dupes} (records in flight at {revokes} revokes)")
     assert not missing, f"{len(missing)} ids never got a result, e.g. {sorted(missing)[:5]}"
     # Two members left mid-run, each releasing its partitions: the run did rebalance.
     assert revokes >= 2, f"only {revokes} partition releases: the group did not rebalance as scripted"

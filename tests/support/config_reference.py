@@ -45,8 +45,8 @@ MEANINGS: dict[str, str] = {
     "model.compile": "`torch.compile` the forward (eager if it fails at warm-up)",
     "model.warmup": "run the model's example inputs at batch 1 and 8 before taking traffic",
     "model.batch_timeout_s": "a batch on a device longer than this ends the worker (exit 1); 0: never",
-    "model.host_threads": "host threads per process for handlers with `decode_batch`; default (null): the CPUs "
-                          "this process may use (affinity, cgroup v2 cpu.max)",
+    "model.host_threads": "host threads per process for handlers with `decode_batch`; default (null): the "
+                          "CPUs this process may use (affinity, cgroup v2 cpu.max)",
     "model.processes": "worker processes sharing the device(s), each a group member, under a supervisor "
                        "(`worker run --processes` overrides it)",
     "model.generation.max_new_tokens": "generative models: the most new tokens a request may ask for",

@@ -238,5 +238,6 @@ def test_other_full_attention_architectures_step_like_generate(kind: str) -> Non
 
 
 def test_a_sliding_window_model_is_refused_with_its_class_named() -> None:
-    with pytest.raises(ConfigError, match=r"MistralForCausalLM uses cache layers \['DynamicSlidingWindowLayer'\]"):
+    with pytest.raises(ConfigError, match=r"MistralForCausalLM uses cache layers "
+                                          r"\['DynamicSlidingWindowLayer'\]"):
         HFStepModel(_random_weights(_architecture("mistral-window")), tiny().tokenizer)

@@ -87,7 +87,8 @@ def test_a_required_factory_option_left_out_is_an_error(models: Path, capsys: py
         model: {name: "byo_models:linear", options: {input_shape: [4]}}
         """, capsys)
     assert rc == 2
-    assert err == ["config error: $.model.options.in_features: required by factory 'byo_models:linear', not given"]
+    assert err == ["config error: $.model.options.in_features: required by factory 'byo_models:linear', not "
+                   "given"]
 
 
 def test_a_module_class_is_checked_against_its_init(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -100,8 +101,8 @@ def test_a_module_class_is_checked_against_its_init(models: Path, capsys: pytest
         "config error: $.model.options.input_dtype: expected one of ['bfloat16', 'bool', 'float', 'float16', "
         "'float32', 'float64', 'int32', 'int64', 'long'], got 'float8'",
         "config error: $.model.options.input_shape: expected a list of positive ints, got [0]",
-        "config error: $.model.options.widht: factory 'byo_models:Mlp' takes no option 'widht' (it takes: width); "
-        "did you mean `width`?",
+        "config error: $.model.options.widht: factory 'byo_models:Mlp' takes no option 'widht' (it takes: "
+        "width); did you mean `width`?",
     ]
 
 
@@ -117,7 +118,8 @@ def test_a_handler_class_with_none_of_the_five_stages_is_an_error(
 def test_a_handler_class_missing_a_stage_names_it(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, err, _ = _check(models, "kafka: {input_topics: [in]}\nmodel: {name: 'byo_models:NoSplit'}\n", capsys)
     assert rc == 2
-    assert err[0].startswith("config error: $.model.name: 'byo_models:NoSplit' is a class with no split method")
+    assert err[0].startswith("config error: $.model.name: 'byo_models:NoSplit' is a class with no split "
+                             "method")
 
 
 def test_a_handler_classs_attributes_are_checked(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -131,7 +133,8 @@ def test_a_handler_classs_attributes_are_checked(models: Path, capsys: pytest.Ca
 
 def test_a_good_handler_class_and_factory_pass(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for name, options in (("byo_models:Good", "{scale: 2.0}"), ("byo_models:linear", "{in_features: 4}")):
-        rc, err, out = _check(models, f"kafka: {{input_topics: [in]}}\nmodel: {{name: '{name}', options: {options}}}\n",
+        rc, err, out = _check(models, f"kafka: {{input_topics: [in]}}\nmodel: {{name: '{name}', options: "
+                                      f"{options}}}\n",
                               capsys)
         assert (rc, err) == (0, [])
         assert "OK" in out and "factory, importable; called at start" in out
@@ -206,8 +209,8 @@ def test_secrets_not_here_are_notes_in_check_config(tmp_path: Path, capsys: pyte
     assert rc == 0, err
     assert "OK" in out
     assert err == [
-        "note: $.kafka.consumer.sasl.password: environment variable 'KIW_TEST_ABSENT_PW' is not set (not checked "
-        "here; `worker run` without it exits 2)",
+        "note: $.kafka.consumer.sasl.password: environment variable 'KIW_TEST_ABSENT_PW' is not set (not "
+        "checked here; `worker run` without it exits 2)",
         "note: $.redis.url: cannot read secret file '/nonexistent/redis-url': No such file or directory (not "
         "checked here; `worker run` without it exits 2)",
         "note: $.kafka.consumer.ssl.ca.location: /nonexistent/ca.pem is not on this machine (not checked; "
@@ -231,7 +234,8 @@ def test_secrets_not_here_are_errors_in_run(tmp_path: Path, capsys: pytest.Captu
     assert err == [
         "config error: $.kafka.consumer.sasl.password: environment variable 'KIW_TEST_ABSENT_PW' is not set",
         "config error: $.kafka.consumer.ssl.ca.location: no such file on this machine: /nonexistent/ca.pem",
-        "config error: $.redis.url: cannot read secret file '/nonexistent/redis-url': No such file or directory",
+        "config error: $.redis.url: cannot read secret file '/nonexistent/redis-url': No such file or "
+        "directory",
     ]
 
 

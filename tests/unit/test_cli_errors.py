@@ -42,8 +42,8 @@ def _config(tmp_path: Path, model: str = "{name: tiny, device: cpu}", extra: str
 
 def test_top_level_help_lists_the_exit_codes() -> None:
     text = " ".join(build_parser().format_help().split())
-    assert ("Exit codes: 0 ok, 1 runtime failure, 2 bad configuration or usage (the message names the bad key), "
-            "130 interrupted") in text
+    assert ("Exit codes: 0 ok, 1 runtime failure, 2 bad configuration or usage (the message names the bad "
+            "key), 130 interrupted") in text
 
 
 def test_the_fatal_error_log_line_names_the_cause(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
@@ -108,8 +108,8 @@ def test_a_property_librdkafka_refuses_stops_run_before_the_model_loads(tmp_path
     monkeypatch.setenv("WORKER__KAFKA__CONSUMER__SESION_TIMEOUT_MS", "10000")
     assert main(["run", "--config", _config(tmp_path)]) == 2
     assert capsys.readouterr().err == (
-        'config error: $.kafka.consumer.sesion.timeout.ms: librdkafka refuses it: No such configuration property: '
-        '"sesion.timeout.ms" (set by WORKER__KAFKA__CONSUMER__SESION_TIMEOUT_MS)\n')
+        'config error: $.kafka.consumer.sesion.timeout.ms: librdkafka refuses it: No such configuration '
+        'property: "sesion.timeout.ms" (set by WORKER__KAFKA__CONSUMER__SESION_TIMEOUT_MS)\n')
 
 
 def test_a_missing_device_names_its_list_item_and_variable(tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -118,8 +118,8 @@ def test_a_missing_device_names_its_list_item_and_variable(tmp_path: Path, capsy
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     monkeypatch.setenv("WORKER__MODEL__DEVICES", "[cpu, cuda:1]")
     assert main(["run", "--config", _config(tmp_path)]) == 2
-    assert capsys.readouterr().err == ("config error: $.model.devices[1]: 'cuda:1' requested but CUDA is not available "
-                                       "on this machine (set by WORKER__MODEL__DEVICES)\n")
+    assert capsys.readouterr().err == ("config error: $.model.devices[1]: 'cuda:1' requested but CUDA is not "
+                                       "available on this machine (set by WORKER__MODEL__DEVICES)\n")
     assert main(["check-config", "--config", _config(tmp_path)]) == 0
     assert "note: $.model.devices[1]: 'cuda:1' requested but CUDA is not available on this machine (set by " \
            "WORKER__MODEL__DEVICES) (`worker run` here would exit 2)" in capsys.readouterr().err
@@ -280,8 +280,8 @@ def test_a_ca_file_not_on_this_machine_fails_run_and_is_a_note_in_check_config(
            "(set by WORKER__KAFKA__CONSUMER__SSL_CA_LOCATION) (not checked; `worker run` here would exit 2)" in err
     assert main(["run", "--config", _config(tmp_path)]) == 2
     assert capsys.readouterr().err == (
-        f"config error: $.kafka.consumer.ssl.ca.location: no such file on this machine: {tmp_path}/mounted-in-the-pod/"
-        "ca.crt (set by WORKER__KAFKA__CONSUMER__SSL_CA_LOCATION)\n")
+        "config error: $.kafka.consumer.ssl.ca.location: no such file on this machine: "
+        f"{tmp_path}/mounted-in-the-pod/ca.crt (set by WORKER__KAFKA__CONSUMER__SSL_CA_LOCATION)\n")
     # librdkafka's own lookup: checked
     monkeypatch.setenv("WORKER__KAFKA__CONSUMER__SSL_CA_LOCATION", "probe")
     assert main(["check-config", "--config", _config(tmp_path)]) == 0

@@ -85,13 +85,15 @@ def test_env_overrides_sections_lists_and_passthrough():
 
 
 def test_env_override_bad_value_names_path_and_variable():
-    with pytest.raises(ConfigError, match=r"^\$.delivery.max_attempts: .*\(set by WORKER__DELIVERY__MAX_ATTEMPTS\)$"):
+    with pytest.raises(ConfigError, match=r"^\$.delivery.max_attempts: .*\(set by "
+                                          r"WORKER__DELIVERY__MAX_ATTEMPTS\)$"):
         from_dict(BASE, environ={"WORKER__DELIVERY__MAX_ATTEMPTS": "many"})
-    with pytest.raises(ConfigError, match=r"^\$.kafka.groupid: unknown key; did you mean `group_id`\? \(set by WORKER__KAFKA__GROUPID\)$"):
+    with pytest.raises(ConfigError, match=r"^\$.kafka.groupid: unknown key; did you mean `group_id`\? \(set "
+                                          r"by WORKER__KAFKA__GROUPID\)$"):
         from_dict(BASE, environ={"WORKER__KAFKA__GROUPID": "g"})
     # Not YAML: a clear error naming the variable, never a traceback (the CLI exits 2 on ConfigError).
-    with pytest.raises(ConfigError, match=r"^\$.batching.lanes\[0\].topics \(from WORKER__BATCHING__LANES__0__TOPICS\): "
-                                          r"not a valid YAML value"):
+    with pytest.raises(ConfigError, match=r"^\$.batching.lanes\[0\].topics \(from "
+                                          r"WORKER__BATCHING__LANES__0__TOPICS\): not a valid YAML value"):
         from_dict(BASE, environ={"WORKER__BATCHING__LANES__0__TOPICS": "[a, b"})
 
 
@@ -160,13 +162,15 @@ def test_a_file_that_is_not_utf8_is_a_config_error(tmp_path):
     """A UnicodeDecodeError escaped with a traceback (exit 1) for the config file and for a ${file:...} secret."""
     f = tmp_path / "latin1.yaml"
     f.write_bytes("kafka:\n  group_id: café\n  input_topics: [in]\n".encode("latin-1"))
-    with pytest.raises(ConfigError, match=r"^cannot read config file '.*latin1.yaml': not UTF-8 \(line 2, byte offset 22\)"):
+    with pytest.raises(ConfigError, match=r"^cannot read config file '.*latin1.yaml': not UTF-8 \(line 2, "
+                                          r"byte offset 22\)"):
         load(f, environ={})
     secret = tmp_path / "pw"
     secret.write_bytes(b"\xffs3cret")
     with pytest.raises(ConfigError) as e:
         from_dict({**BASE, "redis": {"password": f"${{file:{secret}}}"}}, environ={})
-    assert str(e.value).startswith(f"$.redis.password: cannot read secret file '{secret}': not UTF-8 (line 1, byte")
+    assert str(e.value).startswith(f"$.redis.password: cannot read secret file '{secret}': not UTF-8 (line "
+                                   "1, byte")
     assert "s3cret" not in str(e.value) and "xff" not in str(e.value)
     # A byte order mark (Windows editors write one) is no part of the secret.
     secret.write_bytes(b"\xef\xbb\xbfs3cret\n")
@@ -188,7 +192,8 @@ def test_check_config_cli_exit_codes(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "OK" in r.stdout
     bad = tmp_path / "bad.yaml"
-    bad.write_text("kafka:\n  input_topics: [requests]\nbatching:\n  lanes:\n    - name: a\n      max_wait_ms: oops\n")
+    bad.write_text("kafka:\n  input_topics: [requests]\nbatching:\n  lanes:\n    - name: a\n      "
+                   "max_wait_ms: oops\n")
     r = _cli("check-config", "--config", str(bad))
     assert r.returncode == 2
     assert "$.batching.lanes[0].max_wait_ms" in r.stderr
@@ -199,8 +204,8 @@ def test_check_config_cli_exit_codes(tmp_path):
     # librdkafka would refuse it when `worker run` makes its consumer, after the model load, with a traceback.
     r = _cli("check-config", "--config", str(good), env={"WORKER__KAFKA__CONSUMER__SESION_TIMEOUT_MS": "10000"})
     assert r.returncode == 2 and r.stderr.strip() == (
-        'config error: $.kafka.consumer.sesion.timeout.ms: librdkafka refuses it: No such configuration property: '
-        '"sesion.timeout.ms" (set by WORKER__KAFKA__CONSUMER__SESION_TIMEOUT_MS)'), r.stderr
+        'config error: $.kafka.consumer.sesion.timeout.ms: librdkafka refuses it: No such configuration '
+        'property: "sesion.timeout.ms" (set by WORKER__KAFKA__CONSUMER__SESION_TIMEOUT_MS)'), r.stderr
 
 
 @pytest.mark.parametrize("model, message", [
@@ -231,8 +236,10 @@ def test_cli_help_and_usage_errors():
 
 
 @pytest.mark.parametrize("env, message", [
-    ({"WORKER__KAFKAX__FOO": "1"}, r"^\$.kafkax: unknown key; did you mean `kafka`\? \(set by WORKER__KAFKAX__FOO\)$"),
-    ({"WORKER__MODEL__DEVICE": "gpu"}, r"^\$.model.device: expected .* got 'gpu' \(set by WORKER__MODEL__DEVICE\)$"),
+    ({"WORKER__KAFKAX__FOO": "1"}, r"^\$.kafkax: unknown key; did you mean `kafka`\? \(set by "
+                                   r"WORKER__KAFKAX__FOO\)$"),
+    ({"WORKER__MODEL__DEVICE": "gpu"}, r"^\$.model.device: expected .* got 'gpu' \(set by "
+                                       r"WORKER__MODEL__DEVICE\)$"),
     ({"WORKER__KAFKA__OUTPUT_TOPIC": "in"},
      r"^\$.kafka.output_topic: must differ .* \(set by WORKER__KAFKA__OUTPUT_TOPIC\)$"),
     ({"WORKER__BATCHING__LANES__1__NAME": "default"},  # a check on a section names what was set under it
@@ -287,9 +294,11 @@ def test_redis_url_scheme_is_checked(url, ok):
     ("redis://redis:6379/0?socket_connect_timeout=abc",
      "invalid value for the query option 'socket_connect_timeout', got 'abc'"),
     ("unix:///run/redis.sock?db=one", "invalid value for the query option 'db', got 'one'"),
-    ("redis://redis:6379/zero", "the path after host:port must be a database number (/0, /1, ...), got '/zero'"),
+    ("redis://redis:6379/zero", "the path after host:port must be a database number (/0, /1, ...), got "
+                                "'/zero'"),
     ("redis://redis:6379/0?sockettimeout=1", "unknown query option 'sockettimeout'"),
-    ("redis://redis:6379/0?socket_timeout=30", "the query option 'socket_timeout' is set from redis.timeout_ms"),
+    ("redis://redis:6379/0?socket_timeout=30", "the query option 'socket_timeout' is set from "
+                                               "redis.timeout_ms"),
     ("redis://[::1:6379/0", "not a valid URL"),
 ])
 def test_a_redis_url_redis_py_would_reject_is_a_config_error(url, message):
@@ -337,7 +346,8 @@ def test_max_attempts_1_is_refused_with_redis():
 def test_a_repeated_key_next_to_a_cyclic_alias_is_still_a_config_error(tmp_path):
     # Naming the key walked the node graph recursively: a self-referencing alias raised RecursionError.
     f = tmp_path / "cyc.yaml"
-    f.write_text("kafka:\n  input_topics: [in]\n  consumer: &x {self: *x}\nmodel:\n  name: tiny\n  name: tiny\n")
+    f.write_text("kafka:\n  input_topics: [in]\n  consumer: &x {self: *x}\nmodel:\n  name: tiny\n  name: "
+                 "tiny\n")
     with pytest.raises(ConfigError, match=r"duplicate key \$.model.name"):
         load(f, environ={})
 
@@ -346,8 +356,8 @@ def test_a_repeated_key_is_named_by_its_path(tmp_path):
     f = tmp_path / "dup.yaml"
     f.write_text("kafka:\n  input_topics: [in]\nbatching:\n  lanes:\n    - name: a\n      max_wait_ms: 1\n"
                  "      max_wait_ms: 2\n  default_lane: a\n")
-    with pytest.raises(ConfigError, match=r"dup.yaml: line 7: duplicate key \$.batching.lanes\[0\].max_wait_ms "
-                                          r"\(first on line 6\)"):
+    with pytest.raises(ConfigError, match=r"dup.yaml: line 7: duplicate key "
+                                          r"\$.batching.lanes\[0\].max_wait_ms \(first on line 6\)"):
         load(f, environ={})
 
 
@@ -441,7 +451,8 @@ def test_an_empty_kafka_name_is_refused(data, path):
 
 
 def test_an_empty_group_id_from_the_environment_names_the_variable():
-    with pytest.raises(ConfigError, match=r"^\$\.kafka\.group_id: must not be empty \(set by WORKER__KAFKA__GROUP_ID\)$"):
+    with pytest.raises(ConfigError, match=r"^\$\.kafka\.group_id: must not be empty \(set by "
+                                          r"WORKER__KAFKA__GROUP_ID\)$"):
         from_dict(BASE, environ={"WORKER__KAFKA__GROUP_ID": ""})
 
 
@@ -449,7 +460,8 @@ def test_an_empty_group_id_from_the_environment_names_the_variable():
     # run overrode it with kafka.group_id; backfill's snapshot used it, reading the live group's commits.
     ({"consumer": {"group.id": "live"}}, {}, r"^\$\.kafka\.consumer\.group\.id: set kafka\.group_id instead"),
     # A transactional producer refuses every record sent outside a transaction (every one in at_least_once).
-    ({"producer": {"transactional.id": "t"}}, {}, r"^\$\.kafka\.producer\.transactional\.id: set delivery\.transactional_id"),
+    ({"producer": {"transactional.id": "t"}}, {}, r"^\$\.kafka\.producer\.transactional\.id: set "
+                                                  r"delivery\.transactional_id"),
     ({"producer": {"transactional.id": "t"}}, {"mode": "exactly_once"}, r"^\$\.kafka\.producer\.transactional\.id"),
     ({"producer": {"acks": 0}}, {}, r"^\$\.kafka\.producer\.acks: must not be 0"),
     ({"producer": {"request.required.acks": "0"}}, {}, r"^\$\.kafka\.producer\.request\.required\.acks: must not be 0"),
@@ -494,7 +506,8 @@ def test_poll_max_records_stays_within_what_consume_takes():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("kafka:\n  input_topics: [in]\n  1: x\n", "$.kafka: the key 1 is not text but int; in YAML, quote it: '1':"),
+    ("kafka:\n  input_topics: [in]\n  1: x\n", "$.kafka: the key 1 is not text but int; in YAML, quote it: "
+                                               "'1':"),
     ("kafka: {input_topics: [in]}\nmodel:\n  options: {2024-06-01: x}\n",
      "$.model.options: the key 2024-06-01 is not text but date"),
     # An alias to an anchor around it: a structure without end (RecursionError, exit 1).

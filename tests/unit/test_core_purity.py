@@ -64,7 +64,8 @@ def test_importing_core_pulls_in_no_heavy_dependency() -> None:
     code = (
         "import sys, importlib, pkgutil, worker.core as c\n"
         "for m in pkgutil.iter_modules(c.__path__): importlib.import_module('worker.core.' + m.name)\n"
-        "print(','.join(sorted(n for n in ('torch','confluent_kafka','redis','prometheus_client') if n in sys.modules)))\n"
+        "print(','.join(sorted(n for n in ('torch','confluent_kafka','redis','prometheus_client') if n in "
+        "sys.modules)))\n"
     )
     root = str(CORE.parents[1])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,

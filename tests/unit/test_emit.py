@@ -735,7 +735,8 @@ def test_each_purge_is_one_delivery_attempt(clock: FakeTime) -> None:
         if s.calls.failed:
             break
     assert s.replaced == 2 and [o for o, _ in s.calls.failed] == [0]  # attempt 1 retried, attempt 2 gives up
-    assert s.calls.failed[0][1] == "purged from a producer replaced after holding it for delivery.producer_stall_s"
+    assert s.calls.failed[0][1] == ("purged from a producer replaced after holding it for "
+                                    "delivery.producer_stall_s")
 
 
 def test_no_replacement_without_a_factory_or_with_the_stall_off(clock: FakeTime) -> None:

@@ -271,12 +271,14 @@ def test_factory_errors(user_module: str) -> None:
 def test_an_error_inside_a_factory_is_a_config_error_that_says_it_raised(user_module: str, tmp_path: Path) -> None:
     """A TypeError raised in a factory's body was reported as the factory rejecting the options; any other
     exception escaped load_model as a traceback instead of a ConfigError naming $.model (exit 2)."""
-    with pytest.raises(ConfigError, match=r"^\$\.model\.name: factory '.*:buggy' raised TypeError: object of type"):
+    with pytest.raises(ConfigError, match=r"^\$\.model\.name: factory '.*:buggy' raised TypeError: object of "
+                                          r"type"):
         load_model(ModelConfig(name=f"{user_module}:buggy", options={"dim": 4}))
-    with pytest.raises(ConfigError, match=r"^\$\.model\.name: factory .* raised FileNotFoundError: weights.bin"):
+    with pytest.raises(ConfigError, match=r"^\$\.model\.name: factory .* raised FileNotFoundError: "
+                                          r"weights.bin"):
         load_model(ModelConfig(name=f"{user_module}:missing_weights"))
-    with pytest.raises(ConfigError, match=r"\$\.model\.options: factory .*:buggy' rejected options \['dims'\]: "
-                                          r"got an unexpected keyword argument 'dims'"):
+    with pytest.raises(ConfigError, match=r"\$\.model\.options: factory .*:buggy' rejected options "
+                                          r"\['dims'\]: got an unexpected keyword argument 'dims'"):
         load_model(ModelConfig(name=f"{user_module}:buggy", options={"dims": 4}))
     sd = tmp_path / "w.safetensors"
     sd.write_bytes(b"")
@@ -300,11 +302,13 @@ def test_state_dict_with_factory(user_module: str, tmp_path: Path) -> None:
     assert run(m2, x) == run(m, x)
     # weights_only=True: a pickled object that is not plain tensors is refused, as a config error (exit 2)
     torch.save({"lin.weight": Doubler(3)}, tmp_path / "evil.pt")
-    with pytest.raises(ConfigError, match=r"\$\.model\.options\.state_dict: .*evil.pt' is not a loadable state dict"):
+    with pytest.raises(ConfigError, match=r"\$\.model\.options\.state_dict: .*evil.pt' is not a loadable "
+                                          r"state dict"):
         load_model(ModelConfig(name=f"{user_module}:build", options={"state_dict": str(tmp_path / "evil.pt")}))
     # so is a whole module saved instead of its state_dict (name=<file> + factory: the key is $.model.name)
     torch.save(Doubler(3), tmp_path / "module.pt")
-    with pytest.raises(ConfigError, match=r"\$\.model\.name: .*module.pt' is not a loadable state dict.*state_dict\(\)"):
+    with pytest.raises(ConfigError, match=r"\$\.model\.name: .*module.pt' is not a loadable state "
+                                          r"dict.*state_dict\(\)"):
         load_model(ModelConfig(name=str(tmp_path / "module.pt"), options={"factory": f"{user_module}:build"}))
     (tmp_path / "broken.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(ConfigError, match="is not a loadable state dict"):
@@ -317,7 +321,8 @@ def test_a_weights_only_file_without_factory_is_refused_before_start(tmp_path: P
     path = tmp_path / "w.safetensors"
     path.write_bytes(b"")
     for check in (check_model, load_model):
-        with pytest.raises(ConfigError, match=r"\$\.model\.name: 'w.safetensors' holds weights only; set options.factory"):
+        with pytest.raises(ConfigError, match=r"\$\.model\.name: 'w.safetensors' holds weights only; set "
+                                              r"options.factory"):
             check(ModelConfig(name=str(path)))
 
 
@@ -510,7 +515,8 @@ def test_an_onnx_input_type_the_loader_does_not_map_is_refused_at_load(tmp_path:
     from onnx import TensorProto
 
     _onnx_identity(tmp_path / "i16.onnx", TensorProto.INT16, 2, input_name="x")
-    with pytest.raises(ConfigError, match=r"input 'x' has type tensor\(int16\), which the ONNX loader does not map"):
+    with pytest.raises(ConfigError, match=r"input 'x' has type tensor\(int16\), which the ONNX loader does "
+                                          r"not map"):
         load_model(ModelConfig(name=str(tmp_path / "i16.onnx")))
 
 

@@ -161,7 +161,8 @@ def test_the_engines_and_the_emitters_failure_handling_apply(
     (tmp_path / "picky_model.py").write_text(HANDLER)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "picky_model", raising=False)
-    cfg = _config(tmp_path, "model: {name: 'picky_model:Picky', warmup: false}\nkafka: {input_topics: [requests]}\n")
+    cfg = _config(tmp_path, "model: {name: 'picky_model:Picky', warmup: false}\nkafka: {input_topics: "
+                            "[requests]}\n")
     f = tmp_path / "requests.jsonl"
     f.write_text("".join(json.dumps({"id": f"r{x}", "inputs": x}) + "\n" for x in (1, -1, 13, 4)))
     assert main(["predict", "-c", cfg, "-f", str(f)]) == 1

@@ -191,7 +191,8 @@ def test_child_env_gives_each_child_its_port_and_transactional_id(monkeypatch):
 
 
 def test_ports_past_65535_are_a_config_error_naming_the_source():
-    with pytest.raises(ConfigError, match=r"\$\.metrics\.port: 4 processes serve metrics on ports 65534\.\.65537"):
+    with pytest.raises(ConfigError, match=r"\$\.metrics\.port: 4 processes serve metrics on ports "
+                                          r"65534\.\.65537"):
         check_ports(Config(metrics=MetricsConfig(port=65534)), 4, None)
     with pytest.raises(ConfigError, match="--metrics-port"):
         check_ports(Config(), 2, 65535)

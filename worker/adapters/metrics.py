@@ -94,8 +94,8 @@ class PrometheusMetrics:
             "kiw_producer_replacements", "Producers replaced after holding results undelivered for "
             "delivery.producer_stall_s (what they held is sent again)", registry=r)
         self.lost_records_skipped_total = Counter(
-            "kiw_lost_records_skipped", "Records not read again when a partition this worker lost came back to it: "
-            "it had delivered their results (at-least-once)", registry=r)
+            "kiw_lost_records_skipped", "Records not read again when a partition this worker lost came back "
+            "to it: it had delivered their results (at-least-once)", registry=r)
         self.preemptions_total = Counter("kiw_preemptions", "Prefetched batches put back for a higher-priority "
                                          "lane's batch, by the lane put back", ["lane"], registry=r)
         self.batches_total = Counter("kiw_batches", "Batches closed, by lane and reason (count|time|idle|flush|adaptive)",

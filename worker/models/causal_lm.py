@@ -36,7 +36,8 @@ def torch_dtype(name: str, device: str) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     if name not in _DTYPES:
-        raise ConfigError(f"$.model.options.dtype: unknown dtype {name!r} (allowed: auto, {', '.join(_DTYPES)})")
+        raise ConfigError(f"$.model.options.dtype: unknown dtype {name!r} (allowed: auto, "
+                          f"{', '.join(_DTYPES)})")
     return _DTYPES[name]
 
 

