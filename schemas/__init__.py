@@ -13,10 +13,12 @@ import msgspec
 
 T = TypeVar("T")
 
-RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=512, description="Caller's id, echoed in the result")]
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=512,
+                                        description="Caller's id, echoed in the result")]
 # Bounded so that the worker's float arithmetic on it cannot overflow: a 309-digit deadline decoded as a
 # Python int and raised OverflowError in the loop, on every restart, for whichever worker took the partition.
-DeadlineMs = Annotated[int, msgspec.Meta(ge=-(2**53), le=2**53, description="Absolute deadline, Unix epoch ms")]
+DeadlineMs = Annotated[int, msgspec.Meta(ge=-(2**53), le=2**53,
+                                         description="Absolute deadline, Unix epoch ms")]
 
 
 class Request(msgspec.Struct, Generic[T], kw_only=True, frozen=True):
@@ -145,6 +147,8 @@ class DeadLetter(msgspec.Struct, kw_only=True, frozen=True):
 
 
 __all__ = [
-    "DLQ_HEADERS", "DeadLetter", "ErrorStage", "Float32Tensor", "H_ATTEMPTS", "H_ERROR", "H_ERROR_STAGE", "H_PRIORITY",
-    "H_SOURCE_OFFSET", "H_SOURCE_PARTITION", "H_SOURCE_TOPIC", "Request", "Result", "Source", "Status", "Timings",
+    "DLQ_HEADERS", "DeadLetter", "ErrorStage", "Float32Tensor", "H_ATTEMPTS", "H_ERROR", "H_ERROR_STAGE",
+    "H_PRIORITY",
+    "H_SOURCE_OFFSET", "H_SOURCE_PARTITION", "H_SOURCE_TOPIC", "Request", "Result", "Source", "Status",
+    "Timings",
 ]

@@ -48,7 +48,8 @@ def snapshot(cfg: Config, group: str, from_timestamp: int | None = None) -> tupl
                      for k in retry_transient(c.committed, [KTP(t, p) for t, p in end], timeout=30)
                      if k.offset >= 0}
         if from_timestamp is not None:
-            found = retry_transient(c.offsets_for_times, [KTP(t, p, from_timestamp) for t, p in end], timeout=30)
+            found = retry_transient(c.offsets_for_times, [KTP(t, p, from_timestamp) for t, p in end],
+                                    timeout=30)
             for k in found:
                 tp = TopicPartition(k.topic, k.partition)
                 low[tp] = k.offset if k.offset >= 0 else end[tp]
@@ -167,7 +168,8 @@ def backfill(cfg: Config, from_beginning: bool = False, from_timestamp: int | No
     runner = BackfillRunner(cfg_eof, stop_at=end, reached=reached, group_id=group, install_signals=True,
                             on_assign_offsets=on_assign)
     progress = Progress(total, sys.stderr.isatty())
-    print(f"backfill: {total} records in {len(end)} partitions of {cfg.input_topics()} (group {group})", flush=True)
+    print(f"backfill: {total} records in {len(end)} partitions of {cfg.input_topics()} (group {group})",
+          flush=True)
     if explicit and resumed:
         print(f"backfill: {len(resumed)} of {len(end)} partitions go on from the commits of group {group} "
               "(a new --group starts over)", flush=True)
@@ -201,7 +203,8 @@ def backfill(cfg: Config, from_beginning: bool = False, from_timestamp: int | No
     dt = time.monotonic() - progress.t0
     print(f"backfill summary: {st.records_in} records read, {st.results_ok} ok, {st.results_error} error, "
           f"{st.results_expired} expired, {st.dlq} dead letters, {st.batches} batches "
-          f"(mean {st.mean_batch:.1f}), {st.records_in / dt if dt else 0:.0f} rec/s, {dt:.1f}s, exit {rc}", flush=True)
+          f"(mean {st.mean_batch:.1f}), {st.records_in / dt if dt else 0:.0f} rec/s, {dt:.1f}s, exit {rc}",
+          flush=True)
     return rc
 
 

@@ -216,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
         "+ i"))
     r.set_defaults(func=cmd_run)
 
-    c = sub.add_parser("check-config", help="validate a config file and exit (0 valid, 2 invalid)", description=(
+    c = sub.add_parser("check-config", help="validate a config file and exit (0 valid, 2 invalid)",
+                       description=(
         "Loads the file with WORKER__* environment overrides and secret references applied, validates every "
         "key (an unknown one with the closest known name), checks that model.name resolves (a built-in and "
         "its options, an existing model file, a factory that imports and takes the options given, a handler "
@@ -239,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
         "names the key, or the line that is not JSON)."))
     pd.add_argument("--config", "-c", required=True, help="worker YAML config file")
     src = pd.add_mutually_exclusive_group(required=True)
-    src.add_argument("--input", "-i", metavar="JSON", help='one request, e.g. \'{"id": "r1", "inputs": [1, 2]}\'')
+    src.add_argument("--input", "-i", metavar="JSON",
+                     help='one request, e.g. \'{"id": "r1", "inputs": [1, 2]}\'')
     src.add_argument("--file", "-f", metavar="PATH", help="JSON lines, one request per line ('-': stdin)")
     pd.add_argument("--topic", default=None, help=(
         "the input topic the requests are taken to come from, which picks their lane as in `worker run` "
@@ -250,13 +252,15 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--verbose", action="store_true", help="log at the configured level instead of WARNING")
     pd.set_defaults(func=cmd_predict)
 
-    d = sub.add_parser("demo", help="one-command demo: local broker, sample requests, worker, summary", description=(
+    d = sub.add_parser("demo", help="one-command demo: local broker, sample requests, worker, summary",
+                       description=(
         "Starts a local Apache Kafka broker (unless KAFKA_BOOTSTRAP_SERVERS or --bootstrap is given), "
         "creates topics, produces sample requests, runs the worker with a built-in model, prints a summary, "
         "stops."))
     d.add_argument("--records", type=int, default=5000, help="sample requests to produce (default 5000)")
     d.add_argument("--partitions", type=int, default=4, help="partitions of the demo's topics (default 4)")
-    d.add_argument("--rate", type=_finite, default=2000.0, help="records/s the requests are produced at (default 2000)")
+    d.add_argument("--rate", type=_finite, default=2000.0,
+                   help="records/s the requests are produced at (default 2000)")
     d.add_argument("--model", default="tiny", choices=list(BUILTINS), help="built-in model (default tiny)")
     d.add_argument("--bootstrap", default=None, help=(
         "use this broker instead of starting one (default: $KAFKA_BOOTSTRAP_SERVERS where set)"))
@@ -286,9 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
         "Produces COUNT valid requests for a built-in model's input shape (keys and ids PREFIX-0, PREFIX-1, "
         "...) at RATE records/s, waits until each is acknowledged, and exits 0; exits 1 if the broker does "
         "not answer or a record is not delivered."))
-    ld.add_argument("--bootstrap", default=None, help="broker (default: $KAFKA_BOOTSTRAP_SERVERS or 127.0.0.1:9092)")
+    ld.add_argument("--bootstrap", default=None,
+                    help="broker (default: $KAFKA_BOOTSTRAP_SERVERS or 127.0.0.1:9092)")
     ld.add_argument("--topic", required=True, help="topic to produce to")
-    ld.add_argument("--rate", type=_finite, default=1000.0, help="records per second (default 1000; 0 = as fast as possible)")
+    ld.add_argument("--rate", type=_finite, default=1000.0,
+                    help="records per second (default 1000; 0 = as fast as possible)")
     ld.add_argument("--count", type=int, default=10000, help="records to produce (default 10000)")
     ld.add_argument("--lanes", default=None, help="priority mix, e.g. high=0.1,low=0.9 (sets the request "
                                                   "field)")
@@ -308,7 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "key, value and headers to the source topic. Stops at the end of the DLQ snapshot "
                          "taken at start. Dead letters without their original bytes (dropped as too big, "
                          "empty, tombstones) are skipped and listed.")
-    rp.add_argument("--config", "-c", required=True, help="worker YAML config file (its kafka section is used)")
+    rp.add_argument("--config", "-c", required=True,
+                    help="worker YAML config file (its kafka section is used)")
     rp.add_argument("--limit", type=int, default=None, help="replay at most this many dead letters")
     # choices: a stage no dead letter can carry ("", a typo) would skip and commit past every one of them.
     rp.add_argument("--filter-stage", default=None, choices=get_args(ErrorStage), metavar="STAGE", help=(

@@ -115,7 +115,8 @@ def _option_problems(spec: str, factory: Any, options: dict[str, Any]) -> list[s
                 problems.append(f"$.model.options.{key}: factory {spec!r} takes no option {key!r} (it takes: "
                                 f"{', '.join(by_keyword) or 'none'}){did_you_mean(key, known)}")
     for p in params:
-        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in kwargs:
+        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD,
+                                               p.KEYWORD_ONLY) and p.name not in kwargs:
             problems.append(f"$.model.options.{p.name}: required by factory {spec!r}, not given")
         elif p.kind is p.POSITIONAL_ONLY and p.default is p.empty:
             problems.append(f"$.model.name: factory {spec!r} needs the positional argument {p.name!r}, which "

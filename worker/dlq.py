@@ -49,9 +49,11 @@ def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_
     # A partition the replay group never committed starts at its first dead letter, whatever the config's
     # auto.offset.reset says: with "latest" a first run started at the end, replayed nothing and exited 0.
     consumer = new_consumer(cfg, **{"group.id": replay_group(cfg, stage), "enable.partition.eof": True,
-                                     "partition.assignment.strategy": "range", "auto.offset.reset": "earliest"})
+                                     "partition.assignment.strategy": "range",
+                                    "auto.offset.reset": "earliest"})
     producer = new_producer(producer_config(cfg))
-    with unreachable_broker_is_an_error(cfg.kafka.bootstrap_servers, "$.kafka.bootstrap_servers", CONNECT_TIMEOUT_S):
+    with unreachable_broker_is_an_error(cfg.kafka.bootstrap_servers, "$.kafka.bootstrap_servers",
+                                        CONNECT_TIMEOUT_S):
         try:
             md = consumer.list_topics(topic, timeout=CONNECT_TIMEOUT_S)
         except KafkaException:

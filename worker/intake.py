@@ -48,7 +48,8 @@ def salvage_id(value: bytes, fmt: str) -> str | None:
 
 class Intake:
     def __init__(self, cfg: Config, model: Model,
-                 route: Callable[[str, str | None, str | None, dict[str, str]], tuple[str, bool]] | None = None) -> None:
+                 route: Callable[[str, str | None, str | None, dict[str, str]],
+                                 tuple[str, bool]] | None = None) -> None:
         self.cfg = cfg
         self.model = model
         self.fmt = cfg.delivery.format
@@ -146,7 +147,8 @@ class Intake:
             if budget is not None:
                 rec.deadline = rec.received_at + budget
         if rec.deadline is not None and rec.deadline <= now:
-            return Outcome(rec, "expired", error="deadline passed before the record was read", dlq_stage="expired")
+            return Outcome(rec, "expired", error="deadline passed before the record was read",
+                           dlq_stage="expired")
         if self.cache_on:
             try:
                 rec.cache_key = cache_key(*self.model_id, _cache_input.encode(req.inputs))
@@ -166,5 +168,6 @@ class Intake:
             # BaseException too: a Rust tokenizer's panic arrives as pyo3's PanicException, which is not an
             # Exception. This runs on the loop thread, before any attempt is counted: escaping, it stopped the
             # worker at every restart, and the record was never quarantined.
-            return Outcome(rec, "error", error=f"model decode failed: {type(e).__name__}: {e}", dlq_stage="decode")
+            return Outcome(rec, "error", error=f"model decode failed: {type(e).__name__}: {e}",
+                           dlq_stage="decode")
         return None

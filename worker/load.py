@@ -154,7 +154,8 @@ def load_main(args: argparse.Namespace) -> int:
         return 2
     if args.deadline_ms is not None and not -(2**53) <= int(time.time() * 1000) + args.deadline_ms <= 2**53:
         # The request schema's deadline_ms is an integer within +-2^53: every record would be dead-lettered.
-        print(f"usage error: --deadline-ms {args.deadline_ms} puts deadlines outside +-2^53 ms", file=sys.stderr)
+        print(f"usage error: --deadline-ms {args.deadline_ms} puts deadlines outside +-2^53 ms",
+              file=sys.stderr)
         return 2
     t0 = time.monotonic()
     try:

@@ -116,7 +116,9 @@ class Predictor:
             # Sequences join and leave one continuous batch, as in ``worker run``.
             self.generation = GenerationEngine(self.model, device, lane_rules(cfg.batching.lanes))  # type: ignore[arg-type]
             self.generation.setup()
-        self.engine = None if self.generation is not None else Engine(self.model, device, dtype=cfg.model.dtype, compile=cfg.model.compile,
+        self.engine = None if self.generation is not None else Engine(self.model, device,
+                                                                      dtype=cfg.model.dtype,
+                                                                      compile=cfg.model.compile,
                              warmup=cfg.model.warmup,
                              max_batch_sizes={n: ln.max_batch_size for n, ln in self.lanes.items()})
         if self.engine is not None:
@@ -129,7 +131,8 @@ class Predictor:
                                on_done=lambda _r: None, on_failed=lambda _r, _e: None,
                                max_message_bytes=int(cfg.kafka.producer.get("message.max.bytes", 1_000_000)))
 
-    def run(self, requests: Sequence[Request], topic: str, first_offset: int = 0) -> list[tuple[Outcome, bytes]]:
+    def run(self, requests: Sequence[Request], topic: str,
+            first_offset: int = 0) -> list[tuple[Outcome, bytes]]:
         """One (final outcome, result JSON) per request, in order."""
         outcomes: list[Outcome | None] = [None] * len(requests)
         by_lane: dict[str, list[int]] = {}
@@ -176,7 +179,8 @@ class Predictor:
         now = time.monotonic()
         final = self.emitter.emit(o, now, wall_ms)
         self.emitter.flush(0)
-        value = next((v for t, v in self.sink.messages if t == self.cfg.kafka.output_topic and v is not None), None)
+        value = next((v for t, v in self.sink.messages if t == self.cfg.kafka.output_topic and v is not None),
+                     None)
         if value is None:
             value = self.emitter.result_bytes(final, now, wall_ms)
         return final, value
@@ -185,7 +189,8 @@ class Predictor:
 def default_topic(cfg: Config) -> str:
     """The first input topic of the default lane, else the first input topic (the config has one)."""
     lanes = cfg.lane_topics()
-    return next((t for t, lane in lanes.items() if lane == cfg.batching.default_lane), next(iter(lanes), DEFAULT_TOPIC))
+    return next((t for t, lane in lanes.items() if lane == cfg.batching.default_lane),
+                next(iter(lanes), DEFAULT_TOPIC))
 
 
 def predict(cfg: Config, requests: Sequence[Request], *, device: str, topic: str | None = None,

@@ -43,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "model file (default tiny)")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="model option (repeatable); values are YAML scalars, e.g. --option a_ms=2")
-    parser.add_argument("--batch-sizes", default=DEFAULT_SIZES, help=f"comma-separated (default {DEFAULT_SIZES})")
+    parser.add_argument("--batch-sizes", default=DEFAULT_SIZES,
+                        help=f"comma-separated (default {DEFAULT_SIZES})")
     parser.add_argument("--device", default="auto", help="auto, cpu, mps, cuda or cuda:N (default auto)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"],
                         help="autocast dtype, as model.dtype (default fp32; fp16 on a CPU runs as fp32)")
@@ -56,8 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help=(
         "torch intra-op threads (default: $WORKER_TORCH_THREADS, else $OMP_NUM_THREADS, else all CPUs but "
         "one on a CPU device)"))
-    parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw throughput and latency vs batch size")
-    parser.add_argument("--json", default=None, metavar="FILE", help="write the rows and the recommendation as JSON")
+    parser.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="draw throughput and latency vs batch size")
+    parser.add_argument("--json", default=None, metavar="FILE",
+                        help="write the rows and the recommendation as JSON")
 
 
 def parse_options(pairs: list[str]) -> dict[str, Any]:
@@ -300,7 +303,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print("error: --plot needs matplotlib: pip install 'kafka-inference-worker[plot]'", file=sys.stderr)
+            print("error: --plot needs matplotlib: pip install 'kafka-inference-worker[plot]'",
+                  file=sys.stderr)
             return 2
 
     from worker.adapters.torch_engine import Engine
@@ -340,7 +344,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"recommended max_batch_size: none meets the p99 budget of {budget:g} ms{hint}", file=out)
     else:
         why = f"p99 {best.p99_ms:.2f} ms <= {budget:g} ms budget" if budget is not None else "highest throughput"
-        print(f"recommended max_batch_size: {best.batch_size} ({why}, {best.throughput:.1f} items/s)", file=out)
+        print(f"recommended max_batch_size: {best.batch_size} ({why}, {best.throughput:.1f} items/s)",
+              file=out)
     if plot_path:
         plot(rows, plot_path, f"{engine.name} on {engine.device} ({cfg.dtype})", budget, best)
         print(f"plot written to {plot_path}", file=out)
@@ -365,7 +370,8 @@ def _run_generative(model: Any, device: str, sizes: list[int], iters: int, warmu
     print(format_table(rows).replace("batch", "sequences", 1).replace("items/s", "tokens/s", 1), file=out)
     best = recommend(rows, budget)
     if best is None:
-        print("recommended model.generation.max_sequences: none (no size ran, or none meets the budget)", file=out)
+        print("recommended model.generation.max_sequences: none (no size ran, or none meets the budget)",
+              file=out)
     else:
         why = f"p99 step {best.p99_ms:.2f} ms <= {budget:g} ms budget" if budget is not None else "highest throughput"
         print(f"recommended model.generation.max_sequences: {best.batch_size} ({why}, "

@@ -134,15 +134,18 @@ class TransactionalCommitter:
     def _commit(self) -> None:
         # A retriable error that does not require an abort (a timeout: the commit goes on in the background)
         # is only resolved by calling commit_transaction again; abort is refused meanwhile.
-        _call_again(lambda: self.producer.commit_transaction(self._timeout()), "commit_transaction", COMMIT_ATTEMPTS,
-                    lambda err: err.retriable() and not err.fatal() and not err.txn_requires_abort(), self.deadline)
+        _call_again(lambda: self.producer.commit_transaction(self._timeout()), "commit_transaction",
+                    COMMIT_ATTEMPTS,
+                    lambda err: err.retriable() and not err.fatal() and not err.txn_requires_abort(),
+                    self.deadline)
 
     def abort(self) -> None:
         """Aborts the open transaction and begins the next one; raises TransactionFailed when it cannot be
         aborted (beginning a transaction then fails anyway, and the loop would go on producing outside
         one)."""
         try:
-            _call_again(lambda: self.producer.abort_transaction(self._timeout()), "abort_transaction", ABORT_ATTEMPTS,
+            _call_again(lambda: self.producer.abort_transaction(self._timeout()), "abort_transaction",
+                        ABORT_ATTEMPTS,
                         lambda err: err.retriable() and not err.fatal(), self.deadline)
         except KafkaException as e:
             err = e.args[0]

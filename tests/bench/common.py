@@ -142,7 +142,8 @@ def request_value(i: int, prefix: str, inputs: Any, size: int = 0, **extra: Any)
 
 def _producer(bootstrap: str, **conf: Any) -> Producer:
     return Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, "enable.idempotence": True,
-                     "queue.buffering.max.messages": 2_000_000, "queue.buffering.max.kbytes": 1_048_576, **conf})
+                     "queue.buffering.max.messages": 2_000_000,
+                     "queue.buffering.max.kbytes": 1_048_576, **conf})
 
 
 def _send(p: Producer, topic: str, key: bytes | None, value: bytes, partition: int | None, cb: Any) -> None:
@@ -369,7 +370,8 @@ class Proc:
 def worker_config(bootstrap: str, group: str, output: str, dlq: str, *, topics: list[str] | None = None,
                   lanes: list[dict[str, Any]] | None = None, model: dict[str, Any] | None = None,
                   batching: dict[str, Any] | None = None, metrics: bool = False,
-                  kafka: dict[str, Any] | None = None, delivery: dict[str, Any] | None = None) -> dict[str, Any]:
+                  kafka: dict[str, Any] | None = None,
+                  delivery: dict[str, Any] | None = None) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "kafka": {"bootstrap_servers": bootstrap, "group_id": group, "input_topics": topics or [],
                   "output_topic": output, "dlq_topic": dlq, **(kafka or {})},
@@ -472,7 +474,8 @@ class KafkaFloor(threading.Thread):
 
     def __init__(self, bootstrap: str, topic: str, partitions: int) -> None:
         super().__init__(daemon=True, name="kafka-floor")
-        self.c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"floor-{uid()}", "enable.auto.commit": False,
+        self.c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"floor-{uid()}",
+                           "enable.auto.commit": False,
                            "fetch.wait.max.ms": 50, "auto.offset.reset": "earliest"})
         self.c.assign([KTP(topic, p, OFFSET_BEGINNING) for p in range(partitions)])
         self.lag_ms: dict[str, float] = {}  # request key -> receive delay
@@ -512,7 +515,8 @@ class Ctx:
     run: str = field(default_factory=uid)
 
 
-def row(scenario: str, figure: str, value: float, baseline: str, baseline_value: float, op: str, target: float,
+def row(scenario: str, figure: str, value: float, baseline: str, baseline_value: float, op: str,
+        target: float,
         unit: str = "", note: str = "") -> dict[str, Any]:
     """One line of the summary table: ``ratio = value / baseline_value`` checked against ``op target``."""
     ratio = value / baseline_value if baseline_value and baseline_value == baseline_value else float("nan")
@@ -524,7 +528,8 @@ def row(scenario: str, figure: str, value: float, baseline: str, baseline_value:
         verdict = "pass" if ratio >= target else "MISS"
     else:
         verdict = "pass" if ratio <= target else "MISS"
-    return {"scenario": scenario, "figure": figure, "value": round(value, 3), "unit": unit, "baseline": baseline,
+    return {"scenario": scenario, "figure": figure, "value": round(value, 3), "unit": unit,
+            "baseline": baseline,
             "baseline_value": round(baseline_value, 3), "ratio": round(ratio, 3),
             "target": "-" if op == "info" else f"{op} {target:g}",
             "verdict": verdict, "note": note}

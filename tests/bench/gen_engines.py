@@ -47,7 +47,8 @@ Outcome = tuple[list[list[int]], list[float], float]  # tokens per request, late
 
 def requests(n: int, seed: int = 28) -> list[Request]:
     rng = random.Random(seed)
-    return [([rng.randrange(32, 127) for _ in range(rng.randint(8, 40))], rng.randint(4, 96)) for _ in range(n)]
+    return [([rng.randrange(32, 127) for _ in range(rng.randint(8, 40))],
+             rng.randint(4, 96)) for _ in range(n)]
 
 
 def _cut(tokens: list[int], n: int, eos: int | None) -> list[int]:

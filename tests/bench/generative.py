@@ -201,7 +201,8 @@ def mean(xs: list[float]) -> float:
 def run(ctx: Ctx) -> dict[str, Any]:
     n = 400 if ctx.quick else 1000
     rows: list[dict[str, Any]] = []
-    res: dict[str, Any] = {"a_ms": A_MS, "b_ms": B_MS, "static_batch": STATIC_B, "memory_tokens": MEMORY_TOKENS}
+    res: dict[str, Any] = {"a_ms": A_MS, "b_ms": B_MS, "static_batch": STATIC_B,
+                           "memory_tokens": MEMORY_TOKENS}
 
     t_cont = run_continuous(make_reqs(n, None, seed=1))
     t_res = run_continuous(make_reqs(n, None, seed=1), admission="reserve")
@@ -214,7 +215,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
                     "static batching", thr_s, ">=", 2.3, "req/s",
                     f"backlog of {n}, 8-128 new tokens, same token memory"))
     rows.append(row("28 generative throughput", "continuous batching (reserve admission), requests/s", thr_r,
-                    "static batching", thr_s, "info", 0, "req/s", "each sequence holds prompt + max_new_tokens"))
+                    "static batching", thr_s, "info", 0, "req/s",
+                    "each sequence holds prompt + max_new_tokens"))
 
     rate = 0.7 * thr_s
     paced = make_reqs(n, rate, seed=2)
@@ -241,7 +243,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
     res["ttft"] = {"high_overload_2x_s": over, "high_light_10pct_s": light}
     log(f"generative: high-lane TTFT 2x overload {over * 1000:.1f} ms, 10% load {light * 1000:.1f} ms")
     rows.append(row("28 generative high-lane TTFT", "2x overload, mean TTFT", over * 1000,
-                    "10% load", light * 1000, "<=", 2.0, "ms", "high lane 10% of traffic, priority 1, weight 4"))
+                    "10% load", light * 1000, "<=", 2.0, "ms",
+                    "high lane 10% of traffic, priority 1, weight 4"))
     res["rows"] = rows
     return res
 

@@ -152,7 +152,8 @@ def _drive(ctx: Ctx, tag: str, high_wait_ms: float, loads: tuple[int, ...], dura
     return decode_results(read_topic(ctx.bootstrap, out)), sent, lanes
 
 
-def _step(load: int, p: Any, rows: list[tuple[int, dict[str, Any]]], warm: float, duration: float) -> dict[str, Any]:
+def _step(load: int, p: Any, rows: list[tuple[int, dict[str, Any]]], warm: float,
+          duration: float) -> dict[str, Any]:
     """Latency per lane of one load step (its first ``warm`` seconds discarded) and, for an overload step,
     the throughput and lane shares while both lanes are backlogged."""
     cap = ideal(MAX_B)
@@ -215,7 +216,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
     # (here, not at the top: the replay takes this module's lane constants)
     from tests.bench.overload_sim import print_tradeoff, tradeoff
 
-    durations = {10: 10.0, 50: 4.0, 90: 5.0, 200: 8.0} if ctx.quick else {10: 30.0, 50: 10.0, 90: 12.0, 200: 20.0}
+    durations = {10: 10.0, 50: 4.0, 90: 5.0, 200: 8.0} if ctx.quick else {10: 30.0, 50: 10.0, 90: 12.0,
+                                                                          200: 20.0}
     warm = 2.0
     cap = ideal(MAX_B)
     log(f"latency: two lanes (high {HIGH_SHARE:.0%} of traffic), capacity {cap:.0f}/s, loads {LOADS}%; "
@@ -265,7 +267,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
             f"{s200['low']['mean_batch']:.1f}"),
         row("3 fairness under 2x overload", "low-lane share of served records, high lane 10% of traffic",
             s200.get("low_share", float("nan")),
-            f"configured minimum w_low/(w_low+w_high) = {W_LOW / (W_LOW + W_HIGH):.2f}", W_LOW / (W_LOW + W_HIGH),
+            f"configured minimum w_low/(w_low+w_high) = {W_LOW / (W_LOW + W_HIGH):.2f}",
+            W_LOW / (W_LOW + W_HIGH),
             ">=", 1.0, "", "issue 3's case; the high lane offers less than its share, so the minimum is not "
                            "at stake"),
         row("3 fairness under 2x overload", "low-lane share of served records, high lane "
@@ -282,7 +285,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
             unfilled["high"]["p99_ms"], "high-lane p99 at 10% load (defaults)", light_high, "info", 0, "ms",
             f"low-lane share {unfilled.get('low_share', float('nan')):.2f}"),
         row("7.4 two lanes, 200%, high fill_efficiency 1", "served records/s (both lanes)",
-            filled.get("served_per_s", float("nan")), "capacity at full batches 32/(a+32b)", cap, "info", 0, "rec/s",
+            filled.get("served_per_s", float("nan")), "capacity at full batches 32/(a+32b)", cap, "info", 0,
+            "rec/s",
             f"high records' batches: mean {filled['high']['mean_batch']:.1f} records"),
         row("7.4 two lanes, 200%, high fill_efficiency 1", "high-lane p99 ms at 200%",
             filled["high"]["p99_ms"], "high-lane p99 at 10% load (defaults)", light_high, "info", 0,

@@ -30,7 +30,8 @@ def main() -> int:
     ap.add_argument("--max-batch", type=int, default=256)
     ap.add_argument("--max-wait-ms", type=float, default=5.0)
     ap.add_argument("--top", type=int, default=30)
-    ap.add_argument("--metrics", action="store_true", help="with the Prometheus metrics adapter (as `worker run`)")
+    ap.add_argument("--metrics", action="store_true",
+                    help="with the Prometheus metrics adapter (as `worker run`)")
     ap.add_argument("--producer", action="append", default=[], metavar="KEY=VALUE",
                     help="a librdkafka producer setting over the worker's defaults (repeatable), for A/B runs")
     ap.add_argument("--consumer", action="append", default=[], metavar="KEY=VALUE",

@@ -59,7 +59,8 @@ def texts(n: int, seed: int = 3) -> list[str]:
 def _worker(ctx: Ctx, corpus: list[str], bs: int, bucket: int, tag: str = "") -> dict[str, Any]:
     r = f"{ctx.run}-k{bucket}{tag}"
     inp, out = f"minilm-in-{r}", f"minilm-out-{r}"
-    create_topics(ctx.bootstrap, {inp: PARTITIONS, out: PARTITIONS, f"minilm-dlq-{r}": 1}, log_append_time=[out])
+    create_topics(ctx.bootstrap, {inp: PARTITIONS, out: PARTITIONS, f"minilm-dlq-{r}": 1},
+                  log_append_time=[out])
     cfg = worker_config(ctx.bootstrap, f"minilm-{r}", out, f"minilm-dlq-{r}", topics=[inp],
                         lanes=[{"name": "default", "max_batch_size": bs, "max_wait_ms": 10}],
                         model={"name": "minilm", "warmup": True}, batching={"bucket_width": bucket})
@@ -67,7 +68,8 @@ def _worker(ctx: Ctx, corpus: list[str], bs: int, bucket: int, tag: str = "") ->
     enc = msgspec.json.Encoder()
     try:
         wait_assigned(w, timeout=300)
-        produce_backlog(ctx.bootstrap, inp, ((f"t-{i}".encode(), enc.encode({"id": f"t-{i}", "inputs": {"text": t}}))
+        produce_backlog(ctx.bootstrap, inp, ((f"t-{i}".encode(),
+                                              enc.encode({"id": f"t-{i}", "inputs": {"text": t}}))
                                              for i, t in enumerate(corpus)), PARTITIONS)
         got = wait_count(ctx.bootstrap, out, len(corpus), timeout=900, alive=w.alive)
     finally:
@@ -117,7 +119,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
     bucketed = {**max(bucketed_runs, key=lambda x: x["throughput_per_s"]),
                 "runs_per_s": [x["throughput_per_s"] for x in bucketed_runs]}
     # Offline again at the best size after the worker runs (shared machine): the baseline is the better pass.
-    again = Proc("offline-minilm-2", [sys.executable, "-m", "tests.bench.offline_minilm", "--texts", str(path),
+    again = Proc("offline-minilm-2", [sys.executable, "-m", "tests.bench.offline_minilm", "--texts",
+                                      str(path),
                                       "--batch-sizes", ",".join(str(b) for b in sorted({best, best_k})),
                                       "--no-sorted", "--bucket-width", str(BUCKET)], ctx.work)
     if again.proc.wait(1200) != 0:
@@ -136,12 +139,15 @@ def run(ctx: Ctx) -> dict[str, Any]:
         row("7.3 real model (minilm)", "worker texts/s, no bucketing", plain["throughput_per_s"],
             f"offline best batch (B={best}), same texts", base, ">=", 0.9, "texts/s", note),
         row("7.3 real model (minilm)", f"worker texts/s, bucket_width {BUCKET}", bucketed["throughput_per_s"],
-            f"offline best batch, bucketed the same way (B={best_k}), same texts", base_k, ">=", 0.9, "texts/s",
+            f"offline best batch, bucketed the same way (B={best_k}), same texts", base_k, ">=", 0.9,
+            "texts/s",
             f"best of 2 each (worker {', '.join(f'{x:.1f}' for x in bucketed['runs_per_s'])}/s, offline "
             f"{', '.join(f'{x:.1f}' for x in offline['best_bucketed_rate_runs'])}/s)"),
         row("7.3 real model (minilm)", f"worker texts/s, bucket_width {BUCKET}", bucketed["throughput_per_s"],
-            f"offline best batch (B={best}), arrival order", base, "info", 0, "texts/s", "what bucketing gains"),
+            f"offline best batch (B={best}), arrival order", base, "info", 0, "texts/s",
+            "what bucketing gains"),
         row("7.3 real model (minilm)", f"worker texts/s, bucket_width {BUCKET}", bucketed["throughput_per_s"],
-            f"offline, whole corpus sorted by length (B={best})", offline["sorted_rate"], "info", 0, "texts/s",
+            f"offline, whole corpus sorted by length (B={best})", offline["sorted_rate"], "info", 0,
+            "texts/s",
             "a stream never sees the whole corpus"),
     ]}

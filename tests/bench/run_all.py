@@ -60,7 +60,8 @@ _LABEL_WORDS = (("batching vs seeds", "batching vs other batchers"), ("seed 000 
 def git_commit() -> str:
     """The code measured: HEAD, with "+changes" when tracked files other than the bench outputs differ."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True,
                               check=True).stdout.strip()
         changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
                                   ":!docs/bench", ":!docs/benchmarks.md"], cwd=ROOT,
@@ -92,7 +93,8 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         out.append("| " + " | ".join([label(r["scenario"]), r["figure"], _fmt(r["value"]),
                                       label(r["baseline"]),
-                                      _fmt(r["baseline_value"]), f"{r['ratio']:.2f}" if r["ratio"] == r["ratio"]
+                                      _fmt(r["baseline_value"]),
+                                      f"{r['ratio']:.2f}" if r["ratio"] == r["ratio"]
                                       else "n/a", r["target"], r["verdict"]]) + " |")
     return out
 
@@ -119,7 +121,8 @@ def _strip_samples(res: dict[str, Any]) -> None:
         sc = res.get(key)
         if not isinstance(sc, dict):
             continue
-        steps = sc.get("steps", []) + [sc[k] for k in ("tuned_overload", "filled_overload", "heavy_high_overload") if k in sc]
+        steps = sc.get("steps", []) + [sc[k] for k in ("tuned_overload", "filled_overload",
+                                                       "heavy_high_overload") if k in sc]
         holders = [st[lane] for st in steps for lane in ("high", "low", "all")]
         holders += [sc[k] for k in ("light_load", "light_load_b8") if k in sc]
         for h in holders:
@@ -307,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         (["--quick"] if args.quick else []) + ([f"--only {args.only}"] if args.only else []))
     today = time.strftime("%Y-%m-%d", time.gmtime())
     runs = [{"command": cmd, "runtime_s": round(runtime, 1), "scenarios": names, "date": today}]
-    results.update({"date": today, "machine": MACHINE, "broker_storage": broker.storage, "python": sys.version.split()[0],
+    results.update({"date": today, "machine": MACHINE, "broker_storage": broker.storage,
+                    "python": sys.version.split()[0],
                     "platform": platform.platform(), "quick": args.quick, "command": cmd,
                     "runtime_s": round(runtime, 1), "last_run_scenarios": names, "runs": runs})
     results["table"] = all_rows(results)

@@ -74,7 +74,8 @@ def timed(n: int, fn: Callable[[], Any]) -> float:
 
 def _round(msgs: list[_FakeMsg], n: int) -> tuple[list[tuple[str, float]], float]:
     """One measurement of every step on fresh state: (rows, raw loop us/record)."""
-    conf = {**PRODUCER_DEFAULTS, "bootstrap.servers": "127.0.0.1:1", "queue.buffering.max.messages": 2_000_000,
+    conf = {**PRODUCER_DEFAULTS, "bootstrap.servers": "127.0.0.1:1",
+            "queue.buffering.max.messages": 2_000_000,
             "queue.buffering.max.kbytes": 2_097_151, "log_level": 0}
     rows: list[tuple[str, float]] = []
 
@@ -85,8 +86,10 @@ def _round(msgs: list[_FakeMsg], n: int) -> tuple[list[tuple[str, float]], float
     def raw() -> None:
         for m in msgs:
             req = dec.decode(m.value())
-            value = enc.encode({"id": req["id"], "status": "ok", "outputs": req.get("inputs"), "model": "identity",
-                                "source": {"topic": m.topic(), "partition": m.partition(), "offset": m.offset()}})
+            value = enc.encode({"id": req["id"], "status": "ok", "outputs": req.get("inputs"),
+                                "model": "identity",
+                                "source": {"topic": m.topic(), "partition": m.partition(),
+                                           "offset": m.offset()}})
             p_raw.produce("out", value=value, key=m.key())
 
     raw_us = timed(n, raw)
@@ -109,7 +112,8 @@ def _round(msgs: list[_FakeMsg], n: int) -> tuple[list[tuple[str, float]], float
             offset = m.offset()
             tracker.track(tp, offset)
             ts_type, ts = m.timestamp()
-            recs.append(Record(tp, offset, m.value(), m.key(), m.headers() or [], now, ts if ts_type else None, 0))
+            recs.append(Record(tp, offset, m.value(), m.key(), m.headers() or [], now,
+                               ts if ts_type else None, 0))
 
     rows.append(("consume side: Record + OffsetTracker.track", timed(n, make_records)))
     rows.append(("Intake.admit (validate Request, route, model.decode)",

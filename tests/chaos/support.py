@@ -110,9 +110,11 @@ class OutputWatcher:
         if not behind:
             return
         print(f"[watch] nothing new from {self.topic} for {REOPEN_AFTER_S:.0f} s while it has more "
-              f"({behind}, read up to {self._next}): reading on with a new consumer", file=sys.stderr, flush=True)
+              f"({behind}, read up to {self._next}): reading on with a new consumer", file=sys.stderr,
+              flush=True)
         old, self._consumer = self._consumer, Consumer(self._conf)
-        self._consumer.assign([TopicPartition(self.topic, p, self._next.get(p, OFFSET_BEGINNING)) for p in ends])
+        self._consumer.assign([TopicPartition(self.topic, p,
+                                              self._next.get(p, OFFSET_BEGINNING)) for p in ends])
         threading.Thread(target=old.close, name="watch-close", daemon=True).start()
         self.reopened += 1
 
@@ -140,7 +142,8 @@ class OutputWatcher:
             self._consumer.close()
 
 
-def kill_points(n: int, k: int, seed: int, lo: float = 0.05, hi: float = 0.9, min_gap: float = 0.08) -> list[int]:
+def kill_points(n: int, k: int, seed: int, lo: float = 0.05, hi: float = 0.9,
+                min_gap: float = 0.08) -> list[int]:
     """``k`` progress thresholds in ``[lo*n, hi*n]``, at least ``min_gap*n`` apart, from a seeded RNG."""
     rng = random.Random(seed)
     for _ in range(10_000):
@@ -264,7 +267,8 @@ def where_things_stand(bootstrap: str, group: str, in_topic: str, out_topic: str
     """The group's commits against the input's end offsets, the output's end offsets, and the watcher: whether
     the worker stopped short, its results did not reach the broker, or the reader fell behind."""
     parts = [f"input {in_topic}: committed {committed_offsets(bootstrap, group, in_topic, stable=False)} "
-             f"of ends {end_offsets(bootstrap, in_topic)}", f"output {out_topic}: ends {end_offsets(bootstrap, out_topic)}"]
+             f"of ends {end_offsets(bootstrap, in_topic)}",
+             f"output {out_topic}: ends {end_offsets(bootstrap, out_topic)}"]
     if watch is not None:
         parts.append(watch.describe())
     return "; ".join(parts)
@@ -291,7 +295,8 @@ def tally(bootstrap: str, out_topic: str, dlq_topic: str | None, expected: set[s
         by_id.setdefault(v["id"], []).append(v)
     lost = sum(1 for i in expected if i not in by_id)
     dups = sum(len(v) - 1 for v in by_id.values())
-    dead = read_all(bootstrap, dlq_topic, timeout=30, idle=2.0, read_committed=read_committed) if dlq_topic else []
+    dead = read_all(bootstrap, dlq_topic, timeout=30, idle=2.0,
+                    read_committed=read_committed) if dlq_topic else []
     return Tally(sent, len(values), lost, dups, len(dead), by_id, dead)
 
 

@@ -32,8 +32,10 @@ def corpus(suffix: str) -> list[tuple[str, bytes | None, str | None, str | None]
     id."""
     k = lambda case: f"{case}-{suffix}"  # noqa: E731
     return [
-        ("truncated-json", b'{"id": "' + k("truncated-json").encode() + b'", "inputs": [1, 2', "decode", None),
-        ("invalid-utf8", b'{"id": "' + k("invalid-utf8").encode() + b'", "inputs": "\xff\xfe"}', "decode", None),
+        ("truncated-json", b'{"id": "' + k("truncated-json").encode() + b'", "inputs": [1, 2',
+         "decode", None),
+        ("invalid-utf8", b'{"id": "' + k("invalid-utf8").encode() + b'", "inputs": "\xff\xfe"}',
+         "decode", None),
         ("nan-literal", b'{"id": "' + k("nan-literal").encode() + b'", "inputs": [NaN]}', "decode", None),
         ("tombstone", None, "decode", None),
         ("not-an-object", b"[1, 2, 3]", "validate", None),
@@ -45,7 +47,8 @@ def corpus(suffix: str) -> list[tuple[str, bytes | None, str | None, str | None]
         ("number-out-of-range", b'{"id": "' + k("number-out-of-range").encode() + b'", "inputs": [1e999]}',
          "validate", "error"),
         ("oversize", enc({"id": k("oversize"), "inputs": "x" * (MAX_INPUT_BYTES + 100)}), "size", None),
-        ("deadline-past", enc({"id": k("deadline-past"), "inputs": [1], "deadline_ms": 1}), "expired", "expired"),
+        ("deadline-past", enc({"id": k("deadline-past"), "inputs": [1], "deadline_ms": 1}),
+         "expired", "expired"),
         ("model-raises", enc({"id": k("model-raises"), "inputs": ["poison"]}), "inference", "error"),
         ("unknown-lane", enc({"id": k("unknown-lane"), "inputs": [1], "priority": "nope"}), None, "ok"),
         # Deeper than the decoder's recursion limit (1,000 levels), well under the size limit.

@@ -67,7 +67,8 @@ def one_worker_through(cfg, tmp_path, name, watch, expected, tick):  # type: ign
     return supervise(lambda i: WorkerProcess(cfg, tmp_path, name=f"{name}-{i}"), lambda: watch.seen(expected),
                      len(expected), deadline_s=170, restart_exits=False, tick=tick,
                      diagnose=lambda: where_things_stand(kafka["bootstrap_servers"], kafka["group_id"],
-                                                         kafka["input_topics"][0], kafka["output_topic"], watch))
+                                                         kafka["input_topics"][0],
+                                                         kafka["output_topic"], watch))
 
 
 def test_broker_stop_start_mid_run(kafka, topic_names, tmp_path):
@@ -196,7 +197,8 @@ def test_broker_frozen_past_the_session_timeout(kafka, topic_names, tmp_path):
     t = tally(bs, topic_names["out"], topic_names["dlq"], expected, len(expected))
     log = last.log()
     report("broker-frozen", t, frozen_s=FROZEN_S, frozen_at=frozen.get("at"),
-           consumer_replacements=log.count(REPLACED), replaced_consumers_closed=log.count("replaced consumer closed"),
+           consumer_replacements=log.count(REPLACED),
+           replaced_consumers_closed=log.count("replaced consumer closed"),
            producer_replacements=log.count(PRODUCER_REPLACED), skipped_after_loss=skipped_after_loss(log))
     assert frozen["replaced_while_frozen"] >= 1, log[-4000:]
     assert len(sup.workers) == 1, "the worker had to be restarted"

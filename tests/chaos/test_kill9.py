@@ -73,7 +73,8 @@ def test_kill9_five_times(kafka, topic_names, tmp_path, mode):
                     time.sleep(0.05)
                 assert watch.records >= on_topic, f"the watcher read {watch.records} of {on_topic} results"
             ends = watch.visible_ends()
-            windows.append({p: (max(committed.get(p, 0), 0), ends.get(p, 0)) for p in set(committed) | set(ends)})
+            windows.append({p: (max(committed.get(p, 0), 0),
+                                ends.get(p, 0)) for p in set(committed) | set(ends)})
 
         sup = supervise(lambda i: WorkerProcess(cfg, tmp_path, name=f"{mode}-{i}"),
                         lambda: watch.seen(expected), N, kill_at=points, deadline_s=170, restart_exits=False,

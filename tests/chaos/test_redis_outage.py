@@ -76,7 +76,8 @@ def test_redis_down_for_10s_mid_run(kafka, local_redis, topic_names, tmp_path):
         assert "stopped_at" in outage, "the outage never happened"
         wait_committed_to_end(bs, group, topic_names["in"], 60)
         # After the outage the breaker's probe succeeds and closes the circuit.
-        wait_for(lambda: scrape(port[0]).get("kiw_redis_circuit_open") == 0.0, 30, what="the circuit to close")
+        wait_for(lambda: scrape(port[0]).get("kiw_redis_circuit_open") == 0.0, 30,
+                 what="the circuit to close")
         final = scrape(port[0])
         assert last.stop() == 0, last.log()[-3000:]
     finally:

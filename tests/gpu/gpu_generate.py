@@ -126,7 +126,8 @@ def check_step_tokens(device: str, dtype: str, shape: str, quick: bool) -> list[
         dt = time.perf_counter() - t0
         for i in ids:
             m.release(i)
-        out.append({"name": f"step_tokens_s {shape} {dtype} x{active}", "value": round(active * steps / dt, 1),
+        out.append({"name": f"step_tokens_s {shape} {dtype} x{active}",
+                    "value": round(active * steps / dt, 1),
                     "target": "info", "status": "INFO",
                     "detail": f"{dt / steps * 1e3:.2f} ms per step, context {prompt_len}+{steps}"})
     return out

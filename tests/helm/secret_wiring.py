@@ -61,7 +61,8 @@ class PodView:
         self.env: dict[str, dict[str, Any]] = {e["name"]: e for e in worker.get("env", [])}
         self.env_from = bool(worker.get("envFrom"))
         volumes = {v["name"]: v for v in pod.get("volumes", [])}
-        self.mounts = [(m["mountPath"].rstrip("/"), volumes.get(m["name"], {})) for m in worker.get("volumeMounts", [])]
+        self.mounts = [(m["mountPath"].rstrip("/"),
+                        volumes.get(m["name"], {})) for m in worker.get("volumeMounts", [])]
 
     def secret_ref(self, var: str) -> tuple[str, str] | None:
         ref = self.env.get(var, {}).get("valueFrom", {}).get("secretKeyRef")
@@ -70,7 +71,8 @@ class PodView:
     def file_source(self, path: str) -> tuple[str, str | None] | None:
         """("secret:<name>", key) / ("<kind>", None) of the volume holding ``path``; None when none does, or
         ("missing", None) when a Secret volume's items leave that file out."""
-        best = max((m for m in self.mounts if path.startswith(m[0] + "/")), key=lambda m: len(m[0]), default=None)
+        best = max((m for m in self.mounts if path.startswith(m[0] + "/")), key=lambda m: len(m[0]),
+                   default=None)
         if best is None:
             return None
         mount, vol = best

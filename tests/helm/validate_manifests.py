@@ -99,7 +99,8 @@ def check_invariants(docs: list[dict[str, Any]]) -> list[str]:
         else:  # exec: python3 calls the loopback address on the metrics port (each process's, with several)
             command = " ".join(worker[probe]["exec"]["command"])
             m = re.search(r"http://[^/]+:(\d+)(/\w+)", command)
-            many = re.search(r"http://[^/]+:%d(/\w+)' % p, timeout=\d+\) for p in range\((\d+), (\d+)\)", command)
+            many = re.search(r"http://[^/]+:%d(/\w+)' % p, timeout=\d+\) for p in range\((\d+), (\d+)\)",
+                             command)
             target, path = (int(m.group(1)), m.group(2)) if m else (None, None)
             if many:
                 path, called = many.group(1), list(range(int(many.group(2)), int(many.group(3))))

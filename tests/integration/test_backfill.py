@@ -51,7 +51,8 @@ def test_backfill_20000_exactly_then_exit_0(kafka, topic_names, tmp_path):
 
 
 def _slow_backfill_under_way(kafka: Any, topic_names: dict[str, str], tmp_path: Path, n: int, prefix: str,
-                             name: str, extra_args: tuple[str, ...] = ()) -> tuple[dict[str, Any], WorkerProcess]:
+                             name: str, extra_args: tuple[str, ...] = ()) -> tuple[dict[str, Any],
+                                                                                   WorkerProcess]:
     """n records and a backfill of them at ~64 records per 33 ms (about 10 s for the topic), 4 s after it
     got its partitions: well under way, far from done."""
     bs = kafka.bootstrap
@@ -59,7 +60,8 @@ def _slow_backfill_under_way(kafka: Any, topic_names: dict[str, str], tmp_path: 
     produce(bs, topic_names["in"], requests(n, "synthetic", id_prefix=prefix))
     cfg = worker_config(bs, topic_names, model={"name": "synthetic", "options": {"a_ms": 20, "b_ms": 0.2}},
                         batching={"lanes": [{"name": "default", "max_batch_size": 64, "max_wait_ms": 5}]})
-    w = WorkerProcess(cfg, tmp_path, command="backfill", name=name, extra_args=["--verbose", *extra_args]).start()
+    w = WorkerProcess(cfg, tmp_path, command="backfill", name=name,
+                      extra_args=["--verbose", *extra_args]).start()
     w.wait_assigned()
     time.sleep(4)
     return cfg, w
@@ -117,7 +119,8 @@ def test_backfill_stopped_early_exits_1_and_from_timestamp_counts_from_there(kaf
     group = f"{cfg['kafka']['group_id']}-backfill"
     done = sum(committed_offsets(bs, group, topic_names["in"]).values())
     assert 0 < done < n, "the stop did not land mid-backfill; nothing was tested"
-    again = WorkerProcess(cfg, tmp_path, command="backfill", name="retried", extra_args=["--from-beginning"]).start()
+    again = WorkerProcess(cfg, tmp_path, command="backfill", name="retried",
+                          extra_args=["--from-beginning"]).start()
     assert again.wait(120) == 0, again.log()[-3000:]
     assert f"backfill: {n - done} records in 4 partitions" in again.log(), again.log()[-3000:]
     assert "partitions go on from the commits of group" in again.log() and f"{n - done} records read" in again.log()
@@ -128,7 +131,8 @@ def test_backfill_stopped_early_exits_1_and_from_timestamp_counts_from_there(kaf
     time.sleep(0.05)
     produce(bs, topic_names["in"], requests(40, "synthetic", id_prefix="new"))
     w2 = WorkerProcess(cfg, tmp_path, command="backfill", name="since",
-                       extra_args=["--from-timestamp", str(since), "--group", f"since-{topic_names['run']}"]).start()
+                       extra_args=["--from-timestamp", str(since), "--group",
+                                   f"since-{topic_names['run']}"]).start()
     assert w2.wait(120) == 0, w2.log()[-3000:]
     assert "backfill: 40 records in 4 partitions" in w2.log() and "40 records read" in w2.log()
 

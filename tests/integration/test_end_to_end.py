@@ -30,7 +30,8 @@ def test_5000_requests_exactly_once_each_and_offsets_committed(kafka, topic_name
         chunk = reqs[part::4]
         produce_values(bs, topic_names["in"], chunk[: len(chunk) // 2], partition=part)
         if part == 2:
-            produce_values(bs, topic_names["in"], [(b"broken", b'{"id": "broken", "inputs": [1, 2')], partition=2)
+            produce_values(bs, topic_names["in"], [(b"broken", b'{"id": "broken", "inputs": [1, 2')],
+                           partition=2)
         produce_values(bs, topic_names["in"], chunk[len(chunk) // 2:], partition=part)
     cfg = worker_config(bs, topic_names)
     group = cfg["kafka"]["group_id"]

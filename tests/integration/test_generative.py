@@ -134,7 +134,8 @@ def test_tiny_lm_through_the_worker_gives_what_generate_gives_alone(kafka, topic
     prompts = {f"t-{i}": (f"event {i} " * (1 + i % 4), 4 + (i * 7) % 29) for i in range(24)}
     for part in range(2):
         produce_values(bs, topic_names["in"], [gen(rid, p, max_new_tokens=k) for i, (rid, (p, k))
-                                               in enumerate(prompts.items()) if i % 2 == part], partition=part)
+                                               in enumerate(prompts.items()) if i % 2 == part],
+                       partition=part)
     cfg = worker_config(bs, topic_names, model={"name": "tiny-lm",
                                                 "generation": {"max_new_tokens": 64, "max_sequences": 8,
                                                                "max_batch_tokens": 1024}})

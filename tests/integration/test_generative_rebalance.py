@@ -31,7 +31,8 @@ def test_revoke_abandons_in_flight_sequences(kafka, topic_names, tmp_path):
         {"id": f"s-{i}", "inputs": {"prompt": f"p{i}", "max_new_tokens": 250 + i % 50}})) for i in range(n)]
     produce_values(bs, topic_names["in"], items)
     # 400 requests of 250-300 tokens, 32 sequences a step of >= 4 ms: a sequence runs for more than a second.
-    cfg = worker_config(bs, topic_names, model={"name": "synthetic-lm", "options": {"a_ms": 4.0, "b_ms": 0.05},
+    cfg = worker_config(bs, topic_names, model={"name": "synthetic-lm",
+                                                "options": {"a_ms": 4.0, "b_ms": 0.05},
                                                 "generation": {"max_sequences": 32}},
                         delivery={"revoke_timeout_ms": 20000})
     group = cfg["kafka"]["group_id"]

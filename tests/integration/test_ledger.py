@@ -24,7 +24,8 @@ from tests.support.kafka_io import (
 pytestmark = pytest.mark.integration
 
 
-def test_ledger_skips_ids_already_delivered_ok_and_reprocesses_failed_ones(kafka, local_redis, topic_names, tmp_path):
+def test_ledger_skips_ids_already_delivered_ok_and_reprocesses_failed_ones(kafka, local_redis, topic_names,
+                                                                           tmp_path):
     bs, n = kafka.bootstrap, 400
     create_topics(bs, {topic_names["in"]: 2, topic_names["out"]: 2, topic_names["dlq"]: 1})
     produce_values(bs, topic_names["in"], [request(i) for i in range(n)])

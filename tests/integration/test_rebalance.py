@@ -35,7 +35,8 @@ def test_three_workers_join_and_leave_during_run(kafka, topic_names, tmp_path, a
                         delivery={"revoke_timeout_ms": 5000})
     rate = n / 12.0  # the run lasts ~12 s; members join and leave meanwhile
     producer = threading.Thread(target=produce, args=(bs, topic_names["in"],
-                                                      requests(n, "identity", id_prefix="rb")), kwargs={"rate": rate})
+                                                      requests(n, "identity", id_prefix="rb")),
+                                kwargs={"rate": rate})
     workers = [WorkerProcess(cfg, tmp_path, name=f"{assignor}-w{i}") for i in range(3)]
     everyone = list(workers)
     try:

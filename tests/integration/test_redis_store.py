@@ -253,7 +253,8 @@ def _self_signed(tmp: Path) -> tuple[Path, Path]:
     return cert, key
 
 
-def test_tls_with_ca_file_and_password(local_redis_factory: Callable[..., LocalRedis], tmp_path: Path) -> None:
+def test_tls_with_ca_file_and_password(local_redis_factory: Callable[..., LocalRedis],
+                                       tmp_path: Path) -> None:
     needs.command("openssl")  # makes the test certificate (setup_env.sh installs it)
     cert, key = _self_signed(tmp_path)
     server = local_redis_factory(password="tls-pw", tls_cert_file=cert, tls_key_file=key)

@@ -30,7 +30,8 @@ def test_batches_stay_within_the_token_budget(kafka, topic_names, tmp_path):
     sizes[50], sizes[120], sizes[300] = 120, 200, 120
     enc = msgspec.json.encode
     produce_values(bs, topic_names["in"],
-                   [(f"r-{i}".encode(), enc({"id": f"r-{i}", "inputs": {"n": s}})) for i, s in enumerate(sizes)])
+                   [(f"r-{i}".encode(), enc({"id": f"r-{i}",
+                                             "inputs": {"n": s}})) for i, s in enumerate(sizes)])
     cfg = worker_config(bs, topic_names,
                         model={"name": "tests.support.sized_model:make"},
                         batching={"lanes": [{"name": "default", "max_batch_size": 64, "max_wait_ms": 200,

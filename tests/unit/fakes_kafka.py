@@ -314,7 +314,8 @@ class FakeConsumer:
             raise RuntimeError("Consumer closed")
 
     def subscribe(self, topics: list[str], on_assign: Callable[..., None] | None = None,
-                  on_revoke: Callable[..., None] | None = None, on_lost: Callable[..., None] | None = None) -> None:
+                  on_revoke: Callable[..., None] | None = None,
+                  on_lost: Callable[..., None] | None = None) -> None:
         self._check_open()
         self.topics = list(topics)
         self.callbacks = {"on_assign": on_assign, "on_revoke": on_revoke, "on_lost": on_lost}
@@ -422,11 +423,13 @@ class FakeConsumer:
 
     def committed(self, partitions: list[KTP], timeout: float | None = None) -> list[KTP]:
         self._check_open()
-        return [KTP(k.topic, k.partition, self.committed_offsets.get(tp_of(k), OFFSET_INVALID)) for k in partitions]
+        return [KTP(k.topic, k.partition,
+                    self.committed_offsets.get(tp_of(k), OFFSET_INVALID)) for k in partitions]
 
     def position(self, partitions: list[KTP]) -> list[KTP]:
         self._check_open()
-        return [KTP(k.topic, k.partition, self.app_positions.get(tp_of(k), OFFSET_INVALID)) for k in partitions]
+        return [KTP(k.topic, k.partition,
+                    self.app_positions.get(tp_of(k), OFFSET_INVALID)) for k in partitions]
 
     def seek(self, partition: KTP) -> None:
         self._check_open()
@@ -598,11 +601,13 @@ class FakeProducer:
     # ---- client API
     def produce(self, topic: str, value: bytes | None = None, key: bytes | None = None, partition: int = -1,
                 on_delivery: Callable[..., None] | None = None, timestamp: int = 0,
-                headers: list[tuple[str, bytes]] | None = None, callback: Callable[..., None] | None = None) -> None:
+                headers: list[tuple[str, bytes]] | None = None,
+                callback: Callable[..., None] | None = None) -> None:
         if self.fatal_error is not None:
             raise KafkaException(self.fatal_error)
         if topic in self.unknown_topics:  # librdkafka, once metadata says the topic does not exist
-            raise KafkaException(KafkaError(KafkaError._UNKNOWN_TOPIC, "Unable to produce message: Local: Unknown topic"))
+            raise KafkaException(KafkaError(KafkaError._UNKNOWN_TOPIC,
+                                            "Unable to produce message: Local: Unknown topic"))
         if len(self.pending) >= self.queue_limit:
             raise BufferError("Local: Queue full")
         # librdkafka's rule (rd_kafka_msg_max_wire_size): 36 bytes of record overhead + key + value + each
@@ -613,11 +618,13 @@ class FakeProducer:
         size = 36 + len(value or b"") + len(key or b"") + sum(
             varint(len(k.encode())) + len(k.encode()) + varint(len(v or b"")) + len(v or b"") for k, v in headers or ())
         if size > self.max_message_bytes:
-            raise KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, "Unable to produce message: Broker: Message size too large"))
+            raise KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE,
+                                            "Unable to produce message: Broker: Message size too large"))
         if self.transactional and not self.in_txn:
             raise KafkaException(KafkaError(KafkaError._STATE, "Operation not valid in state Ready"))
         if self.abortable:
-            raise KafkaException(KafkaError(KafkaError._STATE, "Unable to produce message: Local: Erroneous state"))
+            raise KafkaException(KafkaError(KafkaError._STATE,
+                                            "Unable to produce message: Local: Erroneous state"))
         p = Produced(topic, value, key, headers, partition=max(partition, 0),
                      txn=self.txn_index if self.transactional else None)
         self.produced.append(p)
@@ -702,7 +709,8 @@ class FakeProducer:
 
     def _conflict(self) -> None:
         if self.commit_in_progress:
-            raise KafkaException(KafkaError(KafkaError._CONFLICT, "Conflicting commit_transaction API call is "
+            raise KafkaException(KafkaError(KafkaError._CONFLICT,
+                                            "Conflicting commit_transaction API call is "
                                             "already in progress", retriable=True))
 
     def begin_transaction(self) -> None:
@@ -953,7 +961,8 @@ class Harness:
         self.runner = wr.Runner(self.cfg, self.model, store=store, metrics=metrics, spare_producer=spare,
                                 clock=self.clock, new_consumer=make_consumer, new_producer=make_producer,
                                 load_devices=self._load_devices, **runner_kw)
-        self.devices = [FakeDevice(self.runner, self.model, name=f"fake-{i}", index=i) for i in range(devices)]
+        self.devices = [FakeDevice(self.runner, self.model,
+                                   name=f"fake-{i}", index=i) for i in range(devices)]
 
     @property
     def device(self) -> FakeDevice:

@@ -81,7 +81,8 @@ def test_a_factory_option_typo_is_reported_with_the_name_it_takes(
                    "'out_feature' (it takes: in_features, out_features, bias); did you mean `out_features`?"]
 
 
-def test_a_required_factory_option_left_out_is_an_error(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_required_factory_option_left_out_is_an_error(models: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
     rc, err, _ = _check(models, """\
         kafka: {input_topics: [in]}
         model: {name: "byo_models:linear", options: {input_shape: [4]}}
@@ -108,7 +109,8 @@ def test_a_module_class_is_checked_against_its_init(models: Path, capsys: pytest
 
 def test_a_handler_class_with_none_of_the_five_stages_is_an_error(
         models: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc, err, _ = _check(models, "kafka: {input_topics: [in]}\nmodel: {name: 'byo_models:NotAHandler'}\n", capsys)
+    rc, err, _ = _check(models, "kafka: {input_topics: [in]}\nmodel: {name: 'byo_models:NotAHandler'}\n",
+                        capsys)
     assert rc == 2
     assert err == ["config error: $.model.name: 'byo_models:NotAHandler' is a class with none of the handler "
                    "stages: a handler defines setup, decode, collate, forward, split (or make the class a "
@@ -123,7 +125,8 @@ def test_a_handler_class_missing_a_stage_names_it(models: Path, capsys: pytest.C
 
 
 def test_a_handler_classs_attributes_are_checked(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc, err, _ = _check(models, "kafka: {input_topics: [in]}\nmodel: {name: 'byo_models:BadAttributes'}\n", capsys)
+    rc, err, _ = _check(models, "kafka: {input_topics: [in]}\nmodel: {name: 'byo_models:BadAttributes'}\n",
+                        capsys)
     assert rc == 2
     assert len(err) == 2
     assert "'byo_models:BadAttributes'.input_type <object object at" in err[0]
@@ -140,7 +143,8 @@ def test_a_good_handler_class_and_factory_pass(models: Path, capsys: pytest.Capt
         assert "OK" in out and "factory, importable; called at start" in out
 
 
-def test_every_problem_is_reported_at_once_sorted_by_path(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_every_problem_is_reported_at_once_sorted_by_path(models: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
     rc, err, _ = _check(models, """\
         kafka: {input_topics: [in], output_topic: in, grup_id: g}
         model: {name: "byo_models:linear", options: {in_features: 4, out_feature: 3}}
@@ -162,7 +166,8 @@ def test_every_problem_is_reported_at_once_sorted_by_path(models: Path, capsys: 
         """, capsys)
     assert rc == 2
     assert [line.split(": ", 2)[1] for line in err] == [
-        "$.batching.lanes[0].max_wait_msx", "$.batching.lanes[1].max_batch_size", "$.batching.lanes[10].weigth",
+        "$.batching.lanes[0].max_wait_msx", "$.batching.lanes[1].max_batch_size",
+        "$.batching.lanes[10].weigth",
         "$.delivery.mode", "$.kafka.grup_id", "$.metrics.port", "$.model.options.out_feature"]
     assert "did you mean `max_wait_ms`?" in err[0]
     assert "did you mean `weight`?" in err[2]

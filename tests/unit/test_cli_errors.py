@@ -47,7 +47,8 @@ def test_top_level_help_lists_the_exit_codes() -> None:
 
 
 def test_the_fatal_error_log_line_names_the_cause(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                                   caplog: pytest.LogCaptureFixture, no_log_setup: None) -> None:
+                                                   caplog: pytest.LogCaptureFixture,
+                                                  no_log_setup: None) -> None:
     import worker.service
 
     def boom(cfg: object, metrics_port: int | None = None) -> int:
@@ -61,7 +62,8 @@ def test_the_fatal_error_log_line_names_the_cause(monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.parametrize("port", ["99999", "-1"])
-def test_metrics_port_out_of_range_is_a_usage_error(port: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_metrics_port_out_of_range_is_a_usage_error(port: str, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     import worker.service
 
@@ -86,11 +88,13 @@ def test_metrics_port_in_use_names_the_port_and_its_flag(tmp_path: Path, capsys:
 
 
 def test_a_cuda_device_without_cuda_is_a_config_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                      monkeypatch: pytest.MonkeyPatch, no_log_setup: None) -> None:
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      no_log_setup: None) -> None:
     # A machine without CUDA, wherever the test runs (it skipped on one with CUDA).
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     # Refused before anything opens or connects (the metrics port, the runner's clients and model load).
-    monkeypatch.setattr("worker.adapters.health.HealthServer.start", lambda self: pytest.fail("metrics port opened"))
+    monkeypatch.setattr("worker.adapters.health.HealthServer.start",
+                        lambda self: pytest.fail("metrics port opened"))
     monkeypatch.setattr("worker.runner.Runner", lambda *a, **kw: pytest.fail("runner started"))
     cfg = _config(tmp_path, model="{name: tiny, device: cuda}", extra="metrics: {enabled: true, port: 0}\n")
     assert main(["run", "--config", cfg]) == 2
@@ -101,7 +105,8 @@ def test_a_cuda_device_without_cuda_is_a_config_error(tmp_path: Path, capsys: py
     assert "note: $.model.device: 'cuda' requested but CUDA is not available" in capsys.readouterr().err
 
 
-def test_a_property_librdkafka_refuses_stops_run_before_the_model_loads(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+def test_a_property_librdkafka_refuses_stops_run_before_the_model_loads(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str],
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """It used to exit 1 with a traceback when the consumer was made, after the model load."""
     monkeypatch.setattr("worker.service.run_service", lambda *a, **kw: pytest.fail("started"))
@@ -113,7 +118,8 @@ def test_a_property_librdkafka_refuses_stops_run_before_the_model_loads(tmp_path
 
 
 def test_a_missing_device_names_its_list_item_and_variable(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                          monkeypatch: pytest.MonkeyPatch, no_log_setup: None) -> None:
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                           no_log_setup: None) -> None:
     """It said $.model.device for every item of model.devices, and never which variable set it."""
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     monkeypatch.setenv("WORKER__MODEL__DEVICES", "[cpu, cuda:1]")
@@ -157,7 +163,8 @@ def test_dlq_replay_refuses_a_stage_no_dead_letter_has(stage: str, tmp_path: Pat
 
 
 def test_dlq_replay_reports_an_unreachable_broker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                  capsys: pytest.CaptureFixture[str], no_log_setup: None) -> None:
+                                                  capsys: pytest.CaptureFixture[str],
+                                                  no_log_setup: None) -> None:
     import worker.dlq
 
     monkeypatch.setattr(worker.dlq, "CONNECT_TIMEOUT_S", 1.0)
@@ -273,7 +280,8 @@ def test_a_ca_file_not_on_this_machine_fails_run_and_is_a_note_in_check_config(
     refused it and check-config exited 2 on a valid config (the chart's checks of the TLS examples)."""
     monkeypatch.setattr("worker.service.run_service", lambda *a, **kw: pytest.fail("started"))
     monkeypatch.setenv("WORKER__KAFKA__CONSUMER__SECURITY_PROTOCOL", "ssl")
-    monkeypatch.setenv("WORKER__KAFKA__CONSUMER__SSL_CA_LOCATION", str(tmp_path / "mounted-in-the-pod" / "ca.crt"))
+    monkeypatch.setenv("WORKER__KAFKA__CONSUMER__SSL_CA_LOCATION",
+                       str(tmp_path / "mounted-in-the-pod" / "ca.crt"))
     assert main(["check-config", "--config", _config(tmp_path)]) == 0
     err = capsys.readouterr().err
     assert f"note: $.kafka.consumer.ssl.ca.location: {tmp_path}/mounted-in-the-pod/ca.crt is not on this machine " \

@@ -21,8 +21,10 @@ def test_defaults_are_valid():
 
 @pytest.mark.parametrize("data, path", [
     ({"kafka": {"input_topics": ["in"], "bogus": 1}}, "$.kafka.bogus: unknown key"),
-    ({**BASE, "batching": {"lanes": [{"name": "a", "max_wait_ms": -1}]}, }, "$.batching.lanes[0].max_wait_ms"),
-    ({**BASE, "batching": {"lanes": [{"name": "a", "max_batch_size": "x"}]}}, "$.batching.lanes[0].max_batch_size"),
+    ({**BASE, "batching": {"lanes": [{"name": "a", "max_wait_ms": -1}]}, },
+     "$.batching.lanes[0].max_wait_ms"),
+    ({**BASE, "batching": {"lanes": [{"name": "a", "max_batch_size": "x"}]}},
+     "$.batching.lanes[0].max_batch_size"),
     ({**BASE, "delivery": {"mode": "twice"}}, "$.delivery.mode"),
     ({**BASE, "metrics": {"port": 70000}}, "$.metrics.port"),
     ({**BASE, "topsecret": {}}, "$.topsecret: unknown key"),
@@ -47,7 +49,8 @@ def test_semantic_errors():
     with pytest.raises(ConfigError, match=r"enable.auto.commit"):
         from_dict({"kafka": {"input_topics": ["in"], "consumer": {"enable.auto.commit": True}}}, environ={})
     with pytest.raises(ConfigError, match=r"duplicate lane"):
-        from_dict({**BASE, "batching": {"lanes": [{"name": "a"}, {"name": "a"}], "default_lane": "a"}}, environ={})
+        from_dict({**BASE, "batching": {"lanes": [{"name": "a"}, {"name": "a"}], "default_lane": "a"}},
+                  environ={})
 
 
 @pytest.mark.parametrize("kafka, message", [
@@ -55,7 +58,8 @@ def test_semantic_errors():
     ({"dlq_topic": "hi-topic"}, r"\$.kafka.dlq_topic: must differ from the input topics"),
     ({"input_topics": ["in"], "dlq_topic": "out", "output_topic": "out"},
      r"\$.kafka.dlq_topic: must differ from kafka.output_topic"),
-    ({"input_topics": ["in"], "output_topic": "hi-topic"}, r"\$.kafka.output_topic: must differ from the input"),
+    ({"input_topics": ["in"], "output_topic": "hi-topic"},
+     r"\$.kafka.output_topic: must differ from the input"),
 ])
 def test_output_and_dead_letter_topics_must_not_feed_the_inputs(kafka, message):
     lanes = {"lanes": [{"name": "default"}, {"name": "hi", "topics": ["hi-topic"]}]}
@@ -141,7 +145,8 @@ def test_secret_references(tmp_path, monkeypatch):
     # ${env:...} reads the same environment as the WORKER__ overrides: the one passed in, not os.environ.
     monkeypatch.setenv("SASL_PW", "not-this-one")
     cfg = from_dict({"kafka": {"input_topics": ["in"], "consumer": {
-        "sasl.password": "${env:SASL_PW}", "ssl.key.password": f"${{file:{secret}}}"}}}, environ={"SASL_PW": "envpw"})
+        "sasl.password": "${env:SASL_PW}", "ssl.key.password": f"${{file:{secret}}}"}}},
+                    environ={"SASL_PW": "envpw"})
     assert cfg.kafka.consumer["sasl.password"] == "envpw"
     assert cfg.kafka.consumer["ssl.key.password"] == "s3cret"
     assert redact(dict(cfg.kafka.consumer))["sasl.password"] == "***"
@@ -174,7 +179,8 @@ def test_a_file_that_is_not_utf8_is_a_config_error(tmp_path):
     assert "s3cret" not in str(e.value) and "xff" not in str(e.value)
     # A byte order mark (Windows editors write one) is no part of the secret.
     secret.write_bytes(b"\xef\xbb\xbfs3cret\n")
-    assert from_dict({**BASE, "redis": {"password": f"${{file:{secret}}}"}}, environ={}).redis.password == "s3cret"
+    assert from_dict({**BASE, "redis": {"password": f"${{file:{secret}}}"}},
+                     environ={}).redis.password == "s3cret"
     r = _cli("check-config", "--config", str(f))
     assert r.returncode == 2 and "not UTF-8" in r.stderr and "Traceback" not in r.stderr
 
@@ -202,7 +208,8 @@ def test_check_config_cli_exit_codes(tmp_path):
     r = _cli("check-config", "--config", str(good), env={"WORKER__KAFKA__INPUT_TOPICS": "[a"})
     assert r.returncode == 2 and "WORKER__KAFKA__INPUT_TOPICS" in r.stderr and "Traceback" not in r.stderr
     # librdkafka would refuse it when `worker run` makes its consumer, after the model load, with a traceback.
-    r = _cli("check-config", "--config", str(good), env={"WORKER__KAFKA__CONSUMER__SESION_TIMEOUT_MS": "10000"})
+    r = _cli("check-config", "--config", str(good),
+             env={"WORKER__KAFKA__CONSUMER__SESION_TIMEOUT_MS": "10000"})
     assert r.returncode == 2 and r.stderr.strip() == (
         'config error: $.kafka.consumer.sesion.timeout.ms: librdkafka refuses it: No such configuration '
         'property: "sesion.timeout.ms" (set by WORKER__KAFKA__CONSUMER__SESION_TIMEOUT_MS)'), r.stderr
@@ -270,7 +277,8 @@ def test_auto_commit_is_rejected_in_every_spelling_of_true(value):
 
 @pytest.mark.parametrize("value", [False, 0, "0", "f", "false", "FALSE"])
 def test_auto_commit_may_be_spelled_false(value):
-    cfg = from_dict({"kafka": {"input_topics": ["in"], "consumer": {"enable.auto.commit": value}}}, environ={})
+    cfg = from_dict({"kafka": {"input_topics": ["in"], "consumer": {"enable.auto.commit": value}}},
+                    environ={})
     assert cfg.kafka.consumer["enable.auto.commit"] == value
 
 
@@ -314,7 +322,8 @@ def test_a_redis_url_redis_py_would_reject_is_a_config_error(url, message):
 
 
 @pytest.mark.parametrize("url", ["redis://:s3cr3t@redis:6379x/0", "redis://:s3cr3t/x@redis:6379/0",
-                                 "redis://user:s3cr3t@redis:6379/zero", "redis://redis/0?password=s3cr3t&db=x"])
+                                 "redis://user:s3cr3t@redis:6379/zero",
+                                 "redis://redis/0?password=s3cr3t&db=x"])
 def test_a_bad_redis_url_error_does_not_echo_its_password(url):
     with pytest.raises(ConfigError) as e:
         from_dict({**BASE, "redis": {"url": url}}, environ={})
@@ -322,14 +331,16 @@ def test_a_bad_redis_url_error_does_not_echo_its_password(url):
 
 
 @pytest.mark.parametrize("url", ["redis://redis:6379/0", "redis://redis", "redis://u:p@redis:6379/3?db=2",
-                                 "rediss://redis:6380/0?ssl_cert_reqs=required", "unix:///run/redis.sock?db=1"])
+                                 "rediss://redis:6380/0?ssl_cert_reqs=required",
+                                 "unix:///run/redis.sock?db=1"])
 def test_good_redis_urls_pass(url):
     assert from_dict({**BASE, "redis": {"url": url}}, environ={}).redis.url == url
 
 
 def test_a_tls_ca_file_without_tls_is_refused():
     """The store refused it when the worker started: run exited 1 with a traceback after the model load."""
-    with pytest.raises(ConfigError, match=r"^\$\.redis\.tls_ca_file: set but TLS is off: set redis\.tls: true"):
+    with pytest.raises(ConfigError,
+                       match=r"^\$\.redis\.tls_ca_file: set but TLS is off: set redis\.tls: true"):
         from_dict({**BASE, "redis": {"url": "redis://redis:6379/0", "tls_ca_file": "/ca.pem"}}, environ={})
     for redis in ({"url": "redis://redis:6379/0", "tls": True}, {"url": "rediss://redis:6380/0"}):
         assert from_dict({**BASE, "redis": {**redis, "tls_ca_file": "/ca.pem"}}, environ={}).redis.tls_ca_file
@@ -338,7 +349,8 @@ def test_a_tls_ca_file_without_tls_is_refused():
 def test_max_attempts_1_is_refused_with_redis():
     """With the attempt counters on, 1 dead-letters every record that was on a device when a process stopped."""
     with pytest.raises(ConfigError, match=r"^\$.delivery.max_attempts: must be >= 2 with redis.url set"):
-        from_dict({**BASE, "redis": {"url": "redis://redis:6379/0"}, "delivery": {"max_attempts": 1}}, environ={})
+        from_dict({**BASE, "redis": {"url": "redis://redis:6379/0"}, "delivery": {"max_attempts": 1}},
+                  environ={})
     # no counters
     assert from_dict({**BASE, "delivery": {"max_attempts": 1}}, environ={}).delivery.max_attempts == 1
 
@@ -370,7 +382,8 @@ def test_a_yaml_syntax_error_names_the_file(tmp_path):
 
 
 def test_config_reprs_hide_secrets():
-    cfg = from_dict({"kafka": {"input_topics": ["in"], "consumer": {"sasl.password": "kpw", "sasl.username": "u"}},
+    cfg = from_dict({"kafka": {"input_topics": ["in"], "consumer": {"sasl.password": "kpw",
+                                                                    "sasl.username": "u"}},
                      "redis": {"url": "redis://:upw@h:6379/0", "password": "rpw"},
                      "model": {"options": {"api_token": "tpw"}}}, environ={})
     for text in (repr(cfg.redis), repr(cfg.kafka), repr(cfg)):
@@ -383,12 +396,15 @@ def test_config_reprs_hide_secrets():
 def test_redact_config_masks_secret_keys_at_any_depth_and_url_passwords():
     from worker.config import redact_config
 
-    data = {"kafka": {"consumer": {"sasl.password": "p", "ssl.key.password": "p", "sasl.mechanisms": "PLAIN"}},
+    data = {"kafka": {"consumer": {"sasl.password": "p", "ssl.key.password": "p",
+                                   "sasl.mechanisms": "PLAIN"}},
             "redis": {"url": "rediss://user:p@h:6380/0", "password": "p"}, "lanes": [{"client_secret": "p"}],
             "empty": {"password": ""}, "unset": {"password": None}}
     assert redact_config(data) == {
-        "kafka": {"consumer": {"sasl.password": "***", "ssl.key.password": "***", "sasl.mechanisms": "PLAIN"}},
-        "redis": {"url": "rediss://user:***@h:6380/0", "password": "***"}, "lanes": [{"client_secret": "***"}],
+        "kafka": {"consumer": {"sasl.password": "***", "ssl.key.password": "***",
+                               "sasl.mechanisms": "PLAIN"}},
+        "redis": {"url": "rediss://user:***@h:6380/0", "password": "***"},
+        "lanes": [{"client_secret": "***"}],
         "empty": {"password": ""}, "unset": {"password": None}}
     # Any separator, secrets in sasl.oauthbearer.config, and a password passed in a URL's query.
     tricky = {"kafka": {"consumer": {"sasl.oauthbearer.config": "clientId=a clientSecret=b"}},
@@ -462,9 +478,11 @@ def test_an_empty_group_id_from_the_environment_names_the_variable():
     # A transactional producer refuses every record sent outside a transaction (every one in at_least_once).
     ({"producer": {"transactional.id": "t"}}, {}, r"^\$\.kafka\.producer\.transactional\.id: set "
                                                   r"delivery\.transactional_id"),
-    ({"producer": {"transactional.id": "t"}}, {"mode": "exactly_once"}, r"^\$\.kafka\.producer\.transactional\.id"),
+    ({"producer": {"transactional.id": "t"}}, {"mode": "exactly_once"},
+     r"^\$\.kafka\.producer\.transactional\.id"),
     ({"producer": {"acks": 0}}, {}, r"^\$\.kafka\.producer\.acks: must not be 0"),
-    ({"producer": {"request.required.acks": "0"}}, {}, r"^\$\.kafka\.producer\.request\.required\.acks: must not be 0"),
+    ({"producer": {"request.required.acks": "0"}}, {},
+     r"^\$\.kafka\.producer\.request\.required\.acks: must not be 0"),
     ({"consumer": {"isolation.level": "read_uncommitted"}}, {"mode": "exactly_once"},
      r"^\$\.kafka\.consumer\.isolation\.level: must stay read_committed with delivery\.mode exactly_once"),
 ])
@@ -494,7 +512,8 @@ def test_an_error_found_after_loading_names_the_variables_that_set_its_key():
         "(set by WORKER__KAFKA__CONSUMER__SASL_PASSWORD)")
     assert name_overrides("$.model.options: bad", env) == "$.model.options: bad"
     # from_dict's own naming stands.
-    assert name_overrides("$.model.name: x (set by WORKER__MODEL__NAME)", env) == "$.model.name: x (set by WORKER__MODEL__NAME)"
+    assert name_overrides("$.model.name: x (set by WORKER__MODEL__NAME)",
+                          env) == "$.model.name: x (set by WORKER__MODEL__NAME)"
 
 
 def test_poll_max_records_stays_within_what_consume_takes():
@@ -512,7 +531,8 @@ def test_poll_max_records_stays_within_what_consume_takes():
      "$.model.options: the key 2024-06-01 is not text but date"),
     # An alias to an anchor around it: a structure without end (RecursionError, exit 1).
     ("kafka: &k\n  input_topics: [in]\n  consumer: *k\n", "$.kafka.consumer: contains itself (a YAML alias"),
-    ("kafka: {input_topics: [in]}\nmodel:\n  options: &o\n    self: [*o]\n", "$.model.options.self[0]: contains itself"),
+    ("kafka: {input_topics: [in]}\nmodel:\n  options: &o\n    self: [*o]\n",
+     "$.model.options.self[0]: contains itself"),
 ])
 def test_a_key_that_is_not_text_or_a_section_that_contains_itself_is_named(tmp_path, text, message):
     f = tmp_path / "c.yaml"

@@ -15,7 +15,8 @@ BANNED = {
     "threading", "_thread", "multiprocessing", "concurrent", "asyncio",  # no threads or loops
     "time",  # no clocks and no sleeping: ``now`` is an argument
 }
-BANNED_CALLS = {"sleep", "monotonic", "perf_counter", "time_ns", "monotonic_ns", "__import__", "import_module"}
+BANNED_CALLS = {"sleep", "monotonic", "perf_counter", "time_ns", "monotonic_ns", "__import__",
+                "import_module"}
 
 
 def _modules() -> list[Path]:

@@ -65,7 +65,8 @@ def _worker_cfg() -> worker_config.Config:
 # ------------------------------------------------------------------------------------------ dashboard
 def test_the_registry_holds_the_metrics_contract() -> None:
     # A guard on _registered(): an empty or misread registry would make every check below pass vacuously.
-    assert {"kiw_records_in_total", "kiw_consumer_lag", "kiw_end_to_end_seconds", "kiw_rebalances_total"} <= METRICS
+    assert {"kiw_records_in_total", "kiw_consumer_lag", "kiw_end_to_end_seconds",
+            "kiw_rebalances_total"} <= METRICS
     assert {"kiw_batch_size", "kiw_end_to_end_seconds", "kiw_commit_seconds"} <= HISTOGRAMS
 
 

@@ -41,7 +41,8 @@ def emitter(producer: FakeProducer, calls: Calls, fmt: str = "json", stale: set[
     return Emitter(producer, "out", "dlq", "m", "v1", fmt,
                    on_done=lambda r: calls.done.append(r.offset),
                    on_failed=lambda r, e: calls.failed.append((r.offset, e)),
-                   max_retries=max_retries, is_stale=lambda r: r.offset in (stale or set()), spare_producer=spare)
+                   max_retries=max_retries, is_stale=lambda r: r.offset in (stale or set()),
+                   spare_producer=spare)
 
 
 def rec(offset: int = 0, id: str | None = "r", **kw: Any) -> Record:
@@ -78,7 +79,8 @@ def test_msgpack_format(clock: FakeTime) -> None:
 
 def test_error_with_id_owes_a_result_and_a_dead_letter(clock: FakeTime) -> None:
     p, calls = FakeProducer(), Calls()
-    r = rec(7, headers=[("trace", b"x"), ("x-error", b"stale"), ("x-source-offset", b"99"), ("x-attempts", b"9")],
+    r = rec(7, headers=[("trace", b"x"), ("x-error", b"stale"), ("x-source-offset", b"99"),
+                        ("x-attempts", b"9")],
             attempts=2)
     em = emitter(p, calls)
     em.emit(Outcome(r, "error", error="boom", dlq_stage="inference"), 10.0, 0.0)
@@ -86,7 +88,8 @@ def test_error_with_id_owes_a_result_and_a_dead_letter(clock: FakeTime) -> None:
     assert res.topic == "out" and res.json()["status"] == "error" and res.json()["error"] == "boom"
     assert (dl.topic, dl.value, dl.key) == ("dlq", b'{"raw": 1}', b"k")
     assert dl.header("trace") == "x" and dl.header("x-source-offset") == "7" and dl.header("x-attempts") == "2"
-    assert DeadLetter.from_headers(dl.headers) == DeadLetter(error="boom", error_stage="inference", source_topic="in",
+    assert DeadLetter.from_headers(dl.headers) == DeadLetter(error="boom", error_stage="inference",
+                                                             source_topic="in",
                                                              source_partition=3, source_offset=7, attempts=2)
     p.deliver(lambda m: m.topic == "out")
     em.settle(10.0)
@@ -347,8 +350,10 @@ def test_a_retry_that_fails_again_is_not_confirmed(clock: FakeTime) -> None:
 @example(ops=[("ok", 0, 1), ("fail", 1, 1), ("hold", 0, 1), ("retry", 0, 1), ("settle", 0, 1), ("ok", 0, 1),
               ("ok", 0, 1), ("deliver", 0, 1), ("deliver", 1, 1), ("hold", 1, 1), ("retry", 0, 1),
               ("settle", 0, 1)])
-@example(ops=[("ok", 0, 1), ("fail", 0, 1), ("deliver", 0, 1), ("fail", 0, 1), ("retry", 0, 2), ("settle", 0, 1)])
-@given(st.lists(st.tuples(st.sampled_from(["ok", "dlq", "deliver", "fail", "hold", "release", "settle", "retry"]),
+@example(ops=[("ok", 0, 1), ("fail", 0, 1), ("deliver", 0, 1), ("fail", 0, 1), ("retry", 0, 2),
+              ("settle", 0, 1)])
+@given(st.lists(st.tuples(st.sampled_from(["ok", "dlq", "deliver", "fail", "hold", "release",
+                                           "settle", "retry"]),
                           st.integers(0, 3), st.integers(1, 5)), max_size=60))
 def test_a_record_is_done_only_when_every_message_of_its_last_round_is_delivered(
         ops: list[tuple[str, int, int]]) -> None:
@@ -369,7 +374,8 @@ def test_a_record_is_done_only_when_every_message_of_its_last_round_is_delivered
         prods = [FakeProducer(config={"delivery.report.only.error": True}) for _ in range(2)]
         journal: list[Produced] = []  # every message of both producers, in the order it was sent
         for prod in prods:
-            def produce(*args: Any, _prod: FakeProducer = prod, _produce: Any = prod.produce, **kw: Any) -> None:
+            def produce(*args: Any, _prod: FakeProducer = prod, _produce: Any = prod.produce,
+                        **kw: Any) -> None:
                 _produce(*args, **kw)
                 journal.append(_prod.produced[-1])
             prod.produce = produce  # type: ignore[method-assign]
@@ -446,7 +452,8 @@ def test_the_size_check_agrees_with_librdkafka_at_the_boundary() -> None:
             return False
 
     # Header lengths of 1-, 2- and 3-byte varints.
-    for key, headers in [(None, None), (b"k" * 30, None), (b"k", [("x-error", b"e" * 200), ("x-source-topic", b"in")]),
+    for key, headers in [(None, None), (b"k" * 30, None), (b"k", [("x-error", b"e" * 200),
+                                                                  ("x-source-topic", b"in")]),
                          (b"k", [("h" * 70, b"v" * 9_000)]), (b"", DeadLetter(
                              error="e" * 500, error_stage="validate", source_topic="in", source_partition=1,
                              source_offset=2, attempts=1).headers())]:
@@ -464,7 +471,8 @@ def test_a_message_within_librdkafkas_record_overhead_does_not_stop_the_worker()
     em = Emitter(real, "out", "dlq", "m", "v1", "json", on_done=lambda r: calls.done.append(r.offset),
                  on_failed=lambda r, e: calls.failed.append((r.offset, e)), max_message_bytes=limit)
     r = rec(8, id="r")
-    out = "a" * (limit - 10 - len(em.results.encode(r, "ok", "", None, 1, 0.0, 0.0, 10.0, 0.0)) - len(r.key or b""))
+    out = "a" * (limit - 10 - len(em.results.encode(r, "ok", "", None, 1, 0.0,
+                                                    0.0, 10.0, 0.0)) - len(r.key or b""))
     # declined: the general path handles it
     assert em.emit_ok_many([r], [out], 1, 10.0, 0.0, 10.0, 0.0) == [0]
     em.emit(Outcome(r, "ok", output=out, batch_size=1), 10.0, 0.0)  # an error result and a dead letter
@@ -474,7 +482,8 @@ def test_a_message_within_librdkafkas_record_overhead_does_not_stop_the_worker()
     real.purge()
 
 
-@pytest.mark.parametrize("case", ["big_key", "big_headers", "long_reason", "ok_result_with_a_big_key", "everything"])
+@pytest.mark.parametrize("case", ["big_key", "big_headers", "long_reason", "ok_result_with_a_big_key",
+                                  "everything"])
 def test_a_dead_letter_whose_key_headers_or_reason_do_not_fit_is_trimmed_until_it_does(case: str) -> None:
     # Only the original value used to be dropped: a key or headers over the producer's message.max.bytes (the
     # input topic took them) kept the dead letter too big, and produce() stopped the worker on every restart.

@@ -33,7 +33,8 @@ def synthetic(**options: Any) -> Any:
 
 def make_batch(items: Sequence[Any], lane: str = "default", offset: int = 0) -> Batch:
     recs = [Record(TopicPartition("t", 0), offset + i, b"", item=it, lane=lane) for i, it in enumerate(items)]
-    return Batch(lane=lane, records=recs, opened_at=0.0, closed_at=0.0, reason="count", max_batch_size=len(recs))
+    return Batch(lane=lane, records=recs, opened_at=0.0, closed_at=0.0, reason="count",
+                 max_batch_size=len(recs))
 
 
 # ------------------------------------------------------------------------------------------ devices/dtype
@@ -337,7 +338,8 @@ def test_device_worker_isolates_poison_and_oom_and_reports_mismatch() -> None:
     eng = Engine(m, "cpu", warmup=False)
     inputs: list[Any] = [f"r{i}" for i in range(10)]
     inputs[3] = "BAD"
-    feeder = Feeder([make_batch([m.decode(x) for x in inputs], lane="lo"), make_batch([m.decode("x")], offset=100)])
+    feeder = Feeder([make_batch([m.decode(x) for x in inputs], lane="lo"),
+                     make_batch([m.decode("x")], offset=100)])
     w = DeviceWorker(eng, feeder.take, feeder.done, poll_s=0.01)
     w.start()
     assert feeder.all_done.wait(30)
@@ -374,7 +376,8 @@ def test_device_worker_stop_finishes_held_batches() -> None:
 def test_several_workers_share_one_take() -> None:
     models = [Fake(forward_s=0.01), Fake(forward_s=0.01)]
     feeder = Feeder([make_batch([i], offset=i) for i in range(12)])
-    workers = [DeviceWorker(Engine(m, "cpu", warmup=False), feeder.take, feeder.done, poll_s=0.01, name=f"w{i}")
+    workers = [DeviceWorker(Engine(m, "cpu", warmup=False), feeder.take, feeder.done, poll_s=0.01,
+                            name=f"w{i}")
                for i, m in enumerate(models)]
     for w in workers:
         w.start()
@@ -823,7 +826,8 @@ class Sticky(Fake):
 def test_is_device_error_tells_device_errors_from_oom_and_input_errors() -> None:
     from worker.adapters.torch_engine import is_device_error
 
-    for text in ("CUDA error: device-side assert triggered", "CUDA error: an illegal memory access was encountered",
+    for text in ("CUDA error: device-side assert triggered",
+                 "CUDA error: an illegal memory access was encountered",
                  "CUDA error: uncorrectable ECC error encountered",
                  "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm( handle)`",
                  "cuDNN error: CUDNN_STATUS_EXECUTION_FAILED",
@@ -931,7 +935,8 @@ def test_a_record_too_big_even_alone_does_not_collapse_the_lane_limit() -> None:
     back."""
     m = Squeezed()
     limits: list[int] = []
-    eng = Engine(m, "cpu", warmup=False, max_batch_sizes={"default": 64}, on_limit=lambda lane, n: limits.append(n))
+    eng = Engine(m, "cpu", warmup=False, max_batch_sizes={"default": 64},
+                 on_limit=lambda lane, n: limits.append(n))
     batch = [f"r{i}" for i in range(64)]
     batch[40] = "HUGE"
     out = eng.infer(batch)

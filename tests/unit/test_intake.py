@@ -49,7 +49,8 @@ def record(value: bytes | None, topic: str = "in", headers: list[tuple[str, byte
 def test_a_valid_request_is_routed_and_decoded(clock: FakeTime) -> None:
     rec = record(request("r1", {"x": 1.5}, meta={"trace": "t"}))
     assert intake().admit(rec, clock.t) is None
-    assert (rec.id, rec.item, rec.lane, rec.meta, rec.deadline) == ("r1", Point(1.5), "default", {"trace": "t"}, None)
+    assert (rec.id, rec.item, rec.lane, rec.meta, rec.deadline) == ("r1", Point(1.5), "default",
+                                                                    {"trace": "t"}, None)
 
 
 def test_size_limit(clock: FakeTime) -> None:
@@ -83,7 +84,8 @@ def test_tombstone(clock: FakeTime) -> None:
 
 @pytest.mark.parametrize(("inputs", "path"), [({"x": -1}, "$.inputs.x"), ({"x": "one"}, "$.inputs.x"),
                                               ({"y": 1}, "$.inputs"), (3, "$.inputs")])
-def test_invalid_request_names_the_field_path_and_keeps_the_id(clock: FakeTime, inputs: Any, path: str) -> None:
+def test_invalid_request_names_the_field_path_and_keeps_the_id(clock: FakeTime, inputs: Any,
+                                                               path: str) -> None:
     rec = record(request("r9", inputs))
     o = intake().admit(rec, clock.t)
     assert o is not None and (o.status, o.dlq_stage) == ("error", "validate")
@@ -153,7 +155,8 @@ def test_model_decode_failure_is_a_decode_error(clock: FakeTime) -> None:
 
 
 def test_cache_key_is_canonical_and_only_with_the_cache_on(clock: FakeTime) -> None:
-    a, b, c = (record(request("a", {"p": 1, "q": [1, 2]})), record(b'{"inputs": {"q": [1, 2], "p": 1}, "id": "b"}'),
+    a, b, c = (record(request("a", {"p": 1, "q": [1, 2]})),
+               record(b'{"inputs": {"q": [1, 2], "p": 1}, "id": "b"}'),
                record(request("c", {"p": 2, "q": [1, 2]})))
     on = intake(FakeModel(), redis={"cache": True})
     for r in (a, b, c):
@@ -248,7 +251,8 @@ def test_a_record_rejected_before_routing_is_counted_under_a_lane_that_exists(cl
     that need not exist (results and kiw_records_out_total{lane="default"} under a lane nobody configured)."""
     it = intake(batching={"lanes": [{"name": "hi", "priority": 1, "topics": ["in-hi"]}, {"name": "bulk"}],
                           "default_lane": "bulk"})
-    for topic, value, lane in (("in", b"{bad", "bulk"), ("in-hi", b"{bad", "hi"), ("in", b'{"id": "a"}', "bulk")):
+    for topic, value, lane in (("in", b"{bad", "bulk"), ("in-hi", b"{bad", "hi"),
+                               ("in", b'{"id": "a"}', "bulk")):
         o = it.admit(record(value, topic=topic), clock.t)
         assert o is not None and o.record.lane == lane, (topic, value, o.record.lane)
 
@@ -266,7 +270,8 @@ def test_unknown_lanes_are_exported_and_logged_per_report_not_per_record(
     it = intake()
     for i in range(3):
         assert it.admit(record(request(f"a{i}", {"x": 1}, priority="nope")), clock.t) is None
-    assert it.admit(record(request("b", {"x": 1}), topic="in-hi", headers=[(H_PRIORITY, b" gone ")]), clock.t) is None
+    assert it.admit(record(request("b", {"x": 1}), topic="in-hi", headers=[(H_PRIORITY, b" gone ")]),
+                    clock.t) is None
     assert it.admit(record(request("c", {"x": 1}, priority="bulk")), clock.t) is None  # a known lane
     m = _Events()
     with caplog.at_level("WARNING", logger="worker.intake"):

@@ -39,7 +39,8 @@ c.close()
 
 
 def _client(mode: str) -> list[str]:
-    p = subprocess.run([sys.executable, "-c", CLIENT, mode], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    p = subprocess.run([sys.executable, "-c", CLIENT, mode], cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)},
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     return p.stderr.splitlines()
@@ -97,7 +98,8 @@ def test_worker_run_with_minilm_ends_without_third_party_noise(tmp_path: Path) -
     err = tmp_path / "stderr"
     with err.open("w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "worker", "run", "--config", str(cfg)], cwd=tmp_path,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=f)
+                                env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+                                stderr=f)
     try:
         deadline = time.monotonic() + 240
         while '"msg": "worker started"' not in err.read_text() and time.monotonic() < deadline:

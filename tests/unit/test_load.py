@@ -69,7 +69,8 @@ def test_load_reports_an_unreachable_broker_and_exits_1(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("argv", [
-    ["demo", "--rate", "nan"], ["demo", "--rate", "inf"], ["demo", "--warm-up-s", "inf"], ["demo", "--warm-up-s", "nan"],
+    ["demo", "--rate", "nan"], ["demo", "--rate", "inf"], ["demo", "--warm-up-s", "inf"],
+    ["demo", "--warm-up-s", "nan"],
     ["load", "--topic", "t", "--rate", "nan"], ["load", "--topic", "t", "--rate", "inf"],
 ])
 def test_a_non_finite_number_is_a_usage_error(argv, capsys, monkeypatch):

@@ -189,14 +189,16 @@ def test_a_list_output_is_one_output_per_record_not_heads() -> None:
     assert eng.stats.poison == 0
     det = TensorModel(PerRecordList(dicts=True), name="det")
     assert run(det, [[1, 2, 3, 4], [5, 6, 7, 8]]) == [
-        {"boxes": [[1.0, 2.0], [3.0, 4.0]], "score": 10.0}, {"boxes": [[5.0, 6.0], [7.0, 8.0]], "score": 26.0}]
+        {"boxes": [[1.0, 2.0], [3.0, 4.0]], "score": 10.0}, {"boxes": [[5.0, 6.0], [7.0, 8.0]],
+                                                             "score": 26.0}]
     # Heads go in a tuple or dict, as documented; a list of another length than the batch is refused, naming
     # that.
     assert split_rows((torch.zeros(3, 2), torch.ones(3)), 3)[1] == [[0.0, 0.0], 1.0]
     with pytest.raises(OutputCountError, match="list of 2 for a batch of 3.*tuple"):
         split_rows([torch.zeros(3, 2), torch.ones(3)], 3)
     # A list inside a dict is per record too, and must have one item per record.
-    assert split_rows({"ids": [torch.tensor([1]), torch.tensor([2, 3])]}, 2) == [{"ids": [1]}, {"ids": [2, 3]}]
+    assert split_rows({"ids": [torch.tensor([1]), torch.tensor([2, 3])]}, 2) == [{"ids": [1]},
+                                                                                 {"ids": [2, 3]}]
     with pytest.raises(ValueError, match=r"output\['ids'\] has 1 rows for a batch of 2"):
         split_rows({"ids": [torch.tensor([1])]}, 2)
 
@@ -268,7 +270,8 @@ def test_factory_errors(user_module: str) -> None:
 
 
 
-def test_an_error_inside_a_factory_is_a_config_error_that_says_it_raised(user_module: str, tmp_path: Path) -> None:
+def test_an_error_inside_a_factory_is_a_config_error_that_says_it_raised(user_module: str,
+                                                                         tmp_path: Path) -> None:
     """A TypeError raised in a factory's body was reported as the factory rejecting the options; any other
     exception escaped load_model as a traceback instead of a ConfigError naming $.model (exit 2)."""
     with pytest.raises(ConfigError, match=r"^\$\.model\.name: factory '.*:buggy' raised TypeError: object of "
@@ -282,7 +285,8 @@ def test_an_error_inside_a_factory_is_a_config_error_that_says_it_raised(user_mo
         load_model(ModelConfig(name=f"{user_module}:buggy", options={"dims": 4}))
     sd = tmp_path / "w.safetensors"
     sd.write_bytes(b"")
-    with pytest.raises(ConfigError, match=r"^\$\.model\.options\.factory: factory .* raised FileNotFoundError"):
+    with pytest.raises(ConfigError,
+                       match=r"^\$\.model\.options\.factory: factory .* raised FileNotFoundError"):
         load_model(ModelConfig(name=str(sd), options={"factory": f"{user_module}:missing_weights"}))
 
 def test_state_dict_with_factory(user_module: str, tmp_path: Path) -> None:
@@ -304,7 +308,8 @@ def test_state_dict_with_factory(user_module: str, tmp_path: Path) -> None:
     torch.save({"lin.weight": Doubler(3)}, tmp_path / "evil.pt")
     with pytest.raises(ConfigError, match=r"\$\.model\.options\.state_dict: .*evil.pt' is not a loadable "
                                           r"state dict"):
-        load_model(ModelConfig(name=f"{user_module}:build", options={"state_dict": str(tmp_path / "evil.pt")}))
+        load_model(ModelConfig(name=f"{user_module}:build",
+                               options={"state_dict": str(tmp_path / "evil.pt")}))
     # so is a whole module saved instead of its state_dict (name=<file> + factory: the key is $.model.name)
     torch.save(Doubler(3), tmp_path / "module.pt")
     with pytest.raises(ConfigError, match=r"\$\.model\.name: .*module.pt' is not a loadable state "
@@ -312,7 +317,8 @@ def test_state_dict_with_factory(user_module: str, tmp_path: Path) -> None:
         load_model(ModelConfig(name=str(tmp_path / "module.pt"), options={"factory": f"{user_module}:build"}))
     (tmp_path / "broken.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(ConfigError, match="is not a loadable state dict"):
-        load_model(ModelConfig(name=str(tmp_path / "broken.safetensors"), options={"factory": f"{user_module}:build"}))
+        load_model(ModelConfig(name=str(tmp_path / "broken.safetensors"),
+                               options={"factory": f"{user_module}:build"}))
 
 
 def test_a_weights_only_file_without_factory_is_refused_before_start(tmp_path: Path) -> None:
@@ -581,7 +587,8 @@ def test_a_factory_module_that_fails_to_import_is_a_config_error(source: str, wa
     ("synthetic", {"host_ms": float("nan")}, "host_ms"), ("synthetic", {"oom_above": -1}, "oom_above"),
     ("tiny", {"hidden": 0}, "hidden"), ("tiny", {"hidden": -3}, "hidden"),
 ])
-def test_a_built_in_option_out_of_range_is_a_config_error_naming_it(name: str, options: dict[str, Any], key: str) -> None:
+def test_a_built_in_option_out_of_range_is_a_config_error_naming_it(name: str, options: dict[str, Any],
+                                                                    key: str) -> None:
     # They raised ValueError, ZeroDivisionError or a torch RuntimeError (exit 1, a traceback), or passed (inf,
     # NaN) and failed every forward; README promises exit 2 naming the key.
     with pytest.raises(ConfigError, match=rf"^\$\.model\.options\.{key}: "):

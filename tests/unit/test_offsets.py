@@ -348,6 +348,7 @@ def test_ack_many_leaves_the_state_acking_one_by_one_leaves(tracked: list[int], 
     for run in runs:
         done = sum(one.ack(A, o) for o in run)
         assert many.ack_many(A, run) == done
-        assert (many.committable(), many.in_flight(), many.pending(A), many.first_pending(A), many.failed()) == (
+        assert (many.committable(), many.in_flight(), many.pending(A), many.first_pending(A),
+                many.failed()) == (
             one.committable(), one.in_flight(), one.pending(A), one.first_pending(A), one.failed())
     assert many.ack_many(B, [0, 1]) == 0  # an unknown partition: nothing

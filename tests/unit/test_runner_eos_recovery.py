@@ -108,7 +108,8 @@ def test_a_record_read_again_while_tracked_is_not_processed_twice(monkeypatch: p
 def test_a_rewind_without_a_commit_goes_back_to_the_first_record_read(monkeypatch: pytest.MonkeyPatch) -> None:
     """With auto.offset.reset=latest, one abort before the first commit sought to OFFSET_BEGINNING: the whole
     retained history was processed."""
-    h = Harness(monkeypatch, make_config(delivery=EOS, kafka={"consumer": {"auto.offset.reset": "latest"}})).start()
+    h = Harness(monkeypatch, make_config(delivery=EOS,
+                                         kafka={"consumer": {"auto.offset.reset": "latest"}})).start()
     h.send(100)  # history from before the worker ever ran
     h.c.assign(("in", 0), ("in", 1))
     h.c.positions[IN0] = h.c.high_watermark(IN0)  # what auto.offset.reset=latest does without a commit

@@ -19,7 +19,8 @@ def sample(m: PrometheusMetrics, name: str, **labels: str) -> float | None:
 
 def lag_harness(monkeypatch: pytest.MonkeyPatch, **cfg: object) -> tuple[Harness, PrometheusMetrics]:
     m = PrometheusMetrics()
-    h = Harness(monkeypatch, make_config(metrics={"enabled": False, "lag_interval_s": 5}, **cfg), metrics=m).start()
+    h = Harness(monkeypatch, make_config(metrics={"enabled": False, "lag_interval_s": 5}, **cfg),
+                metrics=m).start()
     h.c.assign(("in", 0))
     return h, m
 

@@ -18,7 +18,8 @@ def src(m: Produced) -> int:
 def test_a_stalled_producer_is_replaced_and_its_records_commit_once_sent_again(
         monkeypatch: pytest.MonkeyPatch) -> None:
     metrics = PrometheusMetrics()
-    h = Harness(monkeypatch, make_config(delivery={"producer_stall_s": 20}), spare=True, metrics=metrics).start()
+    h = Harness(monkeypatch, make_config(delivery={"producer_stall_s": 20}), spare=True,
+                metrics=metrics).start()
     assert h.spare is not None
     h.c.assign(("in", 0))
     h.p.hold = True  # the first producer never delivers what it gets

@@ -176,7 +176,8 @@ def test_close_revokes_like_the_real_client(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 # ------------------------------------------------------------------------------ exceptions in callbacks
-def test_on_assign_errors_never_escape(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_on_assign_errors_never_escape(monkeypatch: pytest.MonkeyPatch,
+                                       caplog: pytest.LogCaptureFixture) -> None:
     def broken(consumer: object, partitions: object) -> None:
         raise RuntimeError("user on_assign_offsets bug")
 
@@ -253,7 +254,8 @@ def test_a_released_partitions_lag_series_is_removed(monkeypatch: pytest.MonkeyP
     m = PrometheusMetrics()
 
     def lag_series() -> set[tuple[str, str]]:
-        return {(s.labels["topic"], s.labels["partition"]) for f in text_string_to_metric_families(m.render().decode())
+        return {(s.labels["topic"],
+                 s.labels["partition"]) for f in text_string_to_metric_families(m.render().decode())
                 if f.name == "kiw_consumer_lag" for s in f.samples}
 
     h = Harness(monkeypatch, metrics=m).start()

@@ -74,7 +74,8 @@ class GaugeMetrics:
 def _stuck(monkeypatch: pytest.MonkeyPatch, **cfg: Any) -> Harness:
     """Four records in in[0], batches of 2, partition assigned at the first poll: what the tests below start
     from before one batch gets stuck on the device (``_one_done_one_stuck``)."""
-    h = Harness(monkeypatch, make_config(batching={"lanes": [{"name": "default", "max_batch_size": 2}]}, **cfg))
+    h = Harness(monkeypatch, make_config(batching={"lanes": [{"name": "default",
+                                                              "max_batch_size": 2}]}, **cfg))
     h.send(4)
     h.c.schedule(lambda: h.c.assign(("in", 0)))
     return h
@@ -123,7 +124,8 @@ def test_a_fatal_consumer_error_stops_with_exit_1(monkeypatch: pytest.MonkeyPatc
     h.device.auto = True
     h.c.hooks.append(h.device.hook)
 
-    h.on_polls({3: lambda: h.c.inject_error(KafkaError(KafkaError._FATAL, "fatal: fenced consumer", fatal=True))})
+    h.on_polls({3: lambda: h.c.inject_error(KafkaError(KafkaError._FATAL,
+                                                       "fatal: fenced consumer", fatal=True))})
     assert h.run() == 1
     assert "fatal consumer error" in (h.runner.fatal or "")
     assert h.committed() == 2  # work done before the error is still committed on the way out
@@ -307,7 +309,8 @@ def test_results_confirmed_by_the_last_flush_reach_the_ledger(monkeypatch: pytes
     real = store.mark_delivered
     monkeypatch.setattr(store, "mark_delivered", lambda ids: (recorded.extend(ids), real(ids)))
     h = Harness(monkeypatch, make_config(batching={"lanes": [{"name": "default", "max_batch_size": 2}]},
-                                         redis={"ledger": True}, delivery={"shutdown_timeout_s": 2}), store=store)
+                                         redis={"ledger": True}, delivery={"shutdown_timeout_s": 2}),
+                store=store)
     h.send(4)
     h.c.schedule(lambda: h.c.assign(("in", 0)))
 
@@ -424,7 +427,8 @@ def test_an_exactly_once_checkpoint_while_draining_ends_by_the_shutdown_deadline
     stopped acknowledging, made the stop take 60 s and more, past the pod's grace period (SIGKILL in the
     middle of a transaction). Now every wait ends by the deadline; the transaction is aborted and the records
     are read again after the restart."""
-    h = _stuck(monkeypatch, delivery={"shutdown_timeout_s": 30, "mode": "exactly_once", "transactional_id": "t"},
+    h = _stuck(monkeypatch, delivery={"shutdown_timeout_s": 30, "mode": "exactly_once",
+                                      "transactional_id": "t"},
                kafka={"commit_interval_ms": 1000})
     t: dict[str, Any] = {}
 

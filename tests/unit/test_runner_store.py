@@ -236,7 +236,8 @@ def test_only_the_record_that_kills_the_process_is_quarantined(monkeypatch: pyte
     h.iterate()
     h.commit()
     assert [int(p.header("x-source-offset") or -1) for p in h.p.dead_letters()] == [1]
-    assert {r["id"]: r["status"] for r in h.p.results()} == {"in-0-0": "ok", "in-0-1": "error", "in-0-2": "ok"}
+    assert {r["id"]: r["status"] for r in h.p.results()} == {"in-0-0": "ok", "in-0-1": "error",
+                                                             "in-0-2": "ok"}
     assert h.committed() == 3
 
 
@@ -302,7 +303,8 @@ def test_models_with_the_same_name_and_version_do_not_share_cached_results(monke
     assert run(options={"path": "/models/team-a/current"}).model.calls == 1
     # the same model: a hit
     assert run(options={"path": "/models/team-a/current"}).runner.stats.cache_hits == 1
-    for model in ({"options": {"path": "/models/team-b/current"}}, {"options": {"path": "/models/team-a/current"},
+    for model in ({"options": {"path": "/models/team-b/current"}},
+                  {"options": {"path": "/models/team-a/current"},
                                                                     "dtype": "fp16"}):
         h = run(**model)
         assert h.runner.stats.cache_hits == 0 and h.model.calls == 1, model
@@ -408,7 +410,8 @@ def test_ledger_holds_ok_results_only_so_a_failed_request_may_be_retried(monkeyp
     h.c.append("in", 0, request("broken", "poison"))
     h.process()
     h.commit()
-    assert {r["id"]: r["status"] for r in h.p.results()} == {"fine": "ok", "late": "expired", "broken": "error"}
+    assert {r["id"]: r["status"] for r in h.p.results()} == {"fine": "ok", "late": "expired",
+                                                             "broken": "error"}
     assert store.delivered_many(["out:fine", "out:late", "out:broken"]) == {"out:fine"}
     # The senders retry under the same ids: the failed ones are processed again, the ok one is not.
     for rid in ("fine", "late", "broken"):

@@ -154,7 +154,8 @@ def test_higher_weight_gets_proportionally_more(lo_first: bool) -> None:
     assert first.count("hi") == 30 and first.count("lo") == 10
 
 
-@pytest.mark.parametrize(("w_hi", "w_lo", "b_hi", "b_lo"), [(1, 1, 8, 8), (9, 1, 8, 8), (1, 4, 16, 4), (5, 2, 3, 32)])
+@pytest.mark.parametrize(("w_hi", "w_lo", "b_hi", "b_lo"), [(1, 1, 8, 8), (9, 1, 8, 8), (1, 4, 16, 4),
+                                                            (5, 2, 3, 32)])
 def test_low_lane_keeps_its_weighted_share_under_sustained_overload(w_hi: float, w_lo: float, b_hi: int,
                                                                       b_lo: int) -> None:
     cfg = lanes({"name": "hi", "priority": 10, "weight": w_hi, "max_batch_size": b_hi},
@@ -461,7 +462,8 @@ def test_adaptive_gap_filler_must_end_before_the_hold() -> None:
 # ---------------------------------------------------------------- invariants under random operations
 
 LANES = ["hi", "lo", "default"]
-_add = st.tuples(st.just("add"), st.integers(0, 2), st.integers(0, 3), st.sampled_from([None, 0.001, 0.01, 0.023, 0.05]))
+_add = st.tuples(st.just("add"), st.integers(0, 2), st.integers(0, 3),
+                 st.sampled_from([None, 0.001, 0.01, 0.023, 0.05]))
 _next = st.tuples(st.just("next"), st.booleans(), st.just(0), st.just(None))
 # take a batch ahead (device busy)
 _ahead = st.tuples(st.just("ahead"), st.just(0), st.just(0), st.just(None))
@@ -791,7 +793,8 @@ def test_preempted_records_keep_their_deadlines() -> None:
 
 def filling_lanes(batch: int = 4, wait_ms: float = 10.0, **kw: object) -> PriorityScheduler:
     """``hi`` fills its partial batches from lower lanes; ``mid`` (priority 5) and ``lo`` (0) do not."""
-    cfg = lanes({"name": "hi", "priority": 10, "max_batch_size": batch, "max_wait_ms": wait_ms, "fill_with_lower": True},
+    cfg = lanes({"name": "hi", "priority": 10, "max_batch_size": batch, "max_wait_ms": wait_ms,
+                 "fill_with_lower": True},
                 {"name": "mid", "priority": 5, "max_batch_size": batch, "max_wait_ms": wait_ms},
                 {"name": "lo", "priority": 0, "max_batch_size": batch, "max_wait_ms": wait_ms})
     return PriorityScheduler(cfg, "lo", **kw)  # type: ignore[arg-type]
@@ -890,7 +893,8 @@ def test_with_size_buckets_a_partial_batch_is_topped_up_past_other_buckets() -> 
     # Each bucket's window closes by time on its own, so the ready FIFO interleaves buckets: a partial batch
     # of short records, a full one of long records, then more short ones. The partial batch takes the later
     # short records along instead of running half empty (and leaving them another partial batch).
-    s = PriorityScheduler(lanes({"name": "default", "max_batch_size": 4, "max_wait_ms": 10}), "default", "fixed",
+    s = PriorityScheduler(lanes({"name": "default", "max_batch_size": 4, "max_wait_ms": 10}), "default",
+                          "fixed",
                           bucket_width=8)
     short_early, long, short_late = recs(2, size=3), recs(4, size=20), recs(3, size=5)
     feed(s, short_early, now=0.0)
@@ -898,17 +902,20 @@ def test_with_size_buckets_a_partial_batch_is_topped_up_past_other_buckets() -> 
     feed(s, long, now=0.012)  # a full batch of another bucket
     feed(s, short_late, now=0.013)  # closes by time at 0.023
     got = drain(s, now=0.030)
-    assert [ids(b.records) for b in got] == [ids(short_early + short_late[:2]), ids(long), ids(short_late[2:])]
+    assert [ids(b.records) for b in got] == [ids(short_early + short_late[:2]), ids(long),
+                                             ids(short_late[2:])]
     assert len(s) == 0 and s.stats()["default"]["ready_batches"] == 0
 
 
 @pytest.mark.parametrize(("scan", "topped_up"), [(2, False), (3, True)])
-def test_the_bucket_top_up_looks_only_so_far_down_the_ready_batches(monkeypatch: pytest.MonkeyPatch, scan: int,
+def test_the_bucket_top_up_looks_only_so_far_down_the_ready_batches(monkeypatch: pytest.MonkeyPatch,
+                                                                    scan: int,
                                                                       topped_up: bool) -> None:
     # The later record of the short batch's bucket is the third ready batch behind it: found when the scan
     # reaches that far, left for its own batch when not (the scan is bounded: a lane can hold thousands).
     monkeypatch.setattr(lane_module, "TOP_UP_SCAN", scan)
-    s = PriorityScheduler(lanes({"name": "default", "max_batch_size": 4, "max_wait_ms": 10}), "default", "fixed",
+    s = PriorityScheduler(lanes({"name": "default", "max_batch_size": 4, "max_wait_ms": 10}), "default",
+                          "fixed",
                           bucket_width=8)
     early, mid, far, late = recs(1, size=3), recs(4, size=20), recs(4, size=40), recs(1, size=3)
     feed(s, early, now=0.0)
@@ -1146,7 +1153,8 @@ def test_a_fill_lane_partial_batch_taken_ahead_is_filled_when_it_starts_its_own_
     high-lane window's batches were taken ahead and ran unfilled (``overload_sim``: 0.84 of capacity instead
     of
     1.00)."""
-    cfg = lanes({"name": "hi", "priority": 10, "max_batch_size": 4, "max_wait_ms": 10, "fill_with_lower": True},
+    cfg = lanes({"name": "hi", "priority": 10, "max_batch_size": 4, "max_wait_ms": 10,
+                 "fill_with_lower": True},
                 {"name": "lo", "max_batch_size": 4, "max_wait_ms": 10})
     s = PriorityScheduler(cfg, "lo", "fixed")
     trimmed = _ahead_then_trimmed(s, "hi")

@@ -229,7 +229,8 @@ def test_worker_run_supervises_per_model_processes_or_the_flag(tmp_path, monkeyp
     calls: list[tuple[int, int | None]] = []
     monkeypatch.setattr("worker.supervisor.supervise",
                         lambda cfg, p, n, metrics_port=None: calls.append((n, metrics_port)) or 0)
-    monkeypatch.setattr("worker.service.run_service", lambda cfg, metrics_port=None: calls.append((1, None)) or 0)
+    monkeypatch.setattr("worker.service.run_service",
+                        lambda cfg, metrics_port=None: calls.append((1, None)) or 0)
     monkeypatch.setattr(cli, "_setup_logging", lambda cfg, level=None: None)
     assert cli.main(["run", "--config", str(path), *argv]) == 0
     assert calls == [(want or 1, None)]

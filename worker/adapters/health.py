@@ -91,7 +91,8 @@ class HealthServer:
             "assignment": bool(s.assigned or s.waiting_for_assignment),
         }
         failed = [name for name, ok in checks.items() if not ok]
-        return not failed, {"status": "ready" if not failed else "not_ready", "checks": checks, "failed": failed}
+        return not failed, {"status": "ready" if not failed else "not_ready", "checks": checks,
+                            "failed": failed}
 
     def render_metrics(self) -> bytes:
         return b"" if self.metrics is None else self.metrics.render()

@@ -156,7 +156,8 @@ def _offline(conf: dict[str, Any]) -> dict[str, Any]:
 @functools.lru_cache(maxsize=64)
 def _problem(consumer: tuple[tuple[str, Any], ...], producer: tuple[tuple[str, Any], ...],
              consumer_keys: frozenset[str], producer_keys: frozenset[str]) -> tuple[str, str] | None:
-    for section, conf, given in (("consumer", consumer, consumer_keys), ("producer", producer, producer_keys)):
+    for section, conf, given in (("consumer", consumer, consumer_keys),
+                                 ("producer", producer, producer_keys)):
         text = _refusal(section, dict(conf))
         if text is None:
             continue
@@ -217,7 +218,8 @@ def ensure_topics(bootstrap: str | dict[str, Any], topics: dict[str, int], timeo
 
 
 _TRANSIENT = {"NOT_COORDINATOR", "COORDINATOR_LOAD_IN_PROGRESS", "COORDINATOR_NOT_AVAILABLE", "_TIMED_OUT",
-              "_TRANSPORT", "REQUEST_TIMED_OUT", "_WAIT_COORD", "LEADER_NOT_AVAILABLE", "NOT_LEADER_FOR_PARTITION"}
+              "_TRANSPORT", "REQUEST_TIMED_OUT", "_WAIT_COORD", "LEADER_NOT_AVAILABLE",
+              "NOT_LEADER_FOR_PARTITION"}
 
 
 def retry_transient(fn: Any, *args: Any, timeout: float = 60.0, **kwargs: Any) -> Any:

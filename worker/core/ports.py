@@ -107,7 +107,8 @@ class Metrics(Protocol):
 class NullMetrics:
     def records_in(self, lane: str, n: int = 1) -> None: pass
     def records_out(self, lane: str, status: str, n: int = 1) -> None: pass
-    def batch(self, lane: str, size: int, fill_ratio: float, queue_wait_s: float, infer_s: float) -> None: pass
+    def batch(self, lane: str, size: int, fill_ratio: float, queue_wait_s: float,
+              infer_s: float) -> None: pass
     def end_to_end(self, lane: str, seconds: float) -> None: pass
     def end_to_end_many(self, lane: str, seconds: list[float]) -> None: pass
     def dlq(self, stage: str, n: int = 1) -> None: pass

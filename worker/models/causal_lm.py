@@ -177,10 +177,12 @@ class HFStepModel:
 
     # -- forward passes ------------------------------------------------------------------------------------
 
-    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> Any:
+    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                 cache: Any) -> Any:
         kw: dict[str, Any] = {"logits_to_keep": 1} if self._keep_one else {}
         kw[self._cache_arg] = cache
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **kw)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         **kw)
         return out.logits[:, -1, :]
 
     def _prefill(self, ids: list[int]) -> dict[int, int]:
@@ -259,9 +261,11 @@ class HFStepModel:
             return block
         trim = min(block.pads[i] for i in rows)
         index = torch.tensor(rows, device=block.cache.layers[0].keys.device)
-        kv = [(layer.keys.index_select(0, index)[:, :, trim:], layer.values.index_select(0, index)[:, :, trim:])
+        kv = [(layer.keys.index_select(0, index)[:, :, trim:],
+               layer.values.index_select(0, index)[:, :, trim:])
               for layer in block.cache.layers]
-        return _Block(self._make_cache(kv), [block.rows[i] for i in rows], [block.pads[i] - trim for i in rows])
+        return _Block(self._make_cache(kv), [block.rows[i] for i in rows],
+                      [block.pads[i] - trim for i in rows])
 
     def _join(self, parts: list[_Block]) -> _Block:
         width = max(p.width() for p in parts)

@@ -108,7 +108,8 @@ def _load_state_dict(path: Path, key: str = "$.model.options.state_dict") -> dic
 
 
 def _tensor_kwargs(options: dict[str, Any]) -> dict[str, Any]:
-    kw: dict[str, Any] = {k: options[k] for k in ("input_shape", "input_dtype", "example_input") if k in options}
+    kw: dict[str, Any] = {k: options[k] for k in ("input_shape", "input_dtype",
+                                                  "example_input") if k in options}
     if "input_shape" in kw and not (
         isinstance(kw["input_shape"], list) and all(isinstance(d, int) and d > 0 for d in kw["input_shape"])
     ):

@@ -159,7 +159,8 @@ class OnnxModel:
     uses_torch: ClassVar[bool] = False
 
     _NP = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64",
-           "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(bool)": "bool", "tensor(uint8)": "uint8",
+           "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(bool)": "bool",
+           "tensor(uint8)": "uint8",
            "tensor(int8)": "int8"}
 
     def __init__(self, path: Path, *, name: str, version: str, example_input: Any = None) -> None:
@@ -192,7 +193,8 @@ class OnnxModel:
         self.inputs = [(i.name, self._NP[i.type], i.shape) for i in probe.get_inputs()]
         # (input index, axis of its record) of the first axis not fixed by the graph, if any.
         self._ragged = next(((k, d) for k, (_, _, shape) in enumerate(self.inputs)
-                             for d, dim in enumerate(shape[1:] if shape else []) if not isinstance(dim, int)), None)
+                             for d, dim in enumerate(shape[1:] if shape else []) if not isinstance(dim, int)),
+                            None)
         self.outputs = [o.name for o in probe.get_outputs()]
         # A fixed batch axis: torch.onnx.export's default without dynamic_axes.
         self.max_batch = _fixed_batch({i.shape[0] for i in probe.get_inputs() if i.shape and isinstance(i.shape[0], int)},
@@ -242,7 +244,8 @@ class OnnxModel:
             except (TypeError, ValueError, OverflowError) as e:
                 raise ValueError(f"inputs[{name!r}] must be a (nested) list of numbers: {e}") from None
             want = shape[1:] if shape else []
-            if len(want) != a.ndim or any(isinstance(w, int) and w != g for w, g in zip(want, a.shape, strict=False)):
+            if len(want) != a.ndim or any(isinstance(w, int) and w != g for w, g in zip(want, a.shape,
+                                                                                        strict=False)):
                 raise ValueError(f"inputs[{name!r}] must have shape {want}, got {list(a.shape)}")
             out[name] = a
         return out
@@ -265,7 +268,8 @@ class OnnxModel:
             return [(None, {name: np.stack([it[name] for it in items]) for name in names})]
         return [(pos, {name: np.stack([items[i][name] for i in pos]) for name in names}) for pos in groups.values()]
 
-    def forward(self, batch: list[tuple[list[int] | None, dict[str, Any]]]) -> list[tuple[list[int] | None, Any]]:
+    def forward(self, batch: list[tuple[list[int] | None,
+                                        dict[str, Any]]]) -> list[tuple[list[int] | None, Any]]:
         return [(pos, self.session.run(None, feeds)) for pos, feeds in batch]
 
     def _rows(self, output: list[Any], n: int) -> list[Any]:

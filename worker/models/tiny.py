@@ -31,7 +31,8 @@ class TinyModel:
         # A private generator: building the model must not disturb the global RNG.
         g = torch.Generator().manual_seed(opts.seed)
         self.net = torch.nn.Sequential(
-            torch.nn.Linear(TINY_DIM, opts.hidden), torch.nn.GELU(), torch.nn.Linear(opts.hidden, TINY_CLASSES)
+            torch.nn.Linear(TINY_DIM, opts.hidden), torch.nn.GELU(),
+            torch.nn.Linear(opts.hidden, TINY_CLASSES)
         )
         with torch.no_grad():
             for p in self.net.parameters():

@@ -48,7 +48,8 @@ def tiny_options(**options: Any) -> TinyLMOptions:
 
 def _byte_to_unicode() -> dict[int, str]:
     """GPT-2's byte-level alphabet: every byte as one printable character (what ByteLevel expects)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
     table, extra = {}, 0
     for b in range(256):
         if b in printable:

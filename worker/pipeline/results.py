@@ -88,7 +88,8 @@ class Results:
                     if isinstance(out, Expired):
                         outcomes.append(Outcome(rec, "expired", output=out.output, error=out.error,
                                                 dlq_stage="expired", batch_size=n,
-                                                timings={"queue": closed - rec.received_at, "infer": infer_s}))
+                                                timings={"queue": closed - rec.received_at,
+                                                         "infer": infer_s}))
                         continue
                     decode = isinstance(out, DecodeFailed)  # decode_batch on the host threads: stage decode
                     why = str(out) if decode else f"{type(out).__name__}: {out}"
