@@ -94,5 +94,6 @@ def test_redis_down_for_10s_mid_run(kafka, local_redis, topic_names, tmp_path):
     assert t.dlq == 0
     assert all(v["status"] == "ok" for vs in t.by_id.values() for v in vs)
     assert outage["during"] > 0, "no result was produced while Redis was down: the pipeline stalled"
-    assert outage["errors_during"] > outage["before"], f"no kiw_redis_errors_total counted during the outage: {errs}"
+    assert outage["errors_during"] > outage["before"], ("no kiw_redis_errors_total counted during the "
+                                                        f"outage: {errs}")
     assert "redis circuit open" in log and "redis circuit closed" in log

@@ -52,7 +52,8 @@ def test_exactly_once_results_visible_once_under_read_committed(kafka, topic_nam
     last: dict[tuple[int, int], int] = {}
     for m, r in zip(results, values, strict=True):
         k = (m.partition(), r["source"]["partition"])
-        assert r["source"]["offset"] > last.get(k, -1), f"out of order in output partition {k[0]}: {r['source']}"
+        assert r["source"]["offset"] > last.get(k, -1), (f"out of order in output partition {k[0]}: "
+                                                         f"{r['source']}")
         last[k] = r["source"]["offset"]
     # No transaction aborted here, so a read_uncommitted reader sees the same n results, and the dead letter
     # went through the same transactions.

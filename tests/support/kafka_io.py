@@ -198,7 +198,8 @@ class WorkerProcess:
     def wait_assigned(self, timeout: float = 90.0) -> None:
         wait_for(lambda: "partitions assigned" in self.log() or (self.proc is not None and self.proc.poll() is not None),
                  timeout, what=f"{self.name} to get partitions")
-        assert self.proc is not None and self.proc.poll() is None, f"{self.name} exited early:\n{self.log()[-4000:]}"
+        assert self.proc is not None and self.proc.poll() is None, (f"{self.name} exited "
+                                                                    f"early:\n{self.log()[-4000:]}")
 
     def signal(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is not None and self.proc.poll() is None:
