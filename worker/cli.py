@@ -1,4 +1,5 @@
-"""``worker`` command line. Exit codes: 0 ok, 1 runtime failure, 2 bad configuration or usage, 130 interrupted."""
+"""``worker`` command line. Exit codes: 0 ok, 1 runtime failure, 2 bad configuration or usage, 130
+interrupted."""
 
 from __future__ import annotations
 
@@ -168,7 +169,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _finite(text: str) -> float:
-    """A float flag: nan passes every range check (and meant "unthrottled" to --rate), inf overflowed later."""
+    """A float flag: nan passes every range check (and meant "unthrottled" to --rate), inf overflowed
+    later."""
     try:
         value = float(text)
     except ValueError:

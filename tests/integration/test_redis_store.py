@@ -1,4 +1,5 @@
-"""RedisStore against a real redis-server (REDIS_URL, testcontainers, or a LocalRedis; see tests/conftest_redis.py)."""
+"""RedisStore against a real redis-server (REDIS_URL, testcontainers, or a LocalRedis; see
+tests/conftest_redis.py)."""
 
 from __future__ import annotations
 

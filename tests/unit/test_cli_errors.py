@@ -235,7 +235,8 @@ def test_ctrl_c_after_the_model_load_is_a_graceful_stop(tmp_path: Path, monkeypa
 
 def test_profile_refuses_an_unwritable_json_path_before_profiling(capsys: pytest.CaptureFixture[str],
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """The path is checked before the model is loaded or profiled (minutes on a real model), not at the end."""
+    """The path is checked before the model is loaded or profiled (minutes on a real model), not at the
+    end."""
     def too_late(*a: object, **kw: object) -> None:
         pytest.fail("profile loaded or profiled the model before refusing the unwritable --json path")
 

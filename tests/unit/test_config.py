@@ -115,7 +115,8 @@ def test_env_override_of_a_text_key_keeps_the_text_as_written():
 
 @pytest.mark.parametrize("raw", ["0123", "12:30", "1_000", "on", "0x1F", "1.50", "null", "[a]", "'q'"])
 def test_env_override_of_a_librdkafka_property_keeps_the_text_as_written(raw):
-    """Read as YAML, the password 0123 was 83, 12:30 was 750, on was true: librdkafka parses the text itself."""
+    """Read as YAML, the password 0123 was 83, 12:30 was 750, on was true: librdkafka parses the text
+    itself."""
     env = {"WORKER__KAFKA__CONSUMER__SASL_PASSWORD": raw, "WORKER__KAFKA__PRODUCER__SASL_PASSWORD": raw}
     cfg = from_dict(BASE, environ=env)
     assert cfg.kafka.consumer["sasl.password"] == cfg.kafka.producer["sasl.password"] == raw
@@ -164,7 +165,8 @@ def test_load_file_errors(tmp_path):
 
 
 def test_a_file_that_is_not_utf8_is_a_config_error(tmp_path):
-    """A UnicodeDecodeError escaped with a traceback (exit 1) for the config file and for a ${file:...} secret."""
+    """A UnicodeDecodeError escaped with a traceback (exit 1) for the config file and for a ${file:...}
+    secret."""
     f = tmp_path / "latin1.yaml"
     f.write_bytes("kafka:\n  group_id: café\n  input_topics: [in]\n".encode("latin-1"))
     with pytest.raises(ConfigError, match=r"^cannot read config file '.*latin1.yaml': not UTF-8 \(line 2, "
@@ -347,7 +349,8 @@ def test_a_tls_ca_file_without_tls_is_refused():
 
 
 def test_max_attempts_1_is_refused_with_redis():
-    """With the attempt counters on, 1 dead-letters every record that was on a device when a process stopped."""
+    """With the attempt counters on, 1 dead-letters every record that was on a device when a process
+    stopped."""
     with pytest.raises(ConfigError, match=r"^\$.delivery.max_attempts: must be >= 2 with redis.url set"):
         from_dict({**BASE, "redis": {"url": "redis://redis:6379/0"}, "delivery": {"max_attempts": 1}},
                   environ={})

@@ -684,7 +684,8 @@ def test_an_out_of_memory_error_from_another_runtime_splits_instead_of_bisecting
 
 
 class CPUAllocatorOOM(Fake):
-    """Runs out of host memory, for real, above 2 records (torch's CPU allocator raises a plain RuntimeError)."""
+    """Runs out of host memory, for real, above 2 records (torch's CPU allocator raises a plain
+    RuntimeError)."""
 
     def forward(self, batch: list[Any]) -> list[Any]:
         if len(batch) > 2:

@@ -97,7 +97,8 @@ def test_what_librdkafka_refuses_is_named_by_its_path(kafka: dict[str, Any], pat
 
 
 def test_exactly_once_is_checked_with_a_transactional_producer() -> None:
-    """librdkafka refuses message.timeout.ms above transaction.timeout.ms only for a transactional producer."""
+    """librdkafka refuses message.timeout.ms above transaction.timeout.ms only for a transactional
+    producer."""
     kafka = msgspec.structs.replace(BASE_CFG.kafka, producer={"message.timeout.ms": 120000})
     assert config_problem(msgspec.structs.replace(BASE_CFG, kafka=kafka)) is None
     eos = msgspec.structs.replace(BASE_CFG, kafka=kafka, delivery=msgspec.structs.replace(BASE_CFG.delivery,

@@ -1,4 +1,5 @@
-"""librdkafka's own log lines go through the worker's logging, and a process ends without third-party noise."""
+"""librdkafka's own log lines go through the worker's logging, and a process ends without third-party
+noise."""
 
 from __future__ import annotations
 

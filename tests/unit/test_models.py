@@ -161,7 +161,8 @@ class Doubler(torch.nn.Module):
 
 
 class PerRecordList(torch.nn.Module):
-    """Returns one output per record as a list (``list(x)``, ``unbind``), or a torchvision-style list of dicts."""
+    """Returns one output per record as a list (``list(x)``, ``unbind``), or a torchvision-style list of
+    dicts."""
 
     def __init__(self, dicts: bool = False) -> None:
         super().__init__()
@@ -433,7 +434,8 @@ def _onnx_identity(path: Path, elem_type: int, width: int, input_name: str = "id
 
 
 def test_an_onnx_integer_input_refuses_fractions_instead_of_truncating(tmp_path: Path) -> None:
-    """np.asarray([1.7, 2.9], dtype=int64) is [1, 2]: such records ran, silently truncated (TensorModel refuses them)."""
+    """np.asarray([1.7, 2.9], dtype=int64) is [1, 2]: such records ran, silently truncated (TensorModel
+    refuses them)."""
     needs.module("onnxruntime")
     from onnx import TensorProto
 

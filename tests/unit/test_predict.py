@@ -1,4 +1,5 @@
-"""``worker predict``: requests through the configured model without Kafka, results as ``worker run`` writes."""
+"""``worker predict``: requests through the configured model without Kafka, results as ``worker run``
+writes."""
 
 from __future__ import annotations
 

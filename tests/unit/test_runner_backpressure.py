@@ -25,7 +25,8 @@ def finish_records(h: Harness, n: int) -> None:
 
 
 def fourteen_on_in0_bound_10(monkeypatch: pytest.MonkeyPatch) -> Harness:
-    """in/0 and in/1 assigned, 14 requests on in/0; max_in_flight 10, resume at 5, batches of 2, reads of 4."""
+    """in/0 and in/1 assigned, 14 requests on in/0; max_in_flight 10, resume at 5, batches of 2, reads of
+    4."""
     cfg = make_config(kafka={"poll_max_records": 4},
                       batching={"max_in_flight": 10, "resume_ratio": 0.5,
                                 "lanes": [{"name": "default", "max_batch_size": 2, "max_wait_ms": 60_000}]})

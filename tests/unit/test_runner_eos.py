@@ -27,7 +27,8 @@ def eos(monkeypatch: pytest.MonkeyPatch, devices: int = 1, **sections: dict[str,
 
 
 def abortable(msg: str = "transaction failed") -> KafkaException:
-    """A commit error that requires an abort (a retriable one without that is retried: test_runner_txn_errors)."""
+    """A commit error that requires an abort (a retriable one without that is retried:
+    test_runner_txn_errors)."""
     return KafkaException(KafkaError(KafkaError._INCONSISTENT, msg, txn_requires_abort=True))
 
 

@@ -59,7 +59,8 @@ def test_stop_pauses_flushes_windows_finishes_in_flight_work_and_commits(monkeyp
 
 
 class GaugeMetrics:
-    """Metrics that keep the last value of each gauge (name, sorted labels) in ``gauges`` and ignore the rest."""
+    """Metrics that keep the last value of each gauge (name, sorted labels) in ``gauges`` and ignore the
+    rest."""
 
     def __init__(self, gauges: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> None:
         self.gauges = gauges

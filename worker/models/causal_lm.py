@@ -186,7 +186,8 @@ class HFStepModel:
         return out.logits[:, -1, :]
 
     def _prefill(self, ids: list[int]) -> dict[int, int]:
-        """The prompts of ``ids`` in one forward, left-padded: a new block, its rows in the order of ``ids``."""
+        """The prompts of ``ids`` in one forward, left-padded: a new block, its rows in the order of
+        ``ids``."""
         seqs = [self._seqs[s] for s in ids]
         dev = self.model.device
         width = max(len(s.feed) for s in seqs)
@@ -347,5 +348,6 @@ class CausalLM:
 
 
 def causal_lm(**options: Any) -> CausalLM:
-    """Factory for ``$.model.name: "worker.models.causal_lm:causal_lm"`` (the built-in name is ``causal-lm``)."""
+    """Factory for ``$.model.name: "worker.models.causal_lm:causal_lm"`` (the built-in name is
+    ``causal-lm``)."""
     return CausalLM(**options)

@@ -52,7 +52,8 @@ def model_dir(path: str | None = None) -> Path:
 
 
 def _positions(folder: Path) -> int | None:
-    """How many tokens the model in ``folder`` takes (its position table), from config.json; None if unknown."""
+    """How many tokens the model in ``folder`` takes (its position table), from config.json; None if
+    unknown."""
     try:
         cfg = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as e:

@@ -257,7 +257,8 @@ class OnnxModel:
         return int(item[self.inputs[k][0]].shape[d])
 
     def collate(self, items: Sequence[dict[str, Any]]) -> list[tuple[list[int] | None, dict[str, Any]]]:
-        """``[(positions, feeds)]``: one group per distinct input shape (positions None: every item, in order)."""
+        """``[(positions, feeds)]``: one group per distinct input shape (positions None: every item, in
+        order)."""
         np = self._np
         names = [name for name, _, _ in self.inputs]
         groups: dict[tuple[Any, ...], list[int]] = {}
