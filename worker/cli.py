@@ -205,9 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the package version and exit")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    r = sub.add_parser("run", help="run the worker until SIGTERM/SIGINT", description=(
-        "Consume the input topics, batch, infer, produce results and commit. SIGTERM/SIGINT stop it "
-        "gracefully: stop fetching, finish in-flight work within delivery.shutdown_timeout_s, commit, exit 0."))
+    r = sub.add_parser(
+        "run",
+        help="run the worker until SIGTERM/SIGINT",
+        description=(
+            "Consume the input topics, batch, infer, produce results and commit. SIGTERM/SIGINT stop it "
+            "gracefully: stop fetching, finish in-flight work within delivery.shutdown_timeout_s, commit, "
+            "exit 0."
+        ),
+    )
     r.add_argument("--config", "-c", required=True, help="worker YAML config file")
     r.add_argument("--metrics-port", type=_port, default=None, help=(
         "serve /metrics, /healthz and /readyz on this port instead of metrics.port (0 = any free port); "

@@ -114,7 +114,11 @@ def name_overrides(root: Any, msg: str, environ: dict[str, str] | None = None) -
     env = dict(os.environ) if environ is None else environ
     set_by = {}
     for name in env:
-        parts = [p.lower() for p in name[len("WORKER__"):].split("__") if p] if name.startswith("WORKER__") else []
+        parts = (
+            [p.lower() for p in name[len("WORKER__") :].split("__") if p]
+            if name.startswith("WORKER__")
+            else []
+        )
         if parts:
             set_by[_env_path(root, parts)] = name
     return blame(msg, set_by, below=False)

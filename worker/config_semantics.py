@@ -23,8 +23,9 @@ _OWNED = {
         "set kafka.group_id instead: each client's group is derived from it (worker run ignored this one, "
         "while backfill's snapshot read the live group's commits with it)"),
     ("producer", "transactional.id"): (
-        "set delivery.transactional_id (with delivery.mode: exactly_once) instead: a transactional producer "
-        "refuses every record sent outside a transaction, which at_least_once does (exactly_once ignored it)"),
+        "set delivery.transactional_id (with delivery.mode: exactly_once) instead: a transactional "
+        "producer refuses every record sent outside a transaction, which at_least_once does "
+        "(exactly_once ignored it)"),
 }
 
 

@@ -93,7 +93,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     except (ValueError, OverflowError, TypeError, AttributeError) as e:
         # PyYAML's own failures on a value it cannot build: an escape past U+10FFFF ("\U0A0010000"), a date
         # like 2024-13-45, "!!timestamp x", "!!int 0x".
-        raise ConfigError(f"{p}: not valid YAML: a value PyYAML cannot read ({type(e).__name__}: {e})") from None
+        raise ConfigError(
+            f"{p}: not valid YAML: a value PyYAML cannot read ({type(e).__name__}: {e})"
+        ) from None
     finally:
         loader.dispose()
     if data is None:

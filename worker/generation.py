@@ -319,8 +319,9 @@ class GenerationEngine:
         with self._cv:
             self._todo.append(Batch("default", list(records), now, now, "generate"))
             self._cv.notify_all()
-            ok = self._cv.wait_for(lambda: all(id(r) in self._outs for r in records) or self.worker.error is not None,
-                                   timeout)
+            ok = self._cv.wait_for(
+                lambda: all(id(r) in self._outs for r in records) or self.worker.error is not None, timeout
+            )
             if self.worker.error is not None or not ok:
                 raise RuntimeError(f"{self.worker.name}: generation stopped: {self.worker.error!r}")
             return [self._outs.pop(id(r)) for r in records]

@@ -56,7 +56,9 @@ def parse_lanes(spec: str | None) -> list[tuple[str, float]]:
         try:
             value = float(share) if share else 1.0
         except ValueError:
-            raise ValueError(f"--lanes: bad share in {part!r}; expected NAME=FRACTION, e.g. high=0.1,low=0.9") from None
+            raise ValueError(
+                f"--lanes: bad share in {part!r}; expected NAME=FRACTION, e.g. high=0.1,low=0.9"
+            ) from None
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"--lanes: share of {name!r} must be a finite number >= 0, got {share!r}")
         out.append((name, value))

@@ -61,7 +61,9 @@ def read_requests(text: str | None, file: str | None, stdin: IO[bytes] | None = 
             raise InputError(f"cannot read requests file {file!r}: {e.strerror}") from None
         name = "stdin" if file == "-" else file
         data = data.removeprefix(b"\xef\xbb\xbf")  # a BOM is no part of the first request
-        reqs = [Request(f"{name} line {n}", line) for n, line in enumerate(data.split(b"\n"), 1) if line.strip()]
+        reqs = [
+            Request(f"{name} line {n}", line) for n, line in enumerate(data.split(b"\n"), 1) if line.strip()
+        ]
         if not reqs:
             raise InputError(f"{name}: no requests (expected one JSON request per line)")
     bad = []

@@ -343,7 +343,11 @@ def run(args: argparse.Namespace) -> int:
             hint = f"; the lowest p99 is {fastest.p99_ms:.2f} ms at batch {fastest.batch_size}"
             print(f"recommended max_batch_size: none meets the p99 budget of {budget:g} ms{hint}", file=out)
     else:
-        why = f"p99 {best.p99_ms:.2f} ms <= {budget:g} ms budget" if budget is not None else "highest throughput"
+        why = (
+            f"p99 {best.p99_ms:.2f} ms <= {budget:g} ms budget"
+            if budget is not None
+            else "highest throughput"
+        )
         print(f"recommended max_batch_size: {best.batch_size} ({why}, {best.throughput:.1f} items/s)",
               file=out)
     if plot_path:
@@ -352,10 +356,20 @@ def run(args: argparse.Namespace) -> int:
     json_path = getattr(args, "json", None)
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"model": engine.name, "device": engine.device, "dtype": cfg.dtype,
-                       "rows": [{k: (None if isinstance(v, float) and v != v else v) for k, v in asdict(r).items()}
-                                for r in rows],
-                       "recommended": best.batch_size if best else None}, f, indent=2)
+            json.dump(
+                {
+                    "model": engine.name,
+                    "device": engine.device,
+                    "dtype": cfg.dtype,
+                    "rows": [
+                        {k: (None if isinstance(v, float) and v != v else v) for k, v in asdict(r).items()}
+                        for r in rows
+                    ],
+                    "recommended": best.batch_size if best else None,
+                },
+                f,
+                indent=2,
+            )
     return 0
 
 
@@ -373,7 +387,11 @@ def _run_generative(model: Any, device: str, sizes: list[int], iters: int, warmu
         print("recommended model.generation.max_sequences: none (no size ran, or none meets the budget)",
               file=out)
     else:
-        why = f"p99 step {best.p99_ms:.2f} ms <= {budget:g} ms budget" if budget is not None else "highest throughput"
+        why = (
+            f"p99 step {best.p99_ms:.2f} ms <= {budget:g} ms budget"
+            if budget is not None
+            else "highest throughput"
+        )
         print(f"recommended model.generation.max_sequences: {best.batch_size} ({why}, "
               f"{best.throughput:.1f} tokens/s)", file=out)
     return 0

@@ -134,7 +134,8 @@ def _light(ctx: Ctx, seconds: float, bs: int = MAIN_B) -> dict[str, Any]:
            "total_p99_ms": percentile([d["timings"]["total_ms"] for d in keep], 99),
            "inference_p99_ms": percentile([d["timings"]["inference_ms"] for d in keep], 99),
            "queue_p99_ms": percentile([d["timings"]["queue_ms"] for d in keep], 99),
-           "outside_worker_p99_ms": percentile([d["timings"]["e2e_ms"] - d["timings"]["total_ms"] for d in keep], 99),
+           "outside_worker_p99_ms": percentile([d["timings"]["e2e_ms"] - d["timings"]["total_ms"]
+                                                for d in keep], 99),
            "ideal_mean_batch": sim_mean_batch, "e2e_ms": sorted(e2e)}
     log(f"  10% load, one lane, max batch {bs} ({rate:.1f}/s): p50 {res['e2e_p50_ms']:.1f} / p99 "
         f"{res['e2e_p99_ms']:.1f} ms (in the worker p99 {res['total_p99_ms']:.1f} ms; a bare consumer's "
@@ -199,8 +200,13 @@ def _seed(ctx: Ctx, seed: str, inp: str, n: int, paced_s: float, host_ms: float 
     res: dict[str, Any] = {"results": got, "throughput_per_s": rate_thr, "host_ms": host_ms}
     if paced_s > 0:
         skip = int(rate * 1.0)
-        e2e = [d["timings"]["e2e_ms"] for _, d in rows
-               if d["id"].startswith("lat-") and int(d["id"].split("-")[1]) >= skip and d["timings"].get("e2e_ms")]
+        e2e = [
+            d["timings"]["e2e_ms"]
+            for _, d in rows
+            if d["id"].startswith("lat-")
+            and int(d["id"].split("-")[1]) >= skip
+            and d["timings"].get("e2e_ms")
+        ]
         res.update({"paced_rate_per_s": rate, "paced_sent": n_paced, "paced_results": len(e2e),
                     "e2e_p50_ms": percentile(e2e, 50), "e2e_p99_ms": percentile(e2e, 99)})
         log(f"  seed {seed}: {got}/{n} results, {rate_thr:.0f}/s; at 50% load p50 {res['e2e_p50_ms']:.1f} "

@@ -158,7 +158,9 @@ def _step(load: int, p: Any, rows: list[tuple[int, dict[str, Any]]], warm: float
     the throughput and lane shares while both lanes are backlogged."""
     cap = ideal(MAX_B)
     t_from = p.started * 1000 + warm * 1000
-    keep = [(ts, d) for ts, d in rows if int(d["id"].split("-")[0][1:]) == load and p.sent[d["id"]][1] >= t_from]
+    keep = [
+        (ts, d) for ts, d in rows if int(d["id"].split("-")[0][1:]) == load and p.sent[d["id"]][1] >= t_from
+    ]
     # The worker's last result: under overload the records not served by then have no latency, so the ideal
     # batcher's figures count only what it would have finished by then too.
     cutoff = max((ts for ts, _ in rows), default=float("inf"))
@@ -185,7 +187,9 @@ def _step(load: int, p: Any, rows: list[tuple[int, dict[str, Any]]], warm: float
     # reference here: with a = 20 ms a 10% high stream served in small batches can fill the device.
     arrivals = sorted((t, "low") for _tp, t in p.sent.values())
     sim_lat, _ = simulate(arrivals, order=("low",))
-    ideal_lat = [x for (t, _ln), x in zip(arrivals, sim_lat["low"], strict=True) if t >= t_from and t + x <= cutoff]
+    ideal_lat = [
+        x for (t, _ln), x in zip(arrivals, sim_lat["low"], strict=True) if t >= t_from and t + x <= cutoff
+    ]
     step["ideal_wc_served"] = len(ideal_lat)
     step["ideal_wc_p99_ms"] = percentile(ideal_lat, 99)
     step["ideal_wc_p50_ms"] = percentile(ideal_lat, 50)
@@ -273,7 +277,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
                            "at stake"),
         row("3 fairness under 2x overload", "low-lane share of served records, high lane "
             f"{HEAVY_HIGH_SHARE:.0%} of traffic", heavy.get("low_share", float("nan")),
-            f"guaranteed minimum: w_low/(w_low+w_high) = {W_LOW / (W_LOW + W_HIGH):.2f} less 4 batches of lag",
+            f"guaranteed minimum: w_low/(w_low+w_high) = {W_LOW / (W_LOW + W_HIGH):.2f} less 4 batches "
+            "of lag",
             heavy_min, ">=", 1.0, "", f"the high lane alone offers {2 * HEAVY_HIGH_SHARE:.1f}x capacity; "
             f"{heavy.get('window_results', 0)} records served in the window, "
             f"{heavy.get('served_per_s', float('nan')):.0f}/s"),

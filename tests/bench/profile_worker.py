@@ -32,8 +32,13 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--metrics", action="store_true",
                     help="with the Prometheus metrics adapter (as `worker run`)")
-    ap.add_argument("--producer", action="append", default=[], metavar="KEY=VALUE",
-                    help="a librdkafka producer setting over the worker's defaults (repeatable), for A/B runs")
+    ap.add_argument(
+        "--producer",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a librdkafka producer setting over the worker's defaults (repeatable), for A/B runs",
+    )
     ap.add_argument("--consumer", action="append", default=[], metavar="KEY=VALUE",
                     help="a librdkafka consumer setting over the worker's defaults (repeatable)")
     ap.add_argument("--kafka-calls", action="store_true",
@@ -192,7 +197,9 @@ def _plain(runner: Any, records: int, gc_mode: str, calls: dict[str, list[float]
     if calls is not None:
         print("loop thread inside Kafka client calls, per record: CPU, and wall time (waits included)")
         for name, (secs, count, wall) in sorted(calls.items(), key=lambda kv: -kv[1][0]):
-            print(f"  {name:<32} {secs / n * 1e6:6.2f} us  wall {wall / n * 1e6:6.2f} us  ({count:.0f} calls)")
+            print(
+                f"  {name:<32} {secs / n * 1e6:6.2f} us  wall {wall / n * 1e6:6.2f} us  ({count:.0f} calls)"
+            )
     return 0
 
 

@@ -229,7 +229,11 @@ def all_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 def failures(results: dict[str, Any], names: list[str]) -> list[str]:
     out = [f"{n}: {results['scenarios'][n]['error']}" for n in names if "error" in results["scenarios"][n]]
-    out += [f"{n}: {results['scenarios'][n]['plot_error']}" for n in names if "plot_error" in results["scenarios"][n]]
+    out += [
+        f"{n}: {results['scenarios'][n]['plot_error']}"
+        for n in names
+        if "plot_error" in results["scenarios"][n]
+    ]
     out += [f"{r['scenario']} / {r['figure']}: not measured (verdict FAIL)" for r in results["table"]
             if r["verdict"] == "FAIL"]
     return out

@@ -222,7 +222,9 @@ def supervise(make_worker: Callable[[int], WorkerProcess], progress: Callable[[]
                 if not restart_exits or len(sup.exits) > max_exits:
                     raise AssertionError(
                         f"worker {w.name} exited with {rc} at progress {done}/{target}; incidents: "
-                        f"{[(i.kind, i.worker, i.returncode, i.progress) for i in sup.incidents]}\n{sup.logs()}")
+                        f"{[(i.kind, i.worker, i.returncode, i.progress) for i in sup.incidents]}\n"
+                        f"{sup.logs()}"
+                    )
                 sup.workers.append(make_worker(len(sup.workers)).start())
                 continue
             if pending and done >= pending[0]:
@@ -331,8 +333,13 @@ def broker_healthy(bootstrap: str, timeout: float = 60.0) -> None:
         try:
             md = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0}).list_topics(timeout=5)
             if md.brokers:
-                leaderless = [f"{name}[{p.id}]" for name in ("__consumer_offsets", "__transaction_state")
-                              if name in md.topics for p in md.topics[name].partitions.values() if p.leader < 0]
+                leaderless = [
+                    f"{name}[{p.id}]"
+                    for name in ("__consumer_offsets", "__transaction_state")
+                    if name in md.topics
+                    for p in md.topics[name].partitions.values()
+                    if p.leader < 0
+                ]
                 if not leaderless:
                     return
                 last = f"internal partitions without a leader: {leaderless[:4]}"

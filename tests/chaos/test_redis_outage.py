@@ -88,7 +88,10 @@ def test_redis_down_for_10s_mid_run(kafka, local_redis, topic_names, tmp_path):
     errs = redis_errors(final)
     report("redis-outage", t, outage_s=OUTAGE_S, results_during_outage=int(outage["during"]),
            redis_errors=int(sum(errs.values())), circuit_open_logs=log.count("redis circuit open"))
-    print("redis errors by op: " + ", ".join(f"{k[len('kiw_redis_errors_total'):]}={int(v)}" for k, v in errs.items()))
+    print(
+        "redis errors by op: "
+        + ", ".join(f"{k[len('kiw_redis_errors_total') :]}={int(v)}" for k, v in errs.items())
+    )
     assert len(sup.workers) == 1 and sup.exits == [], "the worker died"
     assert t.lost == 0, f"{t.lost} ids without a result"
     assert t.dlq == 0

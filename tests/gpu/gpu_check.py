@@ -166,10 +166,15 @@ def check_dtype_speedup(device: str, quick: bool) -> list[Result]:
     out = []
     for dtype in ("bf16", "fp16"):
         if dtype in rates:
-            out.append({"name": f"dtype_speedup[{dtype}/fp32]",
-                        "value": round(rates[dtype] / rates["fp32"], 2),
-                        "target": "info", "status": "INFO",
-                        "detail": f"{dtype} {rates[dtype]:.0f} vs fp32 {rates['fp32']:.0f} items/s at bs={bs}"})
+            out.append(
+                {
+                    "name": f"dtype_speedup[{dtype}/fp32]",
+                    "value": round(rates[dtype] / rates["fp32"], 2),
+                    "target": "info",
+                    "status": "INFO",
+                    "detail": f"{dtype} {rates[dtype]:.0f} vs fp32 {rates['fp32']:.0f} items/s at bs={bs}",
+                }
+            )
     return out
 
 

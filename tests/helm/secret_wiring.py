@@ -23,8 +23,11 @@ import yaml
 _REF = re.compile(r"\$\{(env|file):([^}]+)\}")
 _ONLY_REF = re.compile(r"^\$\{(env|file):[^}]+\}$")
 # The worker's own list (worker.config.SECRET_WORDS), spelled with "." and "_" alike.
-_SECRET_KEY = re.compile(r"(password|passwd|secret|token|sasl[._]jaas|sasl[._]oauthbearer[._]config|key[._]pem|"
-                         r"private|credential|api[._]?key|authorization)", re.IGNORECASE)
+_SECRET_KEY = re.compile(
+    r"(password|passwd|secret|token|sasl[._]jaas|sasl[._]oauthbearer[._]config|key[._]pem|"
+    r"private|credential|api[._]?key|authorization)",
+    re.IGNORECASE,
+)
 _FILE_PROPS = ("ssl.ca.location", "ssl.certificate.location", "ssl.key.location", "ssl.crl.location",
                "ssl.keystore.location")
 _URL_FILES = ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs")
@@ -131,7 +134,9 @@ def check_config_secrets(cfg: dict[str, Any], pod: PodView, where: str) -> list[
             continue
         src = pod.file_source(file)
         if src is None:
-            errs.append(f"{where}: {path} names {file}, which no volume mounted in the worker container holds")
+            errs.append(
+                f"{where}: {path} names {file}, which no volume mounted in the worker container holds"
+            )
         elif src[0] == "missing":
             errs.append(f"{where}: {path} names {file}, but the Secret volume there does not project that "
                         "file")

@@ -23,8 +23,10 @@ HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "check_chart.sh"
 HELM_VERSION = os.environ.get("HELM_VERSION", "v3.19.0")
 # The cache worker/local/setup_env.sh uses (KIW_CACHE), as check_chart.sh does.
-TOOLS = Path(os.environ.get("KIW_TOOLS_DIR")
-             or Path(os.environ.get("KIW_CACHE") or Path.home() / ".cache" / "kafka-inference-worker") / "tools")
+TOOLS = Path(
+    os.environ.get("KIW_TOOLS_DIR")
+    or Path(os.environ.get("KIW_CACHE") or Path.home() / ".cache" / "kafka-inference-worker") / "tools"
+)
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 

@@ -246,7 +246,9 @@ def check_extras(docs: list[dict[str, Any]], labels: dict[str, str], pod: dict[s
                     if job not in jobs:
                         errs.append(f"PrometheusRule/{pr['metadata']['name']}: {rule.get('alert')} selects "
                                     f"job={job!r}, which is no rendered Service (the ServiceMonitor's job)")
-    for cm in (d for d in docs if d["kind"] == "ConfigMap" and "kafka-inference-worker.json" in d.get("data", {})):
+    for cm in (
+        d for d in docs if d["kind"] == "ConfigMap" and "kafka-inference-worker.json" in d.get("data", {})
+    ):
         try:
             json.loads(cm["data"]["kafka-inference-worker.json"])
         except ValueError as e:

@@ -40,7 +40,10 @@ def test_backfill_20000_exactly_then_exit_0(kafka, topic_names, tmp_path):
     assert "backfill summary" in w.log() and f"{n} records read" in w.log()
     results = decode(read_all(bs, topic_names["out"], want=n, timeout=60))
     ids = collections.Counter(r["id"] for r in results)
-    print(f"\n[backfill] {len(results)} results for {n} records; last lines:\n" + "\n".join(w.log().splitlines()[-2:]))
+    print(
+        f"\n[backfill] {len(results)} results for {n} records; last lines:\n"
+        + "\n".join(w.log().splitlines()[-2:])
+    )
     assert len(results) == n and set(ids) == {f"bf-{i}" for i in range(n)}
 
     # Records produced after the snapshot are left alone; a second backfill picks up only those.
@@ -123,7 +126,10 @@ def test_backfill_stopped_early_exits_1_and_from_timestamp_counts_from_there(kaf
                           extra_args=["--from-beginning"]).start()
     assert again.wait(120) == 0, again.log()[-3000:]
     assert f"backfill: {n - done} records in 4 partitions" in again.log(), again.log()[-3000:]
-    assert "partitions go on from the commits of group" in again.log() and f"{n - done} records read" in again.log()
+    assert (
+        "partitions go on from the commits of group" in again.log()
+        and f"{n - done} records read" in again.log()
+    )
 
     # --from-timestamp: only the records at or after it (the total, the records read, the results).
     time.sleep(0.05)

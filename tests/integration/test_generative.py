@@ -45,9 +45,16 @@ def test_generation_end_to_end(kafka, topic_names, tmp_path, model):
     create_topics(bs, {topic_names["in"]: 3, topic_names["out"]: 3, topic_names["dlq"]: 1})
     lengths = {f"g-{i}": 1 + (i * 37) % 48 for i in range(n)}
     for part in range(3):
-        produce_values(bs, topic_names["in"], [gen(rid, f"event {rid}", max_new_tokens=k, seed=i)
-                                               for i, (rid, k) in enumerate(lengths.items()) if i % 3 == part],
-                       partition=part)
+        produce_values(
+            bs,
+            topic_names["in"],
+            [
+                gen(rid, f"event {rid}", max_new_tokens=k, seed=i)
+                for i, (rid, k) in enumerate(lengths.items())
+                if i % 3 == part
+            ],
+            partition=part,
+        )
     produce_values(bs, topic_names["in"], [
         gen("too-many", "x", max_new_tokens=10_000),  # over model.generation.max_new_tokens
         gen("poison", "POISON here", max_new_tokens=5),  # the step raises: error result + dead letter
@@ -87,7 +94,9 @@ def test_generation_end_to_end(kafka, topic_names, tmp_path, model):
     late = by_id["late"]
     assert late["status"] == "expired", late
     if late.get("outputs") is not None:  # (a loaded machine may have read it past its deadline: no tokens)
-        assert late["outputs"]["finish_reason"] == "deadline" and 0 < late["outputs"]["generated_tokens"] < 400
+        assert (
+            late["outputs"]["finish_reason"] == "deadline" and 0 < late["outputs"]["generated_tokens"] < 400
+        )
     dlq = read_all(bs, topic_names["dlq"], want=3, timeout=30)
     stages = sorted(dict(m.headers())["x-error-stage"].decode() for m in dlq)
     assert stages == ["decode", "expired", "inference"], stages

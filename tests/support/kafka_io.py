@@ -196,8 +196,14 @@ class WorkerProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def wait_assigned(self, timeout: float = 90.0) -> None:
-        wait_for(lambda: "partitions assigned" in self.log() or (self.proc is not None and self.proc.poll() is not None),
-                 timeout, what=f"{self.name} to get partitions")
+        wait_for(
+            lambda: (
+                "partitions assigned" in self.log()
+                or (self.proc is not None and self.proc.poll() is not None)
+            ),
+            timeout,
+            what=f"{self.name} to get partitions",
+        )
         assert self.proc is not None and self.proc.poll() is None, (f"{self.name} exited "
                                                                     f"early:\n{self.log()[-4000:]}")
 

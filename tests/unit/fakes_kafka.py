@@ -344,8 +344,14 @@ class FakeConsumer:
                 if tp in self.paused:
                     continue
                 pos = self.positions.get(tp, 0)
-                nxt = next((m for m in self.logs.get(tp, ()) if m.offset() >= pos and (tp, m.offset()) not in self.markers),
-                           None)
+                nxt = next(
+                    (
+                        m
+                        for m in self.logs.get(tp, ())
+                        if m.offset() >= pos and (tp, m.offset()) not in self.markers
+                    ),
+                    None,
+                )
                 if nxt is None:
                     end = self._step_over_markers(tp, pos)
                     if end != pos:
@@ -452,7 +458,9 @@ class FakeConsumer:
             parts[tp.topic].add(tp.partition)
         for t in self.topics:
             parts[t].add(0)
-        return _ClusterMeta({t: _TopicMeta(t, {p: _PartitionMeta(p) for p in sorted(ps)}) for t, ps in parts.items()})
+        return _ClusterMeta(
+            {t: _TopicMeta(t, {p: _PartitionMeta(p) for p in sorted(ps)}) for t, ps in parts.items()}
+        )
 
     def get_watermark_offsets(self, partition: KTP, timeout: float | None = None,
                               cached: bool = False) -> tuple[int, int]:
@@ -615,8 +623,15 @@ class FakeProducer:
         def varint(n: int) -> int:
             return max(1, ((n << 1).bit_length() + 6) // 7)
 
-        size = 36 + len(value or b"") + len(key or b"") + sum(
-            varint(len(k.encode())) + len(k.encode()) + varint(len(v or b"")) + len(v or b"") for k, v in headers or ())
+        size = (
+            36
+            + len(value or b"")
+            + len(key or b"")
+            + sum(
+                varint(len(k.encode())) + len(k.encode()) + varint(len(v or b"")) + len(v or b"")
+                for k, v in headers or ()
+            )
+        )
         if size > self.max_message_bytes:
             raise KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE,
                                             "Unable to produce message: Broker: Message size too large"))

@@ -52,8 +52,11 @@ def build(monkeypatch: pytest.MonkeyPatch) -> Harness:
         return h.runner
 
     monkeypatch.setattr(bf, "BackfillRunner", factory)
-    monkeypatch.setattr(bf.threading, "Thread", lambda *a, **k: type("T", (), {"start": lambda s: None,
-                                                                              "join": lambda s, t=None: None})())
+    monkeypatch.setattr(
+        bf.threading,
+        "Thread",
+        lambda *a, **k: type("T", (), {"start": lambda s: None, "join": lambda s, t=None: None})(),
+    )
     with pytest.raises(_Stop):
         bf.backfill(make_config())
     return holder["h"]
@@ -68,7 +71,9 @@ def read_to_end(h: Harness) -> None:
     assert h.committed() == 3 and IN0 in h.runner.reached and IN0 in h.c.paused  # read to its end: paused
 
 
-def test_a_partition_added_to_the_topic_during_the_backfill_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_partition_added_to_the_topic_during_the_backfill_is_left_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A partition the end snapshot does not know made on_assign raise KeyError, which Runner._on_assign
     logged: the chosen start offsets were not applied, and the partitions were not resumed either, so one read
     to its end (paused) before the rebalance stayed paused in the client, and the backfill never completed."""

@@ -189,7 +189,8 @@ def test_across_key_problems_are_all_reported(capsys: pytest.CaptureFixture[str]
     ("model: {name: tiny, devise: cpu}\n", "$.model.devise: unknown key; did you mean `device`?"),
     ("redis: {urll: 'redis://h'}\n", "$.redis.urll: unknown key; did you mean `url`?"),
     ("model: {name: tiny, options: {hiden: 3}}\n",
-     "$.model.options.hiden: unknown option for model 'tiny' (allowed: hidden, seed); did you mean `hidden`?"),
+     "$.model.options.hiden: unknown option for model 'tiny' (allowed: hidden, seed); "
+     "did you mean `hidden`?"),
     ("zzz: 1\n", "$.zzz: unknown key"),  # nothing close: no guess
 ])
 def test_unknown_keys_anywhere_get_the_closest_known_name(text: str, wanted: str, tmp_path: Path,

@@ -82,8 +82,11 @@ def test_metrics_port_in_use_names_the_port_and_its_flag(tmp_path: Path, capsys:
         port = taken.getsockname()[1]
         assert main(["run", "--config", _config(tmp_path), "--metrics-port", str(port)]) == 1
     err = capsys.readouterr().err
-    assert f"error: cannot serve metrics on 0.0.0.0:{port} ($.metrics.host, --metrics-port): address already in use" \
+    assert (
+        f"error: cannot serve metrics on 0.0.0.0:{port} ($.metrics.host, --metrics-port): address already in "
+        "use"
         in err
+    )
     assert "Traceback" not in err
 
 
@@ -105,9 +108,9 @@ def test_a_cuda_device_without_cuda_is_a_config_error(tmp_path: Path, capsys: py
     assert "note: $.model.device: 'cuda' requested but CUDA is not available" in capsys.readouterr().err
 
 
-def test_a_property_librdkafka_refuses_stops_run_before_the_model_loads(tmp_path: Path,
-                                                                        capsys: pytest.CaptureFixture[str],
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_property_librdkafka_refuses_stops_run_before_the_model_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """It used to exit 1 with a traceback when the consumer was made, after the model load."""
     monkeypatch.setattr("worker.service.run_service", lambda *a, **kw: pytest.fail("started"))
     monkeypatch.setenv("WORKER__KAFKA__CONSUMER__SESION_TIMEOUT_MS", "10000")
@@ -285,8 +288,12 @@ def test_a_ca_file_not_on_this_machine_fails_run_and_is_a_note_in_check_config(
                        str(tmp_path / "mounted-in-the-pod" / "ca.crt"))
     assert main(["check-config", "--config", _config(tmp_path)]) == 0
     err = capsys.readouterr().err
-    assert f"note: $.kafka.consumer.ssl.ca.location: {tmp_path}/mounted-in-the-pod/ca.crt is not on this machine " \
-           "(set by WORKER__KAFKA__CONSUMER__SSL_CA_LOCATION) (not checked; `worker run` here would exit 2)" in err
+    assert (
+        f"note: $.kafka.consumer.ssl.ca.location: {tmp_path}/mounted-in-the-pod/ca.crt is not on this "
+        "machine (set by WORKER__KAFKA__CONSUMER__SSL_CA_LOCATION) (not checked; `worker run` here would "
+        "exit 2)"
+        in err
+    )
     assert main(["run", "--config", _config(tmp_path)]) == 2
     assert capsys.readouterr().err == (
         "config error: $.kafka.consumer.ssl.ca.location: no such file on this machine: "

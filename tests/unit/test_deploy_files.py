@@ -152,7 +152,9 @@ def test_prometheus_scrapes_the_worker() -> None:
 
 
 def test_grafana_provisioning_points_at_the_dashboard() -> None:
-    prov = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "dashboards" / "kafka-inference-worker.yml").read_text())
+    prov = yaml.safe_load(
+        (DEPLOY / "grafana" / "provisioning" / "dashboards" / "kafka-inference-worker.yml").read_text()
+    )
     path = prov["providers"][0]["options"]["path"]
     mounts = _compose()["services"]["grafana"]["volumes"]
     assert any(m.endswith(f":{path}:ro") and m.startswith("./grafana/dashboards") for m in mounts)

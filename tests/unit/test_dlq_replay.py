@@ -126,7 +126,9 @@ def test_no_progress_with_dead_letters_left_exits_1(capsys: pytest.CaptureFixtur
     assert worker.dlq.replay(make_config(), timeout_s=0.05, new_consumer=lambda cfg, **kw: SilentConsumer(),
                              new_producer=OkProducer) == 1
     out = capsys.readouterr().out
-    assert "nothing read for" in out and "dead letters left on partitions [0]" in out and "consume error" in out
+    assert (
+        "nothing read for" in out and "dead letters left on partitions [0]" in out and "consume error" in out
+    )
 
 
 @pytest.mark.parametrize("dry_run", [False, True])

@@ -87,7 +87,9 @@ def test_error_with_id_owes_a_result_and_a_dead_letter(clock: FakeTime) -> None:
     res, dl = p.produced
     assert res.topic == "out" and res.json()["status"] == "error" and res.json()["error"] == "boom"
     assert (dl.topic, dl.value, dl.key) == ("dlq", b'{"raw": 1}', b"k")
-    assert dl.header("trace") == "x" and dl.header("x-source-offset") == "7" and dl.header("x-attempts") == "2"
+    assert (
+        dl.header("trace") == "x" and dl.header("x-source-offset") == "7" and dl.header("x-attempts") == "2"
+    )
     assert DeadLetter.from_headers(dl.headers) == DeadLetter(error="boom", error_stage="inference",
                                                              source_topic="in",
                                                              source_partition=3, source_offset=7, attempts=2)
@@ -175,7 +177,9 @@ def test_the_batch_hot_path_writes_what_emit_writes_and_declines_what_it_cannot_
     for i in (0, 3):
         emitter(ref, ref_calls).emit(Outcome(recs[i], "ok", output=outs[i], batch_size=4,
                                              timings={"queue": 10.002 - 10.0, "infer": 0.01}), 10.5, 1_250.0)
-    assert [(m.topic, m.key, m.value) for m in p.produced] == [(m.topic, m.key, m.value) for m in ref.produced]
+    assert [(m.topic, m.key, m.value) for m in p.produced] == [
+        (m.topic, m.key, m.value) for m in ref.produced
+    ]
     assert em.produced == 2
     em.flush(1.0)
     assert sorted(calls.done) == [0, 3]
@@ -213,7 +217,9 @@ class Opaque:
     """A model output msgspec cannot encode (a numpy scalar, a tensor, a custom object...)."""
 
 
-def test_an_unencodable_output_becomes_an_output_error_and_does_not_block(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unencodable_output_becomes_an_output_error_and_does_not_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from tests.unit.fakes_kafka import FakeModel
 
     model = FakeModel(output=lambda x: Opaque() if x == 1 else {"echo": x})
@@ -229,7 +235,9 @@ def test_an_unencodable_output_becomes_an_output_error_and_does_not_block(monkey
     assert dead.header("x-error-stage") == "output" and dead.header("x-source-offset") == "1"
 
 
-def test_records_too_large_for_the_producer_do_not_block_the_partition(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_records_too_large_for_the_producer_do_not_block_the_partition(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The input topic accepts bigger records than the producer may write (librdkafka's message.max.bytes
     defaults to 1,000,000 < delivery.max_input_bytes' 1 MiB): an oversize input's dead letter, or a result
     bigger than the limit, must not stop the worker."""
@@ -384,8 +392,16 @@ def test_a_record_is_done_only_when_every_message_of_its_last_round_is_delivered
         offset = 0
 
         def sent(off: int) -> list[Produced]:
-            return [m for m in journal
-                    if (int(m.header("x-source-offset") or -1) if m.topic == "dlq" else m.json()["source"]["offset"]) == off]
+            return [
+                m
+                for m in journal
+                if (
+                    int(m.header("x-source-offset") or -1)
+                    if m.topic == "dlq"
+                    else m.json()["source"]["offset"]
+                )
+                == off
+            ]
 
         def check() -> None:
             assert len(calls.done) == len(set(calls.done))
@@ -515,7 +531,10 @@ def test_a_dead_letter_whose_key_headers_or_reason_do_not_fit_is_trimmed_until_i
                              or not [m for m in sent.messages if m[0] == "out"])  # no result fits that key
     h = dict(dl_headers)
     reason = h["x-error"].decode()
-    assert reason.startswith("original value of 300 bytes") and " dropped (over message.max.bytes=1000): " in reason
+    assert (
+        reason.startswith("original value of 300 bytes")
+        and " dropped (over message.max.bytes=1000): " in reason
+    )
     if case == "big_key" or case == "ok_result_with_a_big_key":
         assert dl_key is None and ", its key (1200 bytes) dropped" in reason and h["trace"] == b"t1"
     if case == "big_headers":
@@ -662,7 +681,9 @@ class Stalled:
         self.em.settle(clock.t)
 
 
-def test_a_producer_holding_results_past_the_stall_is_replaced_and_they_are_sent_again(clock: FakeTime) -> None:
+def test_a_producer_holding_results_past_the_stall_is_replaced_and_they_are_sent_again(
+    clock: FakeTime,
+) -> None:
     """librdkafka#5430: after a broker pause a producer may keep a partition's messages queued for good. Past
     delivery.producer_stall_s its records are purged and re-sent on the current producer, a new producer
     takes its slot, and the old one is never polled again."""
@@ -698,7 +719,9 @@ def src(m: Produced) -> int:
     return int(m.json()["source"]["offset"])
 
 
-def test_what_a_stalled_producer_delivered_before_the_purge_is_confirmed_not_sent_again(clock: FakeTime) -> None:
+def test_what_a_stalled_producer_delivered_before_the_purge_is_confirmed_not_sent_again(
+    clock: FakeTime,
+) -> None:
     s = Stalled(spare=False)
     s.a.hold = True
     ok(s.em, [0, 1], clock.t)
@@ -709,7 +732,9 @@ def test_what_a_stalled_producer_delivered_before_the_purge_is_confirmed_not_sen
     assert s.calls.done == [0, 1] and [src(m) for m in s.made[0].produced] == [1]
 
 
-def test_replacements_with_nothing_delivered_between_them_wait_twice_as_long_each_time(clock: FakeTime) -> None:
+def test_replacements_with_nothing_delivered_between_them_wait_twice_as_long_each_time(
+    clock: FakeTime,
+) -> None:
     """A broker that is down holds every producer's messages: replacing them every stall_s would only churn
     connections. The wait doubles up to 8 x stall_s, and the first delivery brings it back to stall_s."""
     s = Stalled(spare=False, new_held=True, max_retries=20)

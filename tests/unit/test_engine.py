@@ -161,7 +161,9 @@ def test_limit_is_lifted_to_the_configured_lane_max() -> None:
     assert eng.effective_max("a") is None and limits[-1] == ("a", 64)
 
 
-def test_a_failing_on_limit_callback_is_logged_and_the_limit_still_changes(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_failing_on_limit_callback_is_logged_and_the_limit_still_changes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     m = synthetic(oom_above=4)
     calls: list[int] = []
 
@@ -308,7 +310,11 @@ def test_device_worker_overlaps_collate_with_forward() -> None:
 
 def test_device_worker_swaps_a_prefetched_batch_just_before_starting_it() -> None:
     model = Fake(forward_s=0.05)
-    first, low, high = make_batch([1], offset=0), make_batch([2], "lo", offset=10), make_batch([3], "hi", offset=20)
+    first, low, high = (
+        make_batch([1], offset=0),
+        make_batch([2], "lo", offset=10),
+        make_batch([3], "hi", offset=20),
+    )
     feeder = Feeder([first, low])
     feeder.expected = 3
     offered: list[Batch] = []
@@ -327,7 +333,11 @@ def test_device_worker_swaps_a_prefetched_batch_just_before_starting_it() -> Non
     assert feeder.all_done.wait(30)
     assert w.stop(5)
     # ``low`` was prefetched while ``first`` ran; just before it started, ``high`` took its place.
-    forwards = [first_item for stage, first_item, _s, _e in sorted(model.log, key=lambda x: x[2]) if stage == "forward"]
+    forwards = [
+        first_item
+        for stage, first_item, _s, _e in sorted(model.log, key=lambda x: x[2])
+        if stage == "forward"
+    ]
     assert forwards == [1, 3, 2]
     assert feeder.results[20][1] == [30] and feeder.results[10][1] == [20]
     assert offered[0] is first and offered[1] is low
@@ -468,7 +478,9 @@ class NegativeIsPoison:
         return out.tolist()
 
 
-def test_a_poison_record_in_the_first_compiled_batch_does_not_switch_compile_off(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_poison_record_in_the_first_compiled_batch_does_not_switch_compile_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Without example inputs the first batch verifies the compiled forward; a record that fails eager too
     made it fall back to eager for good. Only a batch that eager runs and the compiled forward does not
     does."""
@@ -827,12 +839,14 @@ class Sticky(Fake):
 def test_is_device_error_tells_device_errors_from_oom_and_input_errors() -> None:
     from worker.adapters.torch_engine import is_device_error
 
-    for text in ("CUDA error: device-side assert triggered",
-                 "CUDA error: an illegal memory access was encountered",
-                 "CUDA error: uncorrectable ECC error encountered",
-                 "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm( handle)`",
-                 "cuDNN error: CUDNN_STATUS_EXECUTION_FAILED",
-                 "[ONNXRuntimeError] : 1 : FAIL : CUDA failure 700: an illegal memory access was encountered"):
+    for text in (
+        "CUDA error: device-side assert triggered",
+        "CUDA error: an illegal memory access was encountered",
+        "CUDA error: uncorrectable ECC error encountered",
+        "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm( handle)`",
+        "cuDNN error: CUDNN_STATUS_EXECUTION_FAILED",
+        "[ONNXRuntimeError] : 1 : FAIL : CUDA failure 700: an illegal memory access was encountered",
+    ):
         assert is_device_error(RuntimeError(text)), text
     assert not is_device_error(RuntimeError("CUDA error: out of memory"))  # an OOM: split, not fatal
     assert not is_device_error(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
@@ -852,7 +866,9 @@ def _broken_cuda(monkeypatch: pytest.MonkeyPatch, eng: Engine) -> Engine:
     return eng
 
 
-def test_a_sticky_device_error_raises_instead_of_dead_lettering_every_record(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_sticky_device_error_raises_instead_of_dead_lettering_every_record(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from worker.adapters.torch_engine import DeviceError
 
     m = Sticky()
@@ -1028,7 +1044,9 @@ def test_a_split_that_returns_no_list_says_what_it_returned(kind: str, name: str
         eng.infer([1.0, 2.0, 3.0])
 
 
-def test_a_handler_exception_is_logged_with_its_traceback_once_per_site(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_handler_exception_is_logged_with_its_traceback_once_per_site(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     class Buggy(Fake):
         def _lookup(self, x: int) -> int:
             return [1, 2][x]

@@ -230,7 +230,9 @@ def test_an_invalid_request_that_nests_too_deep_after_the_bad_field_is_a_validat
     # value and hit the depth limit (RecursionError), which escaped admit() and stopped the worker on every
     # restart.
     if fmt == "json":
-        deep = b'{"inputs": 1, "deadline_ms": "x", "id": "a", "meta": {"k": ' + b"[" * 5000 + b"]" * 5000 + b"}}"
+        deep = (
+            b'{"inputs": 1, "deadline_ms": "x", "id": "a", "meta": {"k": ' + b"[" * 5000 + b"]" * 5000 + b"}}"
+        )
     else:
         # msgspec cannot write this deep either: the msgpack bytes by hand (fixarray of 1 element = 0x91).
         deep = (b"\x84\xa6inputs\x01\xabdeadline_ms\xa1x\xa2id\xa1a\xa4meta\x81\xa1k"
@@ -296,7 +298,9 @@ def test_unknown_lanes_reach_the_metrics_at_the_lag_report(monkeypatch: pytest.M
     assert m.registry.get_sample_value("kiw_unknown_lane_total", {"topic": "in"}) == 1
 
 
-def test_unknown_lanes_since_the_last_report_are_reported_at_shutdown(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unknown_lanes_since_the_last_report_are_reported_at_shutdown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from worker.adapters.metrics import PrometheusMetrics
 
     m = PrometheusMetrics()
@@ -314,12 +318,16 @@ def test_unknown_lanes_since_the_last_report_are_reported_at_shutdown(monkeypatc
 def test_a_deadline_beyond_any_clock_is_a_validation_error(clock: FakeTime, deadline: str) -> None:
     """A 309-digit deadline_ms decoded as a Python int and raised OverflowError in admit (float arithmetic):
     the loop ended, at every restart, for whichever worker took the partition."""
-    out = intake().admit(record(b'{"id": "d", "inputs": {"x": 1}, "deadline_ms": ' + deadline.encode() + b"}"), 1000.0)
+    out = intake().admit(
+        record(b'{"id": "d", "inputs": {"x": 1}, "deadline_ms": ' + deadline.encode() + b"}"), 1000.0
+    )
     assert out is not None and out.dlq_stage == "validate" and "deadline_ms" in (out.error or "")
     assert out.record.id == "d"  # its sender still gets an error result
 
 
-def test_meta_nested_as_deep_as_the_decoder_allows_gets_an_error_result(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_meta_nested_as_deep_as_the_decoder_allows_gets_an_error_result(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Admitted (within the decoder's limit), but the result echoes meta one level deeper and cannot be
     encoded; the error result that replaces it echoed the same meta and raised out of the loop. The deepest
     meta the worker's decoder takes depends on the call stack: found by trying, from too deep downwards."""

@@ -64,7 +64,9 @@ def test_without_the_logger_librdkafka_writes_raw_lines() -> None:
     assert any(line.startswith("%3|") and "|FAIL|" in line for line in _client("raw"))
 
 
-def test_levels_follow_librdkafka_and_transient_coordinator_loads_are_info(caplog: pytest.LogCaptureFixture) -> None:
+def test_levels_follow_librdkafka_and_transient_coordinator_loads_are_info(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     log = LibrdkafkaLog("worker.kafka.test")
     with caplog.at_level(logging.DEBUG, logger="worker.kafka.test"):
         log.log(30, "%s [%s] %s", "GETPID", "rdkafka#producer-1",

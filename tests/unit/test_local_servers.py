@@ -291,7 +291,9 @@ def test_the_cached_jars_bind_slf4j_to_log4j() -> None:
     api = [n for n in names if n.startswith("slf4j-api-")]
     assert len(api) == 1, api
     binding = "log4j-slf4j-impl-" if api[0].startswith("slf4j-api-1.") else "log4j-slf4j2-impl-"
-    assert [n for n in names if n.startswith("log4j-slf4j")] == [n for n in names if n.startswith(binding)] != []
+    assert (
+        [n for n in names if n.startswith("log4j-slf4j")] == [n for n in names if n.startswith(binding)] != []
+    )
 
 
 def test_kafka_writes_its_log_file(tmp_path: Path) -> None:

@@ -79,7 +79,10 @@ def test_tiny_refuses_inputs_that_are_not_finite_in_float32() -> None:
 
     m: Any = load_model(ModelConfig(name="tiny"))
     m.setup("cpu")
-    raws = [msgspec.msgpack.encode({"id": "1", "inputs": [bad] + [0.0] * 15}) for bad in (math.nan, math.inf, -math.inf)]
+    raws = [
+        msgspec.msgpack.encode({"id": "1", "inputs": [bad] + [0.0] * 15})
+        for bad in (math.nan, math.inf, -math.inf)
+    ]
     reqs = [msgspec.msgpack.decode(raw, type=Request[m.input_type]) for raw in raws]
     reqs.append(decode_request(m, b'{"id": "2", "inputs": [0' + b", 0" * 14 + b", -1e39]}"))
     for req in reqs:
@@ -528,7 +531,9 @@ def test_an_onnx_input_type_the_loader_does_not_map_is_refused_at_load(tmp_path:
         load_model(ModelConfig(name=str(tmp_path / "i16.onnx")))
 
 
-def test_an_onnx_file_with_a_dynamic_sequence_axis_batches_records_of_different_lengths(tmp_path: Path) -> None:
+def test_an_onnx_file_with_a_dynamic_sequence_axis_batches_records_of_different_lengths(
+    tmp_path: Path,
+) -> None:
     """A symbolic non-batch axis: records of different lengths cannot be stacked. Every mixed batch used to
     fail np.stack and be bisected to single records (one session.run per record, silently); now it runs
     one session.run per distinct shape and the rows go back in input order."""

@@ -44,7 +44,10 @@ def test_profile_synthetic_prints_table_recommends_plots(tmp_path: Path,
     assert fitting and 16 not in [r["batch_size"] for r in fitting]
     best = max(fitting, key=lambda r: (r["throughput"], -r["batch_size"]))
     assert data["recommended"] == best["batch_size"], (data["recommended"], rows)
-    assert f"recommended max_batch_size: {best['batch_size']} (p99 {best['p99_ms']:.2f} ms <= 14 ms budget" in out
+    assert (
+        f"recommended max_batch_size: {best['batch_size']} (p99 {best['p99_ms']:.2f} ms <= 14 ms budget"
+        in out
+    )
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert rows[-1]["throughput"] > rows[0]["throughput"]
     assert all(r["peak_mem_mb"] > 0 for r in rows)

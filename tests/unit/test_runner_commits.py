@@ -37,7 +37,9 @@ def turns_until(h: Harness, done: Callable[[], bool], max_turns: int = 200) -> i
     raise AssertionError(f"not done after {max_turns} loop turns")
 
 
-def test_lanes_finishing_out_of_order_commit_only_the_delivered_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lanes_finishing_out_of_order_commit_only_the_delivered_prefix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     h = Harness(monkeypatch, make_config(batching=LANES), devices=2).start()
     h.c.assign(("in", 0))
     lanes = ["lo", "lo", "hi", "hi", "lo", "hi"]
@@ -387,8 +389,9 @@ def test_stale_delivery_failures_are_not_retried(monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.parametrize("mode", ["at_least_once", "exactly_once"])
-def test_results_that_cannot_be_written_are_counted_as_errors_and_dead_letters(monkeypatch: pytest.MonkeyPatch,
-                                                                             mode: str) -> None:
+def test_results_that_cannot_be_written_are_counted_as_errors_and_dead_letters(
+    monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
     """An ok output the encoder cannot write goes out as an error result with an output dead letter; it was
     counted as ok, and never in kiw_dlq_total, so the alert on dead letters never fired however broken the
     model's outputs were."""

@@ -105,7 +105,9 @@ def test_a_record_read_again_while_tracked_is_not_processed_twice(monkeypatch: p
 
 
 # ------------------------------------------------------------------ rewind of a partition without a commit
-def test_a_rewind_without_a_commit_goes_back_to_the_first_record_read(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_rewind_without_a_commit_goes_back_to_the_first_record_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """With auto.offset.reset=latest, one abort before the first commit sought to OFFSET_BEGINNING: the whole
     retained history was processed."""
     h = Harness(monkeypatch, make_config(delivery=EOS,
@@ -214,7 +216,9 @@ def test_a_begin_that_fails_stops_the_worker(monkeypatch: pytest.MonkeyPatch) ->
 
 
 
-def test_past_the_shutdown_deadline_a_commit_that_times_out_is_not_called_again(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_past_the_shutdown_deadline_a_commit_that_times_out_is_not_called_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """While the worker stops, each transactional call waits at most what is left of shutdown_timeout_s, and a
     timed-out commit is not called again past it: 3 calls of 30 s each outlived the pod's grace period."""
     h = Harness(monkeypatch, make_config(delivery=EOS)).start()

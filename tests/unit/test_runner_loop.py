@@ -130,7 +130,9 @@ def test_readiness_follows_the_broker(monkeypatch: pytest.MonkeyPatch) -> None:
     assert health.broker_reachable is True
 
 
-def test_the_loop_is_alive_while_it_waits_for_room_in_a_full_producer_queue(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_loop_is_alive_while_it_waits_for_room_in_a_full_producer_queue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """produce() into a full local queue waits for the messages ahead to be delivered or time out (up to
     message.timeout.ms, 120 s): the liveness heartbeat is kept fresh meanwhile. It went stale after 30 s, and
     the kubelet restarted a worker that was only waiting for a slow broker."""

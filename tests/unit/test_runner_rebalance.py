@@ -302,7 +302,9 @@ def process_all(h: Harness, turns: int = 6) -> None:
     h.commit()
 
 
-def test_a_partition_paused_when_revoked_is_read_again_when_assigned_again(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_partition_paused_when_revoked_is_read_again_when_assigned_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """librdkafka keeps a partition's pause through a revoke and a new assign. Paused under backpressure when
     a rebalance took it, the partition came back paused, while the runner had forgotten that pause: this
     worker never read it again (scale-out under load, then scale-in)."""
@@ -335,7 +337,9 @@ def test_backfill_partition_read_to_its_end_then_revoked_is_read_again_from_its_
     assert h.runner.loop.backfill_complete()
 
 
-def test_an_assign_hook_that_raises_still_leaves_the_partitions_resumed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_assign_hook_that_raises_still_leaves_the_partitions_resumed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The start-offsets hook (backfill's) raised once for a partition it did not know; the pause or resume
     that follows it was skipped, and a partition paused when it was revoked stayed paused in the client for
     good."""
@@ -378,7 +382,9 @@ def lose_delivered(h: Harness, delivered: int, held: int = 0) -> None:
     h.c.commit_calls.clear()
 
 
-def test_a_lost_partition_that_comes_back_goes_on_after_what_was_delivered(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_lost_partition_that_comes_back_goes_on_after_what_was_delivered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     metrics = PrometheusMetrics()
     h = Harness(monkeypatch, metrics=metrics).start()
     lose_delivered(h, 4)
@@ -403,7 +409,9 @@ def test_results_delivered_after_the_loss_count_too(monkeypatch: pytest.MonkeyPa
     assert offsets_out(h) == [0, 1, 2, 3, 4, 5]
 
 
-def test_lost_before_the_first_commit_it_goes_on_after_what_was_delivered(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lost_before_the_first_commit_it_goes_on_after_what_was_delivered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     h = Harness(monkeypatch).start()
     h.c.assign(("in", 0))
     h.send(3)

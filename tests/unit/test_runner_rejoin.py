@@ -74,7 +74,9 @@ def test_no_first_assignment_after_subscribing_is_replaced_too(monkeypatch: pyte
     assert h.consumers[0].closed and h.runner.consumer is h.consumers[1]
 
 
-def test_an_empty_assignment_is_membership_an_idle_replica_is_never_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_empty_assignment_is_membership_an_idle_replica_is_never_replaced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     h = harness(monkeypatch)
     h.c.assign()  # more members than partitions: the group says so with an empty assignment
     for _ in range(5):
@@ -164,7 +166,9 @@ def test_exactly_once_commits_through_the_new_consumer(monkeypatch: pytest.Monke
     join_closers(h)
 
 
-def test_callbacks_reach_a_runner_that_holds_a_wrapper_of_its_consumer(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_callbacks_reach_a_runner_that_holds_a_wrapper_of_its_consumer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """librdkafka passes a rebalance callback the consumer itself, not the wrapper the runner may hold
     (tests/bench/profile_worker.py times every call through one): what is current is decided by the latter."""
 

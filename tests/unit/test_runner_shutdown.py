@@ -19,7 +19,9 @@ IN0, IN1 = TopicPartition("in", 0), TopicPartition("in", 1)
 OPEN_WINDOWS = {"lanes": [{"name": "default", "max_batch_size": 100, "max_wait_ms": 60_000}]}
 
 
-def test_stop_pauses_flushes_windows_finishes_in_flight_work_and_commits(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stop_pauses_flushes_windows_finishes_in_flight_work_and_commits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     h = Harness(monkeypatch, make_config(batching=OPEN_WINDOWS))
     h.send(3)
     h.c.schedule(lambda: h.c.assign(("in", 0), ("in", 1)))
@@ -227,7 +229,9 @@ def test_a_dead_device_thread_stops_the_worker_with_exit_1(monkeypatch: pytest.M
     assert h.committed() == 2
 
 
-def test_a_batch_that_never_comes_back_from_the_device_stops_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_batch_that_never_comes_back_from_the_device_stops_the_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A forward that never returns (a hung kernel or driver): the threads live, the heartbeat is fresh, and
     the partitions were held forever. Past model.batch_timeout_s the worker exits 1 (restarted), committing
     what was done and not the hung batch."""
@@ -378,7 +382,9 @@ def test_a_partition_assigned_while_draining_is_paused_and_not_committed_past(
 
     def assign(h: Harness) -> None:
         h.c.assign(("in", 1))
-        h.c.schedule(lambda: seen.setdefault("paused", IN1 in h.c.paused and IN1 in h.runner.partitions.paused))
+        h.c.schedule(
+            lambda: seen.setdefault("paused", IN1 in h.c.paused and IN1 in h.runner.partitions.paused)
+        )
 
     h = _drain_with(monkeypatch, mode, assign)
     assert seen == {"paused": True}
@@ -422,7 +428,9 @@ def test_a_record_whose_headers_the_client_cannot_decode_is_processed_without_th
     assert [r["id"] for r in h.p.results()] == ["in-0-0", "odd", "in-0-2"]
 
 
-def test_an_exactly_once_checkpoint_while_draining_ends_by_the_shutdown_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_exactly_once_checkpoint_while_draining_ends_by_the_shutdown_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The drain's periodic checkpoint flushed for 30 s and commit_transaction waited 30 s per call (3 calls),
     whatever was left of shutdown_timeout_s: a batch that finished 29 s into a 30 s drain, just as the broker
     stopped acknowledging, made the stop take 60 s and more, past the pod's grace period (SIGKILL in the

@@ -619,7 +619,9 @@ def test_the_device_pipeline_with_top_ups_runs_every_record_exactly_once(
         assert b.records and len(b) <= max(s.max_batch_size(b.lane), size_ok)
         own = [r for r in b.records if r.lane == b.lane]
         assert b.records[:len(own)] == own, "the batch's own lane first"
-        assert all(PRIORITY[r.lane] < PRIORITY[b.lane] for r in b.records[len(own):]), "filled only from lower lanes"
+        assert all(PRIORITY[r.lane] < PRIORITY[b.lane] for r in b.records[len(own) :]), (
+            "filled only from lower lanes"
+        )
         assert all(r.deadline is None or r.deadline > now for r in b.records), "expired record dispatched"
         if bucket:
             assert len({r.size // bucket for r in b.records}) == 1
@@ -958,7 +960,12 @@ def test_adaptive_fill_leaves_alone_a_lane_whose_deadline_the_filled_batch_would
     # Not taken, so not expired on the filled batch's account: still queued, and their own batch is next.
     assert s.expire(1.0) == [] and s.queued("lo") == 3
     own = s.next_batch(1.0, idle=True)  # (two of the three fit: 10 + 2 ms; the adaptive rule keeps those)
-    assert own is not None and own.lane == "lo" and len(own.records) == 2 and set(ids(own.records)) < set(ids(tight))
+    assert (
+        own is not None
+        and own.lane == "lo"
+        and len(own.records) == 2
+        and set(ids(own.records)) < set(ids(tight))
+    )
 
 
 def test_adaptive_preempt_fills_from_the_displaced_batch_only_where_its_deadlines_hold() -> None:
@@ -1041,7 +1048,11 @@ def test_records_of_a_batch_taken_ahead_that_expire_before_it_starts_are_not_run
     assert pref is not None and len(pref.records) == 4
     assert s.drop_expired(pref, 0.02) is None  # nothing late yet: run it as taken
     trimmed = s.drop_expired(pref, 0.05)
-    assert trimmed is not None and len(trimmed.records) == 2 and not set(map(id, late)) & set(map(id, trimmed.records))
+    assert (
+        trimmed is not None
+        and len(trimmed.records) == 2
+        and not set(map(id, late)) & set(map(id, trimmed.records))
+    )
     assert ids(s.expire(0.05)) == ids(late)
     st = s.stats()["lo"]
     assert (st["expired"], st["served_records"]) == (2, 2)  # not charged for what it did not run

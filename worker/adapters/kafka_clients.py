@@ -103,10 +103,16 @@ FILE_PROPERTIES = frozenset({
 
 def absent_files(cfg: Config) -> list[tuple[str, str]]:
     """``(path, file)`` of each file-valued client property whose file is not on this machine."""
-    return [(f"$.kafka.{section}.{k}", v)
-            for section, conf in (("consumer", cfg.kafka.consumer), ("producer", cfg.kafka.producer))
-            for k, v in sorted(conf.items())
-            if k in FILE_PROPERTIES and isinstance(v, str) and v.strip() and v != "probe" and not os.path.exists(v)]
+    return [
+        (f"$.kafka.{section}.{k}", v)
+        for section, conf in (("consumer", cfg.kafka.consumer), ("producer", cfg.kafka.producer))
+        for k, v in sorted(conf.items())
+        if k in FILE_PROPERTIES
+        and isinstance(v, str)
+        and v.strip()
+        and v != "probe"
+        and not os.path.exists(v)
+    ]
 
 
 def config_problem(cfg: Config, files_elsewhere: bool = False) -> tuple[str, str] | None:

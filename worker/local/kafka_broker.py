@@ -350,7 +350,9 @@ class LocalKafka:
         parts = []
         for p in (self.workdir / "stdout.log", self.log_path):
             if p.exists():
-                parts.append(f"--- {p} ---\n" + "\n".join(p.read_text(errors="replace").splitlines()[-lines:]))
+                parts.append(
+                    f"--- {p} ---\n" + "\n".join(p.read_text(errors="replace").splitlines()[-lines:])
+                )
         return "\n".join(parts)
 
     def stop(self, timeout: float = 30.0) -> None:

@@ -34,7 +34,9 @@ TORCHSCRIPT_SUFFIXES = (".pt", ".ts", ".pth", ".jit")
 EXPORT_SUFFIXES = (".pt2",)
 ONNX_SUFFIXES = (".onnx",)
 STATE_DICT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
-MODEL_FILE_SUFFIXES = tuple(sorted(set(TORCHSCRIPT_SUFFIXES + EXPORT_SUFFIXES + ONNX_SUFFIXES + STATE_DICT_SUFFIXES)))
+MODEL_FILE_SUFFIXES = tuple(
+    sorted(set(TORCHSCRIPT_SUFFIXES + EXPORT_SUFFIXES + ONNX_SUFFIXES + STATE_DICT_SUFFIXES))
+)
 HANDLER_METHODS = ("setup", "decode", "collate", "forward", "split")
 # Options the loader consumes; every other option is passed to the factory as a keyword argument.
 RESERVED_OPTIONS = ("state_dict", "factory", "input_shape", "input_dtype", "example_input")
@@ -67,7 +69,9 @@ def _import_module(mod_name: str) -> Any:
                 raise ConfigError(f"$.model.name: cannot import {mod_name!r}: {e}") from None
             sys.path.append(cwd)
         except Exception as e:
-            raise ConfigError(f"$.model.name: importing {mod_name!r} failed: {type(e).__name__}: {e}") from None
+            raise ConfigError(
+                f"$.model.name: importing {mod_name!r} failed: {type(e).__name__}: {e}"
+            ) from None
 
 
 def import_callable(spec: str) -> Callable[..., Any]:
@@ -124,7 +128,9 @@ def _complete(model: Any, name: str, version: str) -> Any:
             try:
                 setattr(model, attr, default)
             except AttributeError:
-                raise ConfigError(f"$.model.name: the handler {name!r} has no {attr!r} and it cannot be set") from None
+                raise ConfigError(
+                    f"$.model.name: the handler {name!r} has no {attr!r} and it cannot be set"
+                ) from None
     return model
 
 
@@ -141,7 +147,9 @@ def from_factory(spec: str, options: dict[str, Any], state_dict: Path | None = N
     try:
         inspect.signature(factory).bind(**kwargs)
     except TypeError as e:
-        raise ConfigError(f"$.model.options: factory {spec!r} rejected options {sorted(kwargs)}: {e}") from None
+        raise ConfigError(
+            f"$.model.options: factory {spec!r} rejected options {sorted(kwargs)}: {e}"
+        ) from None
     except ValueError:
         pass  # no signature to read (some C callables): the call itself tells
     try:

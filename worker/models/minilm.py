@@ -57,7 +57,9 @@ def _positions(folder: Path) -> int | None:
     try:
         cfg = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as e:
-        raise ConfigError(f"$.model.options.path: {str(folder / 'config.json')!r} is not readable JSON: {e}") from None
+        raise ConfigError(
+            f"$.model.options.path: {str(folder / 'config.json')!r} is not readable JSON: {e}"
+        ) from None
     n = cfg.get("max_position_embeddings") if isinstance(cfg, dict) else None
     if not isinstance(n, int):
         return None

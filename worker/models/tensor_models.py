@@ -197,9 +197,11 @@ class OnnxModel:
                             None)
         self.outputs = [o.name for o in probe.get_outputs()]
         # A fixed batch axis: torch.onnx.export's default without dynamic_axes.
-        self.max_batch = _fixed_batch({i.shape[0] for i in probe.get_inputs() if i.shape and isinstance(i.shape[0], int)},
-                                      path.name, "torch.onnx.export(..., dynamic_axes={'<input>': {0: "
-                                                 "'batch'}})")
+        self.max_batch = _fixed_batch(
+            {i.shape[0] for i in probe.get_inputs() if i.shape and isinstance(i.shape[0], int)},
+            path.name,
+            "torch.onnx.export(..., dynamic_axes={'<input>': {0: 'batch'}})",
+        )
         self.session: Any = probe
 
     def setup(self, device: str) -> None:
@@ -267,7 +269,10 @@ class OnnxModel:
                 groups.setdefault(tuple(it[name].shape for name in names), []).append(i)
         if len(groups) <= 1:
             return [(None, {name: np.stack([it[name] for it in items]) for name in names})]
-        return [(pos, {name: np.stack([items[i][name] for i in pos]) for name in names}) for pos in groups.values()]
+        return [
+            (pos, {name: np.stack([items[i][name] for i in pos]) for name in names})
+            for pos in groups.values()
+        ]
 
     def forward(self, batch: list[tuple[list[int] | None,
                                         dict[str, Any]]]) -> list[tuple[list[int] | None, Any]]:
