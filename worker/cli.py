@@ -210,8 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the worker until SIGTERM/SIGINT",
         description=(
             "Consume the input topics, batch, infer, produce results and commit. SIGTERM/SIGINT stop it "
-            "gracefully: stop fetching, finish in-flight work within delivery.shutdown_timeout_s, commit, "
-            "exit 0."
+            "gracefully: stop fetching, finish in-flight work within "
+            "delivery.shutdown_timeout_s, commit, exit 0."
         ),
     )
     r.add_argument("--config", "-c", required=True, help="worker YAML config file")
@@ -220,8 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
         "turns the endpoint on even where metrics.enabled is false"))
     r.add_argument("--processes", type=_processes, default=None, metavar="N", help=(
         "run N worker processes sharing the device(s), each a member of the consumer group, under a "
-        "supervisor that restarts a dead one (default: model.processes, 1); process i serves metrics on port "
-        "+ i"))
+        "supervisor that restarts a dead one (default: model.processes, 1); process i "
+        "serves metrics on port + i"))
     r.set_defaults(func=cmd_run)
 
     c = sub.add_parser("check-config", help="validate a config file and exit (0 valid, 2 invalid)",
@@ -232,8 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
         "class with its five stages; no weights are loaded) and that librdkafka takes the kafka.consumer and "
         "kafka.producer properties, and exits 0, or 2 with every problem found, one line each, sorted by the "
         "key's path. A secret reference (${env:X}, ${file:...}) or a client file (ssl.ca.location...) that "
-        "is not on this machine is a note, not an error: it may exist only where the worker runs. Connects "
-        "to nothing."))
+        "is not on this machine is a note, not an error: it may exist only where the worker runs. "
+        "Connects to nothing."))
     c.add_argument("--config", "-c", required=True, help="worker YAML config file")
     c.add_argument("--print", action="store_true", help=(
         "print the effective config (defaults, env overrides and secret references applied; values of "
@@ -263,8 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="one-command demo: local broker, sample requests, worker, summary",
                        description=(
         "Starts a local Apache Kafka broker (unless KAFKA_BOOTSTRAP_SERVERS or --bootstrap is given), "
-        "creates topics, produces sample requests, runs the worker with a built-in model, prints a summary, "
-        "stops."))
+        "creates topics, produces sample requests, runs the worker with a built-in model, "
+        "prints a summary, stops."))
     d.add_argument("--records", type=int, default=5000, help="sample requests to produce (default 5000)")
     d.add_argument("--partitions", type=int, default=4, help="partitions of the demo's topics (default 4)")
     d.add_argument("--rate", type=_finite, default=2000.0,
@@ -280,8 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("backfill", help="process the input topics up to their current end, then exit",
                        description="Snapshots the end offsets of the input topics, processes until every "
-                       "partition reaches them, commits and exits 0. Killed, it resumes from the committed "
-                       "offsets.")
+                       "partition reaches them, commits and exits 0. Killed, it resumes from "
+                       "the committed offsets.")
     b.add_argument("--config", "-c", required=True, help="worker YAML config file")
     g = b.add_mutually_exclusive_group()
     g.add_argument("--from-beginning", action="store_true", help=(
@@ -304,8 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     ld.add_argument("--rate", type=_finite, default=1000.0,
                     help="records per second (default 1000; 0 = as fast as possible)")
     ld.add_argument("--count", type=int, default=10000, help="records to produce (default 10000)")
-    ld.add_argument("--lanes", default=None, help="priority mix, e.g. high=0.1,low=0.9 (sets the request "
-                                                  "field)")
+    ld.add_argument("--lanes", default=None, help="priority mix, e.g. high=0.1,low=0.9 "
+                                                  "(sets the request field)")
     ld.add_argument("--model-input", default="tiny", choices=list(BUILTINS),
                     help="built-in model whose input shape the requests get (default tiny)")
     ld.add_argument("--id-prefix", default="load", help="request ids and keys are PREFIX-N (default load)")
@@ -335,8 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("profile", help="throughput/latency/memory per batch size for a model", description=(
         "Runs the model alone (no Kafka) on each batch size and prints p50/p99 batch latency, items/s and "
         "peak memory, then recommends a max_batch_size: the highest throughput, or the highest within "
-        "--latency-budget-ms. A batch size that runs out of memory is reported, and larger ones are not "
-        "tried."))
+        "--latency-budget-ms. A batch size that runs out of memory is reported, and "
+        "larger ones are not tried."))
     try:
         from worker.profile import add_arguments
         add_arguments(pr)

@@ -32,8 +32,8 @@ def unreachable_broker_is_an_error(bootstrap: str, source: str, timeout_s: float
         if not (hasattr(kerr, "name") and kerr.name() in _UNREACHABLE):
             raise
         detail = kerr.str() if hasattr(kerr, "str") else str(e)
-        raise CommandError(f"cannot reach Kafka at {bootstrap} (from {source}) within {timeout_s:g} s: "
-                           f"{detail}") from None
+        raise CommandError(f"cannot reach Kafka at {bootstrap} (from {source}) within {timeout_s:g} "
+                           f"s: {detail}") from None
 
 
 

@@ -98,8 +98,8 @@ def _option_problems(spec: str, factory: Any, options: dict[str, Any]) -> list[s
                                                  for d in value)):
             problems.append(f"$.model.options.input_shape: expected a list of positive ints, got {value!r}")
         if key == "input_dtype" and value not in loaders.DTYPES:
-            problems.append(f"$.model.options.input_dtype: expected one of {sorted(loaders.DTYPES)}, got "
-                            f"{value!r}")
+            problems.append(f"$.model.options.input_dtype: expected one of {sorted(loaders.DTYPES)}, "
+                            f"got {value!r}")
     kwargs = {k: v for k, v in options.items() if k not in loaders.RESERVED_OPTIONS}
     try:
         sig = inspect.signature(factory)
@@ -149,8 +149,8 @@ def _handler_problems(spec: str, cls: type) -> list[str]:
             problems.append(f"$.model.name: {spec!r}.{attr} is {type(value).__name__} {value!r}; it goes in "
                             "every result as text: make it a str")
     if callable(getattr(cls, "size_of", None)) is False and getattr(cls, "size_of", None) is not None:
-        problems.append(f"$.model.name: {spec!r}.size_of is not a method (it gives a record's size for "
-                        "bucketing)")
+        problems.append(f"$.model.name: {spec!r}.size_of is not a method (it gives a "
+                        "record's size for bucketing)")
     input_type = inspect.getattr_static(cls, "input_type", None)
     if input_type is not None and not isinstance(input_type, property):
         import msgspec

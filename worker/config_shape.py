@@ -100,8 +100,8 @@ def check_shape(value: Any, path: str, above: tuple[int, ...] = ()) -> None:
     if not isinstance(value, dict | list):
         return
     if id(value) in above:
-        raise ConfigError(f"{path}: contains itself (a YAML alias to an anchor around it); copy the values "
-                          "instead")
+        raise ConfigError(f"{path}: contains itself (a YAML alias to an anchor around it); "
+                          "copy the values instead")
     if len(above) > 100:
         raise ConfigError(f"{path}: nested more than 100 levels deep")
     above = (*above, id(value))

@@ -336,8 +336,8 @@ def run(args: argparse.Namespace) -> int:
     if best is None:
         fastest = min((r for r in rows if r.status == "ok"), key=lambda r: r.p99_ms, default=None)
         if fastest is None:  # not one size ran (out of memory, or the model failed): nothing to recommend
-            print("recommended max_batch_size: none; no batch size ran (see the status column); try smaller "
-                  "ones",
+            print("recommended max_batch_size: none; no batch size ran (see the status "
+                  "column); try smaller ones",
                   file=out)
         else:
             hint = f"; the lowest p99 is {fastest.p99_ms:.2f} ms at batch {fastest.batch_size}"

@@ -273,12 +273,12 @@ def run(ctx: Ctx) -> dict[str, Any]:
             s200.get("low_share", float("nan")),
             f"configured minimum w_low/(w_low+w_high) = {W_LOW / (W_LOW + W_HIGH):.2f}",
             W_LOW / (W_LOW + W_HIGH),
-            ">=", 1.0, "", "issue 3's case; the high lane offers less than its share, so the minimum is not "
-                           "at stake"),
+            ">=", 1.0, "", "issue 3's case; the high lane offers less than its share, so the "
+                           "minimum is not at stake"),
         row("3 fairness under 2x overload", "low-lane share of served records, high lane "
             f"{HEAVY_HIGH_SHARE:.0%} of traffic", heavy.get("low_share", float("nan")),
-            f"guaranteed minimum: w_low/(w_low+w_high) = {W_LOW / (W_LOW + W_HIGH):.2f} less 4 batches "
-            "of lag",
+            f"guaranteed minimum: w_low/(w_low+w_high) = {W_LOW / (W_LOW + W_HIGH):.2f} "
+            "less 4 batches of lag",
             heavy_min, ">=", 1.0, "", f"the high lane alone offers {2 * HEAVY_HIGH_SHARE:.1f}x capacity; "
             f"{heavy.get('window_results', 0)} records served in the window, "
             f"{heavy.get('served_per_s', float('nan')):.0f}/s"),

@@ -49,11 +49,11 @@ def main() -> int:
                     help="yappi: every thread, CPU clock, deterministic (slow); pyinstrument: the loop "
                          "thread only, sampling (low overhead, truer proportions); none: just the records/s")
     ap.add_argument("--gc", default="on", choices=["on", "off", "freeze"],
-                    help="Python's cyclic GC once the model is loaded: as is, disabled, or gc.freeze() (A/B "
-                         "tests)")
+                    help="Python's cyclic GC once the model is loaded: as is, disabled, or "
+                         "gc.freeze() (A/B tests)")
     ap.add_argument("--mode", default="at_least_once", choices=["at_least_once", "exactly_once"],
-                    help="delivery.mode (exactly_once: one transactional producer, a checkpoint per commit "
-                         "interval)")
+                    help="delivery.mode (exactly_once: one transactional producer, a checkpoint "
+                         "per commit interval)")
     ap.add_argument("--commit-interval-ms", type=int, default=1000,
                     help="kafka.commit_interval_ms (exactly_once: the transaction checkpoint interval)")
     args = ap.parse_args()

@@ -41,8 +41,8 @@ BUCKET = 8
 _VOCAB = ("kafka stream batch model latency throughput request result offset partition consumer producer "
           "worker lane priority deadline embedding vector sentence token device memory queue window commit "
           "delivery broker topic record service scale group cluster cache ledger retry error the a of and to "
-          "in is that for on with as it be at by this from or an are was were not but all can has had which "
-          "one")
+          "in is that for on with as it be at by this from or an are was were not but all "
+          "can has had which one")
 WORDS = tuple(w for w in _VOCAB.split(" ") if w)
 
 

@@ -146,8 +146,8 @@ def write_page(results: dict[str, Any]) -> None:
     lines = [
         "## Results",
         "",
-        f"Measured {results['date']} on a {results['machine']} (figures are noisy, so every one is a ratio "
-        "against",
+        f"Measured {results['date']} on a {results['machine']} (figures are noisy, so every "
+        "one is a ratio against",
         f"a baseline measured in the same run), with a local single-node Kafka broker "
         f"({results.get('broker_storage', 'data on disk')}), by one run of",
         f"{_runs_line(results)} at commit `{results.get('commit', 'unknown')}`.",
@@ -168,10 +168,10 @@ def write_page(results: dict[str, Any]) -> None:
                   "1). Latencies",
                   "are of the records served (\"served\": results of the records sent after the first "
                   "seconds of the",
-                  "step); under overload the low lane's backlog is not served before the worker stops, and "
-                  "the ideal",
-                  "p99 then counts only what the ideal batcher would have finished by the worker's last "
-                  "result:", "",
+                  "step); under overload the low lane's backlog is not served before the worker "
+                  "stops, and the ideal",
+                  "p99 then counts only what the ideal batcher would have finished by the "
+                  "worker's last result:", "",
                   *lane_table(sc["latency"]), ""]
     lines += [
         "Plots: [throughput and latency vs batch size](bench/batch_size.png),",

@@ -116,19 +116,19 @@ def check_config_secrets(cfg: dict[str, Any], pod: PodView, where: str) -> list[
                 continue
             var = ref.strip()
             if var not in pod.env and not pod.env_from:
-                errs.append(f"{where}: {path} references ${{env:{var}}}, which the worker container does not "
-                            "set")
+                errs.append(f"{where}: {path} references ${{env:{var}}}, which the worker "
+                            "container does not set")
             elif (_SECRET_KEY.search(key) or var.startswith("KIW_")) and var in pod.env \
                     and pod.secret_ref(var) is None:
-                errs.append(f"{where}: {path} references ${{env:{var}}}, which the pod does not set from a "
-                            "Secret")
+                errs.append(f"{where}: {path} references ${{env:{var}}}, which the pod does "
+                            "not set from a Secret")
     url = (cfg.get("redis") or {}).get("url") or ""
     # user:password@ before the host; a reference may stand for either (and holds a ":" of its own).
     userinfo = _REF.sub("REF", url.partition("://")[2].partition("/")[0].rpartition("@")[0])
     password = userinfo.partition(":")[2]
     if password and password != "REF":
-        errs.append(f"{where}: config.redis.url carries a password: a secret would be inlined in the "
-                    "ConfigMap")
+        errs.append(f"{where}: config.redis.url carries a password: a secret would be "
+                    "inlined in the ConfigMap")
     for path, file in _config_files(cfg):
         if file == "probe" or file.startswith(_SYSTEM):
             continue
@@ -138,8 +138,8 @@ def check_config_secrets(cfg: dict[str, Any], pod: PodView, where: str) -> list[
                 f"{where}: {path} names {file}, which no volume mounted in the worker container holds"
             )
         elif src[0] == "missing":
-            errs.append(f"{where}: {path} names {file}, but the Secret volume there does not project that "
-                        "file")
+            errs.append(f"{where}: {path} names {file}, but the Secret volume there does "
+                        "not project that file")
     return errs
 
 
@@ -154,8 +154,8 @@ def check_keda(cfg: dict[str, Any], pod: PodView, scaled: list[dict[str, Any]],
             md = t["metadata"]
             tls = md.get("tls") == "enable"
             if tls != (protocol in ("SSL", "SASL_SSL")):
-                errs.append(f"{where}: trigger tls={md.get('tls')!r} but the worker's security.protocol is "
-                            f"{protocol}")
+                errs.append(f"{where}: trigger tls={md.get('tls')!r} but the worker's "
+                            f"security.protocol is {protocol}")
             sasl = protocol.startswith("SASL")
             mech = consumer.get("sasl.mechanism", consumer.get("sasl.mechanisms", "PLAIN")).upper()
             if sasl and md.get("sasl") != _KEDA_SASL.get(mech) and "sasl.username" in consumer:
@@ -189,8 +189,8 @@ def _check_refs(where: str, consumer: dict[str, str], pod: PodView, refs: dict[s
             errs.append(f"{where}: the worker's {prop} is {file}, the TriggerAuthentication has no {param}: "
                         "KEDA could not connect")
         elif worker is not None and refs[param] != worker:
-            errs.append(f"{where}: TriggerAuthentication {param} is {refs[param]}, the worker's {prop} is "
-                        f"{worker}")
+            errs.append(f"{where}: TriggerAuthentication {param} is {refs[param]}, the worker's {prop} "
+                        f"is {worker}")
     return errs
 
 

@@ -106,8 +106,8 @@ def check_invariants(docs: list[dict[str, Any]]) -> list[str]:
                 path, called = many.group(1), list(range(int(many.group(2)), int(many.group(3))))
                 declared = sorted(v for k, v in ports.items() if k == "metrics" or k.startswith("metrics-"))
                 if called != declared:
-                    errs.append(f"Deployment/{name}: {probe} calls ports {called}, not the metrics ports "
-                                f"{declared}")
+                    errs.append(f"Deployment/{name}: {probe} calls ports {called}, not the "
+                                f"metrics ports {declared}")
             elif target != ports.get("metrics"):
                 errs.append(f"Deployment/{name}: {probe} calls port {target}, not the metrics port")
         if path not in ((want,) if want else ("/readyz", "/healthz")):
@@ -166,8 +166,8 @@ def check_invariants(docs: list[dict[str, Any]]) -> list[str]:
     for c in pod.get("initContainers", []) + pod["containers"]:
         for m in c.get("volumeMounts", []):
             if m["name"] not in volumes and c is not worker:
-                errs.append(f"Deployment/{name}: container {c['name']!r} mounts {m['name']!r}, which has no "
-                            "volume")
+                errs.append(f"Deployment/{name}: container {c['name']!r} mounts {m['name']!r}, "
+                            "which has no volume")
     errs += secret_wiring.check(docs)
     errs += check_extras(docs, labels, pod)
 
@@ -194,8 +194,8 @@ def check_invariants(docs: list[dict[str, Any]]) -> list[str]:
         for t in so["spec"]["triggers"]:
             ref = t.get("authenticationRef", {}).get("name")
             if ref and ref not in auths:
-                errs.append(f"ScaledObject/{so['metadata']['name']}: authenticationRef {ref!r} is not "
-                            "rendered")
+                errs.append(f"ScaledObject/{so['metadata']['name']}: authenticationRef {ref!r} "
+                            "is not rendered")
     for pdb in by_kind.get("PodDisruptionBudget", []):
         sel = pdb["spec"]["selector"].get("matchLabels", {})
         if any(labels.get(k) != v for k, v in sel.items()):

@@ -77,8 +77,8 @@ def test_5000_requests_exactly_once_each_and_offsets_committed(kafka, topic_name
     again = [v["id"] for v in decode(read_all(bs, topic_names["out"], timeout=30, idle=2))]
     assert len(again) == n + 4, f"restart reprocessed {len(again) - n - 4} records"
     assert set(again) == set(ids) | {f"after-restart-{p}" for p in range(4)}
-    print(f"[e2e] results={len(ids)} dlq={len(dlq)} committed==end for {len(ends)} partitions; restart added "
-          "0")
+    print(f"[e2e] results={len(ids)} dlq={len(dlq)} committed==end for {len(ends)} "
+          "partitions; restart added 0")
 
 
 def test_input_from_a_transactional_producer_is_committed_to_its_end(kafka, topic_names, tmp_path):

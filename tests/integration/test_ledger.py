@@ -52,5 +52,5 @@ def test_ledger_skips_ids_already_delivered_ok_and_reprocesses_failed_ones(kafka
     assert [r["status"] for r in first].count("ok") == n and [r["id"] for r in first].count("bad") == 1
     # The same n + 1 records again: every ok id is in the ledger, so only "bad" gets a (second) result.
     ids = [r["id"] for r in run(f"second-{topic_names['run']}", n + 2)]
-    assert len(ids) == n + 2 and ids.count("bad") == 2, (f"{len(ids) - n - 1} new results, expected 1 (for "
-                                                         "'bad')")
+    assert len(ids) == n + 2 and ids.count("bad") == 2, (f"{len(ids) - n - 1} new results, "
+                                                         "expected 1 (for 'bad')")

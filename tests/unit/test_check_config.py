@@ -88,8 +88,8 @@ def test_a_required_factory_option_left_out_is_an_error(models: Path,
         model: {name: "byo_models:linear", options: {input_shape: [4]}}
         """, capsys)
     assert rc == 2
-    assert err == ["config error: $.model.options.in_features: required by factory 'byo_models:linear', not "
-                   "given"]
+    assert err == ["config error: $.model.options.in_features: required by factory "
+                   "'byo_models:linear', not given"]
 
 
 def test_a_module_class_is_checked_against_its_init(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -120,8 +120,8 @@ def test_a_handler_class_with_none_of_the_five_stages_is_an_error(
 def test_a_handler_class_missing_a_stage_names_it(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, err, _ = _check(models, "kafka: {input_topics: [in]}\nmodel: {name: 'byo_models:NoSplit'}\n", capsys)
     assert rc == 2
-    assert err[0].startswith("config error: $.model.name: 'byo_models:NoSplit' is a class with no split "
-                             "method")
+    assert err[0].startswith("config error: $.model.name: 'byo_models:NoSplit' is a class "
+                             "with no split method")
 
 
 def test_a_handler_classs_attributes_are_checked(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -240,8 +240,8 @@ def test_secrets_not_here_are_errors_in_run(tmp_path: Path, capsys: pytest.Captu
     assert err == [
         "config error: $.kafka.consumer.sasl.password: environment variable 'KIW_TEST_ABSENT_PW' is not set",
         "config error: $.kafka.consumer.ssl.ca.location: no such file on this machine: /nonexistent/ca.pem",
-        "config error: $.redis.url: cannot read secret file '/nonexistent/redis-url': No such file or "
-        "directory",
+        "config error: $.redis.url: cannot read secret file '/nonexistent/redis-url': No "
+        "such file or directory",
     ]
 
 

@@ -83,8 +83,8 @@ def test_metrics_port_in_use_names_the_port_and_its_flag(tmp_path: Path, capsys:
         assert main(["run", "--config", _config(tmp_path), "--metrics-port", str(port)]) == 1
     err = capsys.readouterr().err
     assert (
-        f"error: cannot serve metrics on 0.0.0.0:{port} ($.metrics.host, --metrics-port): address already in "
-        "use"
+        f"error: cannot serve metrics on 0.0.0.0:{port} ($.metrics.host, --metrics-port): "
+        "address already in use"
         in err
     )
     assert "Traceback" not in err
@@ -290,8 +290,8 @@ def test_a_ca_file_not_on_this_machine_fails_run_and_is_a_note_in_check_config(
     err = capsys.readouterr().err
     assert (
         f"note: $.kafka.consumer.ssl.ca.location: {tmp_path}/mounted-in-the-pod/ca.crt is not on this "
-        "machine (set by WORKER__KAFKA__CONSUMER__SSL_CA_LOCATION) (not checked; `worker run` here would "
-        "exit 2)"
+        "machine (set by WORKER__KAFKA__CONSUMER__SSL_CA_LOCATION) (not checked; `worker "
+        "run` here would exit 2)"
         in err
     )
     assert main(["run", "--config", _config(tmp_path)]) == 2

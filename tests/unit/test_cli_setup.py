@@ -28,8 +28,8 @@ def _setup_env_venv(cache: Path) -> Path:
     script = (ROOT / "worker" / "local" / "setup_env.sh").read_text()
     extras = re.search(r'^extras="\$\{KIW_EXTRAS:-[a-z,]+\}"\n', script, re.M)
     key = re.search(r'^key="\$\(.*?^venv="\$cache/venv-py\$pyver-\$key"\n', script, re.M | re.S)
-    assert extras and key, ("setup_env.sh no longer sets extras= / key= ... venv= as this test reads them: "
-                            "update it")
+    assert extras and key, ("setup_env.sh no longer sets extras= / key= ... venv= as this test "
+                            "reads them: update it")
     env = {k: v for k, v in os.environ.items() if k != "KIW_EXTRAS"}
     p = subprocess.run(["bash", "-c", 'set -euo pipefail; root=$1; cache=$2; '
                                       f'pyver=$3\n{extras[0]}{key[0]}echo "$venv"',

@@ -176,8 +176,8 @@ def test_a_file_that_is_not_utf8_is_a_config_error(tmp_path):
     secret.write_bytes(b"\xffs3cret")
     with pytest.raises(ConfigError) as e:
         from_dict({**BASE, "redis": {"password": f"${{file:{secret}}}"}}, environ={})
-    assert str(e.value).startswith(f"$.redis.password: cannot read secret file '{secret}': not UTF-8 (line "
-                                   "1, byte")
+    assert str(e.value).startswith(f"$.redis.password: cannot read secret file '{secret}': "
+                                   "not UTF-8 (line 1, byte")
     assert "s3cret" not in str(e.value) and "xff" not in str(e.value)
     # A byte order mark (Windows editors write one) is no part of the secret.
     secret.write_bytes(b"\xef\xbb\xbfs3cret\n")
@@ -304,8 +304,8 @@ def test_redis_url_scheme_is_checked(url, ok):
     ("redis://redis:6379/0?socket_connect_timeout=abc",
      "invalid value for the query option 'socket_connect_timeout', got 'abc'"),
     ("unix:///run/redis.sock?db=one", "invalid value for the query option 'db', got 'one'"),
-    ("redis://redis:6379/zero", "the path after host:port must be a database number (/0, /1, ...), got "
-                                "'/zero'"),
+    ("redis://redis:6379/zero", "the path after host:port must be a database number (/0, "
+                                "/1, ...), got '/zero'"),
     ("redis://redis:6379/0?sockettimeout=1", "unknown query option 'sockettimeout'"),
     ("redis://redis:6379/0?socket_timeout=30", "the query option 'socket_timeout' is set from "
                                                "redis.timeout_ms"),
@@ -361,8 +361,8 @@ def test_max_attempts_1_is_refused_with_redis():
 def test_a_repeated_key_next_to_a_cyclic_alias_is_still_a_config_error(tmp_path):
     # Naming the key walked the node graph recursively: a self-referencing alias raised RecursionError.
     f = tmp_path / "cyc.yaml"
-    f.write_text("kafka:\n  input_topics: [in]\n  consumer: &x {self: *x}\nmodel:\n  name: tiny\n  name: "
-                 "tiny\n")
+    f.write_text("kafka:\n  input_topics: [in]\n  consumer: &x {self: *x}\nmodel:\n  name: tiny\n "
+                 " name: tiny\n")
     with pytest.raises(ConfigError, match=r"duplicate key \$.model.name"):
         load(f, environ={})
 
@@ -528,8 +528,8 @@ def test_poll_max_records_stays_within_what_consume_takes():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("kafka:\n  input_topics: [in]\n  1: x\n", "$.kafka: the key 1 is not text but int; in YAML, quote it: "
-                                               "'1':"),
+    ("kafka:\n  input_topics: [in]\n  1: x\n", "$.kafka: the key 1 is not text but int; in "
+                                               "YAML, quote it: '1':"),
     ("kafka: {input_topics: [in]}\nmodel:\n  options: {2024-06-01: x}\n",
      "$.model.options: the key 2024-06-01 is not text but date"),
     # An alias to an anchor around it: a structure without end (RecursionError, exit 1).

@@ -128,5 +128,5 @@ def test_every_module_the_architecture_page_names_exists() -> None:
         if p.name != "__init__.py"
     }
     unnamed = sorted(m for m in listed if m.split("/", 1)[1] not in text and m.rsplit("/", 1)[1] not in text)
-    assert not unnamed, ("modules of worker/core and worker/pipeline the architecture page does not name: "
-                         f"{unnamed}")
+    assert not unnamed, ("modules of worker/core and worker/pipeline the architecture page "
+                         f"does not name: {unnamed}")

@@ -54,8 +54,8 @@ def test_librdkafka_lines_are_json_log_records_with_their_fields() -> None:
     fail = next(r for r in records if r.get("facility") == "FAIL")
     assert fail["level"] == "ERROR" and fail["logger"] == "worker.kafka.consumer"
     assert fail["client"].endswith("#consumer-1")
-    assert fail["msg"].startswith("127.0.0.1:1/bootstrap: Connect to ipv4#127.0.0.1:1 failed: Connection "
-                                  "refused")
+    assert fail["msg"].startswith("127.0.0.1:1/bootstrap: Connect to ipv4#127.0.0.1:1 "
+                                  "failed: Connection refused")
     assert fail["rdkafka_thread"] == "127.0.0.1:1/bootstrap"
 
 
@@ -72,8 +72,8 @@ def test_levels_follow_librdkafka_and_transient_coordinator_loads_are_info(
         log.log(30, "%s [%s] %s", "GETPID", "rdkafka#producer-1",
                 "[thrd:main]: Failed to acquire transactional PID from broker TxnCoordinator/1: Broker: "
                 "Coordinator load in progress: retrying")
-        log.log(30, "%s [%s] %s", "CONFWARN", "rdkafka#producer-1", "[thrd:app]: Configuration property x is "
-                "deprecated")
+        log.log(30, "%s [%s] %s", "CONFWARN", "rdkafka#producer-1", "[thrd:app]: Configuration property "
+                "x is deprecated")
         log.log(10, "%s [%s] %s", "BROKER", "rdkafka#producer-1", "no thread prefix")
         log.log(20, "plain %s", "message")
     got = [(r.levelname, getattr(r, "facility", None), r.getMessage()) for r in caplog.records]

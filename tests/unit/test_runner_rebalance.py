@@ -283,8 +283,8 @@ def test_a_refused_message_inside_a_revoke_stops_the_worker(monkeypatch: pytest.
     def release(tps: Any, graceful: bool) -> None:
         calls.append(graceful)
         if graceful:
-            raise FatalDeliveryError("cannot produce to 'out' (kafka.output_topic): Broker: Message size too "
-                                     "large")
+            raise FatalDeliveryError("cannot produce to 'out' (kafka.output_topic): Broker: "
+                                     "Message size too large")
         real(tps, graceful)
 
     monkeypatch.setattr(h.runner.membership, "release", release)

@@ -73,8 +73,8 @@ class PrometheusMetrics:
                                            "Collate + forward + split time per batch",
                                            ["lane"], buckets=LATENCY_BUCKETS, registry=r)
         self.end_to_end_seconds = Histogram("kiw_end_to_end_seconds",
-                                            "Request's Kafka timestamp to its result handed to the producer, "
-                                            "per record",
+                                            "Request's Kafka timestamp to its result handed to the "
+                                            "producer, per record",
                                             ["lane"], buckets=LATENCY_BUCKETS, registry=r)
         self.in_flight = Gauge("kiw_in_flight", "Records consumed and not yet delivered or dead-lettered",
                                registry=r)

@@ -160,8 +160,8 @@ class RedisStore:
     def __init__(self, cfg: RedisConfig, metrics: Metrics | None = None, *,
                  clock: TimeSource | None = None) -> None:
         if not cfg.url:
-            raise ValueError("redis.url is required for RedisStore (leave it unset to use the in-memory "
-                             "store)")
+            raise ValueError("redis.url is required for RedisStore (leave it unset to use "
+                             "the in-memory store)")
         scheme = urlsplit(cfg.url).scheme
         problem = redis_url_problem(cfg.url, tls=cfg.tls)  # the scheme too
         if problem:

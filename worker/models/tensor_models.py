@@ -212,8 +212,8 @@ class OnnxModel:
                 idx = int(device.split(":")[1]) if ":" in device else 0
                 providers = [("CUDAExecutionProvider", {"device_id": idx}), "CPUExecutionProvider"]  # type: ignore[list-item]
             else:
-                log.warning("onnxruntime has no CUDAExecutionProvider (install onnxruntime-gpu); running %s "
-                            "on CPU",
+                log.warning("onnxruntime has no CUDAExecutionProvider (install "
+                            "onnxruntime-gpu); running %s on CPU",
                             self.path.name)
         opts = ort.SessionOptions()
         try:

@@ -47,8 +47,8 @@ class TinyModel:
         # carries them) or a value past float32's range (inf once converted) gave NaN probabilities, sent as
         # nulls in an ok result. (A comparison is False for NaN.)
         if not all(-_F32_MAX <= v <= _F32_MAX for v in inputs):
-            raise ValueError("inputs must be finite float32 values: got NaN, infinity or a value beyond "
-                             "+-3.4e38")
+            raise ValueError("inputs must be finite float32 values: got NaN, infinity or a "
+                             "value beyond +-3.4e38")
         return inputs
 
     def collate(self, items: Sequence[list[float]]) -> torch.Tensor:
