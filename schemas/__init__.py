@@ -13,10 +13,12 @@ import msgspec
 
 T = TypeVar("T")
 
-RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=512, description="Caller's id, echoed in the result")]
-# Bounded so that the worker's float arithmetic on it cannot overflow: a 309-digit deadline decoded as a Python
-# int and raised OverflowError in the loop, on every restart, for whichever worker took the partition.
-DeadlineMs = Annotated[int, msgspec.Meta(ge=-(2**53), le=2**53, description="Absolute deadline, Unix epoch ms")]
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=512,
+                                        description="Caller's id, echoed in the result")]
+# Bounded so that the worker's float arithmetic on it cannot overflow: a 309-digit deadline decoded as a
+# Python int and raised OverflowError in the loop, on every restart, for whichever worker took the partition.
+DeadlineMs = Annotated[int, msgspec.Meta(ge=-(2**53), le=2**53,
+                                         description="Absolute deadline, Unix epoch ms")]
 
 
 class Request(msgspec.Struct, Generic[T], kw_only=True, frozen=True):
@@ -72,8 +74,9 @@ _TENSOR_SCHEMA = {
 }
 Outputs = Annotated[Any, msgspec.Meta(
     description="What the model returned for the request. With delivery.outputs_encoding: float32 a numeric "
-                "output (a list of floats, nested lists of floats of one shape, an array) is a Float32Tensor; "
-                "every other output (a dict of labels, strings, ints, bools, mixed lists) is as returned.",
+                "output (a list of floats, nested lists of floats of one shape, an array) is a "
+                "Float32Tensor; every other output (a dict of labels, strings, ints, bools, mixed lists) is "
+                "as returned.",
     extra_json_schema={"anyOf": [_TENSOR_SCHEMA, {}]})]
 
 
@@ -144,6 +147,8 @@ class DeadLetter(msgspec.Struct, kw_only=True, frozen=True):
 
 
 __all__ = [
-    "DLQ_HEADERS", "DeadLetter", "ErrorStage", "Float32Tensor", "H_ATTEMPTS", "H_ERROR", "H_ERROR_STAGE", "H_PRIORITY",
-    "H_SOURCE_OFFSET", "H_SOURCE_PARTITION", "H_SOURCE_TOPIC", "Request", "Result", "Source", "Status", "Timings",
+    "DLQ_HEADERS", "DeadLetter", "ErrorStage", "Float32Tensor", "H_ATTEMPTS", "H_ERROR", "H_ERROR_STAGE",
+    "H_PRIORITY",
+    "H_SOURCE_OFFSET", "H_SOURCE_PARTITION", "H_SOURCE_TOPIC", "Request", "Result", "Source", "Status",
+    "Timings",
 ]

@@ -33,7 +33,8 @@ def wanted() -> dict[Path, str]:
     except ImportError:  # the models package is optional for the wire contract itself
         return files
     for name, input_type in builtin_input_types().items():
-        files[HERE / "models" / f"{name}.request.schema.json"] = _dump(msgspec.json.schema(Request[input_type]))  # type: ignore[valid-type]
+        schema = msgspec.json.schema(Request[input_type])  # type: ignore[valid-type]
+        files[HERE / "models" / f"{name}.request.schema.json"] = _dump(schema)
     return files
 
 

@@ -103,5 +103,5 @@ def topic_names() -> dict[str, str]:
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     return [f"CI={'true' if IN_CI else 'false'} (true: missing Kafka/Redis fail the run, never skip)",
-            f"hypothesis profile: {HYPOTHESIS_PROFILE} ({props.PROFILE_ENV}; {props.SCALE[HYPOTHESIS_PROFILE]}x each "
-            "property test's examples)"]
+            f"hypothesis profile: {HYPOTHESIS_PROFILE} ({props.PROFILE_ENV}; "
+            f"{props.SCALE[HYPOTHESIS_PROFILE]}x each property test's examples)"]

@@ -1,6 +1,7 @@
 """pytest plugin: a real Redis server for integration and chaos tests.
 
-Loaded from tests/conftest.py with ``pytest_plugins = ["tests.conftest_redis"]`` (or ``-p tests.conftest_redis``).
+Loaded from tests/conftest.py with ``pytest_plugins = ["tests.conftest_redis"]`` (or ``-p
+tests.conftest_redis``).
 
 Fixtures:
 
@@ -94,7 +95,8 @@ def redis_url() -> Iterator[str]:
     try:
         server.start()
     except BaseException as e:
-        server.close()  # also on Ctrl-C or an unexpected error: no process or temp dir outlives a failed start
+        # also on Ctrl-C or an unexpected error: no process or temp dir outlives a failed start
+        server.close()
         if not isinstance(e, RedisStartError):
             raise
         problems.append(f"local redis-server: {e}")

@@ -48,7 +48,8 @@ def snapshot(cfg: Config, group: str, from_timestamp: int | None = None) -> tupl
                      for k in retry_transient(c.committed, [KTP(t, p) for t, p in end], timeout=30)
                      if k.offset >= 0}
         if from_timestamp is not None:
-            found = retry_transient(c.offsets_for_times, [KTP(t, p, from_timestamp) for t, p in end], timeout=30)
+            found = retry_transient(c.offsets_for_times, [KTP(t, p, from_timestamp) for t, p in end],
+                                    timeout=30)
             for k in found:
                 tp = TopicPartition(k.topic, k.partition)
                 low[tp] = k.offset if k.offset >= 0 else end[tp]
@@ -147,15 +148,16 @@ def backfill(cfg: Config, from_beginning: bool = False, from_timestamp: int | No
             done = runner.committed.get(tp, -1)
             if done > start[tp]:
                 # Assigned again in this run (a lost assignment, a replaced consumer, a member that joined the
-                # group and left): on from this run's commit, as a rerun would. From the start again, everything
-                # done so far was processed twice.
+                # group and left): on from this run's commit, as a rerun would. From the start again,
+                # everything done so far was processed twice.
                 p.offset = done
                 continue
             # Always the start chosen above, never auto.offset.reset: with "latest" and no commit the consumer
             # began at the end, read nothing, met EOF, and the backfill exited 0 with its range unprocessed.
             # librdkafka resolves OFFSET_BEGINNING itself, should retention have moved the low watermark.
             p.offset = start[tp] if (tp in resumed or not from_beginning) else OFFSET_BEGINNING
-        # Explicit assign with the chosen offsets (eager protocol, forced below), instead of the automatic one.
+        # Explicit assign with the chosen offsets (eager protocol, forced below), instead of the automatic
+        # one.
         consumer.assign(partitions)
 
     # EOF events tell a fully read partition apart from a slow one; the eager assignor makes the explicit
@@ -166,7 +168,8 @@ def backfill(cfg: Config, from_beginning: bool = False, from_timestamp: int | No
     runner = BackfillRunner(cfg_eof, stop_at=end, reached=reached, group_id=group, install_signals=True,
                             on_assign_offsets=on_assign)
     progress = Progress(total, sys.stderr.isatty())
-    print(f"backfill: {total} records in {len(end)} partitions of {cfg.input_topics()} (group {group})", flush=True)
+    print(f"backfill: {total} records in {len(end)} partitions of {cfg.input_topics()} (group {group})",
+          flush=True)
     if explicit and resumed:
         print(f"backfill: {len(resumed)} of {len(end)} partitions go on from the commits of group {group} "
               "(a new --group starts over)", flush=True)
@@ -183,9 +186,10 @@ def backfill(cfg: Config, from_beginning: bool = False, from_timestamp: int | No
     finished = reached | runner.finished
     short = [tp for tp in end if tp not in finished]
     if rc == 0 and short:
-        # Stopped (SIGTERM/SIGINT) before the end: not a success, or a Job would count it done and never resume.
-        print(f"backfill: stopped before the end of {len(short)} of {len(end)} partitions; run it again to go on "
-              "from the committed offsets", flush=True)
+        # Stopped (SIGTERM/SIGINT) before the end: not a success, or a Job would count it done and never
+        # resume.
+        print(f"backfill: stopped before the end of {len(short)} of {len(end)} partitions; run it again to "
+              "go on from the committed offsets", flush=True)
         rc = 1
     reporter.join(2)
     # Offsets so far; a transactional producer's commit markers take offsets too (one per transaction and
@@ -199,7 +203,8 @@ def backfill(cfg: Config, from_beginning: bool = False, from_timestamp: int | No
     dt = time.monotonic() - progress.t0
     print(f"backfill summary: {st.records_in} records read, {st.results_ok} ok, {st.results_error} error, "
           f"{st.results_expired} expired, {st.dlq} dead letters, {st.batches} batches "
-          f"(mean {st.mean_batch:.1f}), {st.records_in / dt if dt else 0:.0f} rec/s, {dt:.1f}s, exit {rc}", flush=True)
+          f"(mean {st.mean_batch:.1f}), {st.records_in / dt if dt else 0:.0f} rec/s, {dt:.1f}s, exit {rc}",
+          flush=True)
     return rc
 
 

@@ -1,4 +1,5 @@
-"""``worker`` command line. Exit codes: 0 ok, 1 runtime failure, 2 bad configuration or usage, 130 interrupted."""
+"""``worker`` command line. Exit codes: 0 ok, 1 runtime failure, 2 bad configuration or usage, 130
+interrupted."""
 
 from __future__ import annotations
 
@@ -42,18 +43,18 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         return 2
     cfg = report.cfg
     assert cfg is not None
-    # The config may be checked outside the pod its CA or key files are mounted in: a file that is not here is a
-    # note, as a device that is not here is.
+    # The config may be checked outside the pod its CA or key files are mounted in: a file that is not here is
+    # a note, as a device that is not here is.
     from worker.adapters.kafka_clients import absent_files
 
     for key, file in absent_files(cfg):
-        print(f"note: {name_overrides(f'{key}: {file} is not on this machine')} (not checked; `worker run` here "
-              "would exit 2)", file=sys.stderr)
+        print(f"note: {name_overrides(f'{key}: {file} is not on this machine')} (not checked; `worker run` "
+              "here would exit 2)", file=sys.stderr)
     try:
         check_devices(cfg)
     except ConfigError as e:
-        # Not an error here: the config may well be checked on a CI machine without the run's GPU. `worker run`
-        # on this machine would refuse it (exit 2).
+        # Not an error here: the config may well be checked on a CI machine without the run's GPU. `worker
+        # run` on this machine would refuse it (exit 2).
         print(f"note: {name_overrides(str(e))} (`worker run` here would exit 2)", file=sys.stderr)
     if args.print:
         import yaml
@@ -168,7 +169,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _finite(text: str) -> float:
-    """A float flag: nan passes every range check (and meant "unthrottled" to --rate), inf overflowed later."""
+    """A float flag: nan passes every range check (and meant "unthrottled" to --rate), inf overflowed
+    later."""
     try:
         value = float(text)
     except ValueError:
@@ -203,27 +205,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the package version and exit")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    r = sub.add_parser("run", help="run the worker until SIGTERM/SIGINT", description=(
-        "Consume the input topics, batch, infer, produce results and commit. SIGTERM/SIGINT stop it "
-        "gracefully: stop fetching, finish in-flight work within delivery.shutdown_timeout_s, commit, exit 0."))
+    r = sub.add_parser(
+        "run",
+        help="run the worker until SIGTERM/SIGINT",
+        description=(
+            "Consume the input topics, batch, infer, produce results and commit. SIGTERM/SIGINT stop it "
+            "gracefully: stop fetching, finish in-flight work within "
+            "delivery.shutdown_timeout_s, commit, exit 0."
+        ),
+    )
     r.add_argument("--config", "-c", required=True, help="worker YAML config file")
     r.add_argument("--metrics-port", type=_port, default=None, help=(
         "serve /metrics, /healthz and /readyz on this port instead of metrics.port (0 = any free port); "
         "turns the endpoint on even where metrics.enabled is false"))
     r.add_argument("--processes", type=_processes, default=None, metavar="N", help=(
-        "run N worker processes sharing the device(s), each a member of the consumer group, under a supervisor "
-        "that restarts a dead one (default: model.processes, 1); process i serves metrics on port + i"))
+        "run N worker processes sharing the device(s), each a member of the consumer group, under a "
+        "supervisor that restarts a dead one (default: model.processes, 1); process i "
+        "serves metrics on port + i"))
     r.set_defaults(func=cmd_run)
 
-    c = sub.add_parser("check-config", help="validate a config file and exit (0 valid, 2 invalid)", description=(
+    c = sub.add_parser("check-config", help="validate a config file and exit (0 valid, 2 invalid)",
+                       description=(
         "Loads the file with WORKER__* environment overrides and secret references applied, validates every "
-        "key (an unknown one with the closest known name), checks that model.name resolves (a built-in and its "
-        "options, an existing model file, a factory that imports and takes the options given, a handler class "
-        "with its five stages; no weights are loaded) and that librdkafka takes the kafka.consumer and "
+        "key (an unknown one with the closest known name), checks that model.name resolves (a built-in and "
+        "its options, an existing model file, a factory that imports and takes the options given, a handler "
+        "class with its five stages; no weights are loaded) and that librdkafka takes the kafka.consumer and "
         "kafka.producer properties, and exits 0, or 2 with every problem found, one line each, sorted by the "
-        "key's path. A secret reference (${env:X}, ${file:...}) or a client file (ssl.ca.location...) that is "
-        "not on this machine is a note, not an error: it may exist only where the worker runs. Connects to "
-        "nothing."))
+        "key's path. A secret reference (${env:X}, ${file:...}) or a client file (ssl.ca.location...) that "
+        "is not on this machine is a note, not an error: it may exist only where the worker runs. "
+        "Connects to nothing."))
     c.add_argument("--config", "-c", required=True, help="worker YAML config file")
     c.add_argument("--print", action="store_true", help=(
         "print the effective config (defaults, env overrides and secret references applied; values of "
@@ -238,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
         "names the key, or the line that is not JSON)."))
     pd.add_argument("--config", "-c", required=True, help="worker YAML config file")
     src = pd.add_mutually_exclusive_group(required=True)
-    src.add_argument("--input", "-i", metavar="JSON", help='one request, e.g. \'{"id": "r1", "inputs": [1, 2]}\'')
+    src.add_argument("--input", "-i", metavar="JSON",
+                     help='one request, e.g. \'{"id": "r1", "inputs": [1, 2]}\'')
     src.add_argument("--file", "-f", metavar="PATH", help="JSON lines, one request per line ('-': stdin)")
     pd.add_argument("--topic", default=None, help=(
         "the input topic the requests are taken to come from, which picks their lane as in `worker run` "
@@ -249,24 +260,28 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--verbose", action="store_true", help="log at the configured level instead of WARNING")
     pd.set_defaults(func=cmd_predict)
 
-    d = sub.add_parser("demo", help="one-command demo: local broker, sample requests, worker, summary", description=(
-        "Starts a local Apache Kafka broker (unless KAFKA_BOOTSTRAP_SERVERS or --bootstrap is given), creates "
-        "topics, produces sample requests, runs the worker with a built-in model, prints a summary, stops."))
+    d = sub.add_parser("demo", help="one-command demo: local broker, sample requests, worker, summary",
+                       description=(
+        "Starts a local Apache Kafka broker (unless KAFKA_BOOTSTRAP_SERVERS or --bootstrap is given), "
+        "creates topics, produces sample requests, runs the worker with a built-in model, "
+        "prints a summary, stops."))
     d.add_argument("--records", type=int, default=5000, help="sample requests to produce (default 5000)")
     d.add_argument("--partitions", type=int, default=4, help="partitions of the demo's topics (default 4)")
-    d.add_argument("--rate", type=_finite, default=2000.0, help="records/s the requests are produced at (default 2000)")
+    d.add_argument("--rate", type=_finite, default=2000.0,
+                   help="records/s the requests are produced at (default 2000)")
     d.add_argument("--model", default="tiny", choices=list(BUILTINS), help="built-in model (default tiny)")
     d.add_argument("--bootstrap", default=None, help=(
         "use this broker instead of starting one (default: $KAFKA_BOOTSTRAP_SERVERS where set)"))
     d.add_argument("--warm-up-s", type=_finite, default=None, help=(
         "seconds of throwaway traffic through the broker before the measured run, while the model loads "
-        "(default 5 with the demo's own freshly started broker, whose JVM is still cold; 0 with --bootstrap or "
-        "KAFKA_BOOTSTRAP_SERVERS, whose broker is taken to be warm)"))
+        "(default 5 with the demo's own freshly started broker, whose JVM is still cold; 0 with --bootstrap "
+        "or KAFKA_BOOTSTRAP_SERVERS, whose broker is taken to be warm)"))
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("backfill", help="process the input topics up to their current end, then exit",
-                       description="Snapshots the end offsets of the input topics, processes until every partition "
-                       "reaches them, commits and exits 0. Killed, it resumes from the committed offsets.")
+                       description="Snapshots the end offsets of the input topics, processes until every "
+                       "partition reaches them, commits and exits 0. Killed, it resumes from "
+                       "the committed offsets.")
     b.add_argument("--config", "-c", required=True, help="worker YAML config file")
     g = b.add_mutually_exclusive_group()
     g.add_argument("--from-beginning", action="store_true", help=(
@@ -281,13 +296,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     ld = sub.add_parser("load", help="produce synthetic requests at a given rate", description=(
         "Produces COUNT valid requests for a built-in model's input shape (keys and ids PREFIX-0, PREFIX-1, "
-        "...) at RATE records/s, waits until each is acknowledged, and exits 0; exits 1 if the broker does not "
-        "answer or a record is not delivered."))
-    ld.add_argument("--bootstrap", default=None, help="broker (default: $KAFKA_BOOTSTRAP_SERVERS or 127.0.0.1:9092)")
+        "...) at RATE records/s, waits until each is acknowledged, and exits 0; exits 1 if the broker does "
+        "not answer or a record is not delivered."))
+    ld.add_argument("--bootstrap", default=None,
+                    help="broker (default: $KAFKA_BOOTSTRAP_SERVERS or 127.0.0.1:9092)")
     ld.add_argument("--topic", required=True, help="topic to produce to")
-    ld.add_argument("--rate", type=_finite, default=1000.0, help="records per second (default 1000; 0 = as fast as possible)")
+    ld.add_argument("--rate", type=_finite, default=1000.0,
+                    help="records per second (default 1000; 0 = as fast as possible)")
     ld.add_argument("--count", type=int, default=10000, help="records to produce (default 10000)")
-    ld.add_argument("--lanes", default=None, help="priority mix, e.g. high=0.1,low=0.9 (sets the request field)")
+    ld.add_argument("--lanes", default=None, help="priority mix, e.g. high=0.1,low=0.9 "
+                                                  "(sets the request field)")
     ld.add_argument("--model-input", default="tiny", choices=list(BUILTINS),
                     help="built-in model whose input shape the requests get (default tiny)")
     ld.add_argument("--id-prefix", default="load", help="request ids and keys are PREFIX-N (default load)")
@@ -299,12 +317,13 @@ def build_parser() -> argparse.ArgumentParser:
     dq = sub.add_parser("dlq", help="dead-letter topic tools")
     dsub = dq.add_subparsers(dest="dlq_command", required=True, metavar="SUBCOMMAND")
     rp = dsub.add_parser("replay", help="re-submit dead letters to their source topic",
-                         description="Reads the DLQ topic (its own consumer group, so each dead letter is replayed "
-                         "once), strips the x-error*/x-source* headers and produces the original key, value and "
-                         "headers to the source topic. Stops at the end of the DLQ snapshot taken at start. "
-                         "Dead letters without their original bytes (dropped as too big, empty, tombstones) are "
-                         "skipped and listed.")
-    rp.add_argument("--config", "-c", required=True, help="worker YAML config file (its kafka section is used)")
+                         description="Reads the DLQ topic (its own consumer group, so each dead letter is "
+                         "replayed once), strips the x-error*/x-source* headers and produces the original "
+                         "key, value and headers to the source topic. Stops at the end of the DLQ snapshot "
+                         "taken at start. Dead letters without their original bytes (dropped as too big, "
+                         "empty, tombstones) are skipped and listed.")
+    rp.add_argument("--config", "-c", required=True,
+                    help="worker YAML config file (its kafka section is used)")
     rp.add_argument("--limit", type=int, default=None, help="replay at most this many dead letters")
     # choices: a stage no dead letter can carry ("", a typo) would skip and commit past every one of them.
     rp.add_argument("--filter-stage", default=None, choices=get_args(ErrorStage), metavar="STAGE", help=(
@@ -316,7 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("profile", help="throughput/latency/memory per batch size for a model", description=(
         "Runs the model alone (no Kafka) on each batch size and prints p50/p99 batch latency, items/s and "
         "peak memory, then recommends a max_batch_size: the highest throughput, or the highest within "
-        "--latency-budget-ms. A batch size that runs out of memory is reported, and larger ones are not tried."))
+        "--latency-budget-ms. A batch size that runs out of memory is reported, and "
+        "larger ones are not tried."))
     try:
         from worker.profile import add_arguments
         add_arguments(pr)
@@ -333,8 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         # The runner freezes the objects alive after the model load (gc.freeze), and what is frozen is never
         # collected, not even at exit: a nanobind extension among them (triton's, which torch._dynamo imports
-        # when transformers loads a model) would then print ~30 "nanobind: leaked ..." lines as the process ends.
-        # Unfrozen, they are collected at exit like everything else.
+        # when transformers loads a model) would then print ~30 "nanobind: leaked ..." lines as the process
+        # ends. Unfrozen, they are collected at exit like everything else.
         gc.unfreeze()
 
 
@@ -342,7 +362,8 @@ def _main(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:
-        # The checks after loading (model, devices) name the key; README promises the variable that set it too.
+        # The checks after loading (model, devices) name the key; README promises the variable that set it
+        # too.
         for problem in e.problems:
             print(f"config error: {name_overrides(problem)}", file=sys.stderr)
         return 2

@@ -9,7 +9,8 @@ from typing import Any
 
 from worker.config import Config, ConfigError
 
-# librdkafka's codes for "no broker answered" (as opposed to e.g. an authorization failure or a missing topic).
+# librdkafka's codes for "no broker answered" (as opposed to e.g. an authorization failure or a missing
+# topic).
 _UNREACHABLE = {"_TRANSPORT", "_TIMED_OUT", "_ALL_BROKERS_DOWN", "_RESOLVE", "_MSG_TIMED_OUT"}
 
 
@@ -31,8 +32,8 @@ def unreachable_broker_is_an_error(bootstrap: str, source: str, timeout_s: float
         if not (hasattr(kerr, "name") and kerr.name() in _UNREACHABLE):
             raise
         detail = kerr.str() if hasattr(kerr, "str") else str(e)
-        raise CommandError(f"cannot reach Kafka at {bootstrap} (from {source}) within {timeout_s:g} s: "
-                           f"{detail}") from None
+        raise CommandError(f"cannot reach Kafka at {bootstrap} (from {source}) within {timeout_s:g} "
+                           f"s: {detail}") from None
 
 
 

@@ -5,8 +5,8 @@
 - ``WORKER__SECTION__KEY=value`` overrides any key (``WORKER__KAFKA__GROUP_ID=g``;
   list items by index: ``WORKER__BATCHING__LANES__0__MAX_WAIT_MS=5``). Values are parsed as YAML, except for
   keys that take text. Under ``kafka.consumer`` / ``kafka.producer`` underscores become dots, so
-  ``WORKER__KAFKA__CONSUMER__SESSION_TIMEOUT_MS=10000`` sets librdkafka's ``session.timeout.ms``, and the value
-  stays text (librdkafka parses it).
+  ``WORKER__KAFKA__CONSUMER__SESSION_TIMEOUT_MS=10000`` sets librdkafka's ``session.timeout.ms``, and the
+  value stays text (librdkafka parses it).
 - String values may reference secrets instead of holding them: ``${env:NAME}`` or ``${file:/path}``.
 """
 
@@ -33,8 +33,8 @@ PosInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
 PosFloat = Annotated[float, msgspec.Meta(gt=0)]
 Fraction = Annotated[float, msgspec.Meta(gt=0, lt=1)]
-# Names the worker hands to Kafka: an empty one is no name (an empty group.id fails a C assertion in librdkafka,
-# an empty bootstrap list makes a client that waits forever, an empty topic fails subscribe).
+# Names the worker hands to Kafka: an empty one is no name (an empty group.id fails a C assertion in
+# librdkafka, an empty bootstrap list makes a client that waits forever, an empty topic fails subscribe).
 Name = Annotated[str, msgspec.Meta(min_length=1)]
 KafkaProps = dict[str, str | int | float | bool]
 
@@ -256,8 +256,9 @@ def from_dict(data: dict[str, Any] | None, environ: dict[str, str] | None = None
     Kafka clients the config describes would refuse (the CLI passes ``kafka_clients.config_problem``, which
     makes them offline; tests that pair the config with fake clients may use values only the fakes take).
     ``files_elsewhere``: the files client properties name (a CA...) may be mounted where the worker runs,
-    not here (check-config); those not here are not checked. ``notes`` (check-config): a secret reference that cannot be resolved here (it
-    may exist only in the pod) is appended to it instead of being an error; its key is not checked."""
+    not here (check-config); those not here are not checked. ``notes`` (check-config): a secret reference that
+    cannot be resolved here (it may exist only in the pod) is appended to it instead of being an error; its
+    key is not checked."""
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"$: expected a mapping at the top of the config, got {type(data).__name__}")
     check_shape(data, "$")

@@ -33,8 +33,8 @@ class Report:
 
 
 def check(path: str) -> Report:
-    """The config at ``path`` checked as ``worker run`` would check it, without connecting to anything, loading
-    weights or needing the pod's secrets and files (those not here are notes)."""
+    """The config at ``path`` checked as ``worker run`` would check it, without connecting to anything,
+    loading weights or needing the pod's secrets and files (those not here are notes)."""
     report = Report()
     model: ModelConfig | None
     try:
@@ -98,7 +98,8 @@ def _option_problems(spec: str, factory: Any, options: dict[str, Any]) -> list[s
                                                  for d in value)):
             problems.append(f"$.model.options.input_shape: expected a list of positive ints, got {value!r}")
         if key == "input_dtype" and value not in loaders.DTYPES:
-            problems.append(f"$.model.options.input_dtype: expected one of {sorted(loaders.DTYPES)}, got {value!r}")
+            problems.append(f"$.model.options.input_dtype: expected one of {sorted(loaders.DTYPES)}, "
+                            f"got {value!r}")
     kwargs = {k: v for k, v in options.items() if k not in loaders.RESERVED_OPTIONS}
     try:
         sig = inspect.signature(factory)
@@ -114,7 +115,8 @@ def _option_problems(spec: str, factory: Any, options: dict[str, Any]) -> list[s
                 problems.append(f"$.model.options.{key}: factory {spec!r} takes no option {key!r} (it takes: "
                                 f"{', '.join(by_keyword) or 'none'}){did_you_mean(key, known)}")
     for p in params:
-        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in kwargs:
+        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD,
+                                               p.KEYWORD_ONLY) and p.name not in kwargs:
             problems.append(f"$.model.options.{p.name}: required by factory {spec!r}, not given")
         elif p.kind is p.POSITIONAL_ONLY and p.default is p.empty:
             problems.append(f"$.model.name: factory {spec!r} needs the positional argument {p.name!r}, which "
@@ -144,10 +146,11 @@ def _handler_problems(spec: str, cls: type) -> list[str]:
     for attr in ("name", "version"):
         value = inspect.getattr_static(cls, attr, None)
         if value is not None and not isinstance(value, str | property):
-            problems.append(f"$.model.name: {spec!r}.{attr} is {type(value).__name__} {value!r}; it goes in every "
-                            "result as text: make it a str")
+            problems.append(f"$.model.name: {spec!r}.{attr} is {type(value).__name__} {value!r}; it goes in "
+                            "every result as text: make it a str")
     if callable(getattr(cls, "size_of", None)) is False and getattr(cls, "size_of", None) is not None:
-        problems.append(f"$.model.name: {spec!r}.size_of is not a method (it gives a record's size for bucketing)")
+        problems.append(f"$.model.name: {spec!r}.size_of is not a method (it gives a "
+                        "record's size for bucketing)")
     input_type = inspect.getattr_static(cls, "input_type", None)
     if input_type is not None and not isinstance(input_type, property):
         import msgspec

@@ -49,8 +49,8 @@ def _wants_text(root: Any, parts: list[str]) -> bool:
 def _env_value(root: Any, name: str, raw: str, parts: list[str], path: str) -> Any:
     """An override's value: YAML (``5``, ``true``, ``[a, b]``), except where the key takes text, so that
     ``WORKER__KAFKA__GROUP_ID=123`` or ``WORKER__MODEL__VERSION=2024-06-01`` mean the text as written, and for
-    a librdkafka property, which librdkafka parses itself from text: read as YAML, the password 0123 became 83,
-    12:30 became 750 (a base-60 number), on became true and 1.50 became 1.5."""
+    a librdkafka property, which librdkafka parses itself from text: read as YAML, the password 0123 became
+    83, 12:30 became 750 (a base-60 number), on became true and 1.50 became 1.5."""
     if raw == "":
         return ""
     if _wants_text(root, parts) or (len(parts) > 2 and tuple(parts[:2]) in PASSTHROUGH):
@@ -105,7 +105,8 @@ def apply_env(root: Any, data: dict[str, Any], environ: dict[str, str]) -> dict[
 
 def name_overrides(root: Any, msg: str, environ: dict[str, str] | None = None) -> str:
     """``msg``, an error about a key found after loading (the model and device checks: ``$.model.devices[1]:
-    ...``), with the ``WORKER__*`` variables that set the key or a section above it, as from_dict names them."""
+    ...``), with the ``WORKER__*`` variables that set the key or a section above it, as from_dict names
+    them."""
     if "\n" in msg:
         return "\n".join(name_overrides(root, line, environ) for line in msg.split("\n"))
     if "(set by " in msg:
@@ -113,15 +114,19 @@ def name_overrides(root: Any, msg: str, environ: dict[str, str] | None = None) -
     env = dict(os.environ) if environ is None else environ
     set_by = {}
     for name in env:
-        parts = [p.lower() for p in name[len("WORKER__"):].split("__") if p] if name.startswith("WORKER__") else []
+        parts = (
+            [p.lower() for p in name[len("WORKER__") :].split("__") if p]
+            if name.startswith("WORKER__")
+            else []
+        )
         if parts:
             set_by[_env_path(root, parts)] = name
     return blame(msg, set_by, below=False)
 
 
 def _env_path(root: Any, parts: list[str]) -> str:
-    """The key path a variable's parts address (``["model", "devices", "1"]`` -> ``$.model.devices[1]``), from the
-    declared types alone, as apply_env builds it."""
+    """The key path a variable's parts address (``["model", "devices", "1"]`` -> ``$.model.devices[1]``), from
+    the declared types alone, as apply_env builds it."""
     t: Any = msgspec.inspect.type_info(root)
     path = "$"
     for i, part in enumerate(parts):

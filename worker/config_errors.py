@@ -15,7 +15,8 @@ class ConfigError(ValueError):
     checks the model even where other sections are wrong)."""
 
     def __init__(self, problems: str | list[str], model: ModelConfig | None = None) -> None:
-        self.problems = [problems] if isinstance(problems, str) else sorted(dict.fromkeys(problems), key=_path_key)
+        self.problems = [problems] if isinstance(problems, str) else sorted(dict.fromkeys(problems),
+                                                                            key=_path_key)
         self.model = model
         super().__init__("\n".join(self.problems))
 

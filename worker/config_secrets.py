@@ -41,6 +41,7 @@ def read_utf8(p: Path) -> str:
 
 
 def not_utf8(e: UnicodeDecodeError) -> str:
-    """Where the first byte that is not UTF-8 is (not the byte: a secret file's content stays out of errors)."""
+    """Where the first byte that is not UTF-8 is (not the byte: a secret file's content stays out of
+    errors)."""
     line = e.object[:e.start].count(b"\n") + 1
     return f"not UTF-8 (line {line}, byte offset {e.start}); save it as UTF-8"

@@ -20,11 +20,12 @@ _FALSE = ("false", "f", "0")
 # clients' value and not others' (or be overridden itself) without a word.
 _OWNED = {
     ("consumer", "group.id"): (
-        "set kafka.group_id instead: each client's group is derived from it (worker run ignored this one, while "
-        "backfill's snapshot read the live group's commits with it)"),
+        "set kafka.group_id instead: each client's group is derived from it (worker run ignored this one, "
+        "while backfill's snapshot read the live group's commits with it)"),
     ("producer", "transactional.id"): (
-        "set delivery.transactional_id (with delivery.mode: exactly_once) instead: a transactional producer "
-        "refuses every record sent outside a transaction, which at_least_once does (exactly_once ignored it)"),
+        "set delivery.transactional_id (with delivery.mode: exactly_once) instead: a transactional "
+        "producer refuses every record sent outside a transaction, which at_least_once does "
+        "(exactly_once ignored it)"),
 }
 
 
@@ -131,16 +132,16 @@ def semantic_problems(cfg: Config) -> list[str]:
     return problems
 
 
-# Set by the store from redis.timeout_ms; redis-py lets a URL's query string override them, which would turn the
-# short bounded calls on the loop thread into seconds of blocking during an outage.
+# Set by the store from redis.timeout_ms; redis-py lets a URL's query string override them, which would turn
+# the short bounded calls on the loop thread into seconds of blocking during an outage.
 _REDIS_URL_OWNED = ("socket_timeout", "socket_connect_timeout")
 
 
 def redis_url_problem(url: str, tls: bool = False) -> str | None:
-    """What redis-py would reject in ``url`` when the store first connects (a ValueError or TypeError that names
-    no config key, raised on the first record), found without connecting; None when it is fine. The text never
-    quotes the URL where it carries credentials (userinfo before ``@``): a mangled one can put part of the
-    password where the port or path is expected."""
+    """What redis-py would reject in ``url`` when the store first connects (a ValueError or TypeError that
+    names no config key, raised on the first record), found without connecting; None when it is fine. The text
+    never quotes the URL where it carries credentials (userinfo before ``@``): a mangled one can put part of
+    the password where the port or path is expected."""
     import inspect
     from urllib.parse import parse_qs, urlsplit
 
@@ -150,7 +151,8 @@ def redis_url_problem(url: str, tls: bool = False) -> str | None:
     scheme = url.partition("://")[0] if "://" in url else ""
     if scheme not in ("redis", "rediss", "unix"):
         got = f"{scheme!r}://" if scheme else "no scheme"
-        return f"expected redis://, rediss:// or unix:// (redis://host:port/db, rediss://... for TLS, unix:///path), got {got}"
+        return ("expected redis://, rediss:// or unix:// (redis://host:port/db, rediss://... for TLS, "
+                f"unix:///path), got {got}")
     quote = "@" not in url  # only then may parts of the URL be shown
     try:
         parts = urlsplit(url)

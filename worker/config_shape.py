@@ -95,12 +95,13 @@ def merge(base: Any, over: Any) -> Any:
 def check_shape(value: Any, path: str, above: tuple[int, ...] = ()) -> None:
     """Keys are text, and no mapping or list contains itself. msgspec names a key that is not text only by its
     section ("Expected `str` - at `key` in `$.kafka`"), and a YAML alias to an anchor above it (``kafka: &k
-    {consumer: *k}``) makes a structure with no end: the checks after this one would recurse until Python gives
-    up (RecursionError, exit 1)."""
+    {consumer: *k}``) makes a structure with no end: the checks after this one would recurse until Python
+    gives up (RecursionError, exit 1)."""
     if not isinstance(value, dict | list):
         return
     if id(value) in above:
-        raise ConfigError(f"{path}: contains itself (a YAML alias to an anchor around it); copy the values instead")
+        raise ConfigError(f"{path}: contains itself (a YAML alias to an anchor around it); "
+                          "copy the values instead")
     if len(above) > 100:
         raise ConfigError(f"{path}: nested more than 100 levels deep")
     above = (*above, id(value))
@@ -111,8 +112,8 @@ def check_shape(value: Any, path: str, above: tuple[int, ...] = ()) -> None:
     for k, v in value.items():
         if not isinstance(k, str):
             shown = "null" if k is None else str(k)
-            raise ConfigError(f"{path}: the key {shown} is not text but {type(k).__name__}; in YAML, quote it: "
-                              f"'{shown}':")
+            raise ConfigError(f"{path}: the key {shown} is not text but {type(k).__name__}; in YAML, quote "
+                              f"it: '{shown}':")
         check_shape(v, f"{path}.{k}", above)
 
 

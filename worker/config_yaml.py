@@ -77,7 +77,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     # What yaml.load does, keeping the composed tree (to name a repeated key by its path) and the file's
     # name (positions in errors say 'in "worker.yaml", line 3' rather than 'in "<unicode string>"').
     try:
-        loader = _UniqueKeyLoader(text)  # checks the characters first: a NUL or another control one is refused
+        # checks the characters first: a NUL or another control one is refused
+        loader = _UniqueKeyLoader(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML: {e}") from None
     loader.name = str(p)
@@ -92,7 +93,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     except (ValueError, OverflowError, TypeError, AttributeError) as e:
         # PyYAML's own failures on a value it cannot build: an escape past U+10FFFF ("\U0A0010000"), a date
         # like 2024-13-45, "!!timestamp x", "!!int 0x".
-        raise ConfigError(f"{p}: not valid YAML: a value PyYAML cannot read ({type(e).__name__}: {e})") from None
+        raise ConfigError(
+            f"{p}: not valid YAML: a value PyYAML cannot read ({type(e).__name__}: {e})"
+        ) from None
     finally:
         loader.dispose()
     if data is None:

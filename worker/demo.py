@@ -51,7 +51,8 @@ def demo(records: int = 5000, model: str = "tiny", bootstrap: str | None = None,
             broker.close()  # a failed or interrupted start leaves no process or temp dir behind
             raise
         bootstrap = broker.bootstrap
-        print(f"  broker {broker.version} ready at {bootstrap} in {time.monotonic() - t_start:.1f}s", flush=True)
+        print(f"  broker {broker.version} ready at {bootstrap} in {time.monotonic() - t_start:.1f}s",
+              flush=True)
     if warm_up_s is None:
         warm_up_s = 5.0 if broker is not None else 0.0
     run_id = uuid.uuid4().hex[:6]
@@ -67,7 +68,8 @@ def demo(records: int = 5000, model: str = "tiny", bootstrap: str | None = None,
                                       **({topics["warm"]: partitions} if warm_up_s > 0 else {})},
                           timeout=CONNECT_TIMEOUT_S)
         cfg = from_dict({
-            "kafka": {"bootstrap_servers": bootstrap, "group_id": f"demo-{run_id}", "input_topics": [topics["in"]],
+            "kafka": {"bootstrap_servers": bootstrap, "group_id": f"demo-{run_id}",
+                      "input_topics": [topics["in"]],
                       "output_topic": topics["out"], "dlq_topic": topics["dlq"]},
             "model": {"name": model, "device": "cpu"},
             "batching": {"lanes": [{"name": "default", "max_batch_size": 64, "max_wait_ms": 5}]},
@@ -81,9 +83,10 @@ def demo(records: int = 5000, model: str = "tiny", bootstrap: str | None = None,
         # broker), which would otherwise show as the first records' latency.
         p = load_producer(bootstrap)
         if warm_up_s > 0:
-            # While the model loads. A broker just started has not compiled its request paths yet: for its first
-            # seconds a produce -> fetch round trip took 20-80 ms at p50 instead of 5-10 (2-core VM), and the
-            # summary showed that rather than the worker. A broker given with --bootstrap is warm already.
+            # While the model loads. A broker just started has not compiled its request paths yet: for its
+            # first seconds a produce -> fetch round trip took 20-80 ms at p50 instead of 5-10 (2-core VM),
+            # and the summary showed that rather than the worker. A broker given with --bootstrap is warm
+            # already.
             print(f"warming up the broker ({warm_up_s:g} s of throwaway traffic) ...", flush=True)
             _warm_broker(bootstrap, topics["warm"], partitions, p, seconds=warm_up_s, rate=rate)
         if not worker.wait_ready(300):
@@ -99,8 +102,10 @@ def demo(records: int = 5000, model: str = "tiny", bootstrap: str | None = None,
             print(f"worker was assigned {len(runner.assigned)} of {partitions} partitions in 60 s")
             worker.stop()
             return 1
-        print(f"producing {records} requests (+2 malformed) at {rate:.0f}/s to {topics['in']} ...", flush=True)
-        produce(bootstrap, topics["in"], iter([(b"bad-1", b"{not json"), (b"bad-2", b'{"id": "bad-2"}')]), producer=p)
+        print(f"producing {records} requests (+2 malformed) at {rate:.0f}/s to {topics['in']} ...",
+              flush=True)
+        produce(bootstrap, topics["in"], iter([(b"bad-1", b"{not json"), (b"bad-2", b'{"id": "bad-2"}')]),
+                producer=p)
         t0_ms = time.time() * 1000
         produce(bootstrap, topics["in"], requests(records, kind=model, id_prefix=f"demo-{run_id}"), rate=rate,
                 producer=p)
@@ -205,7 +210,8 @@ def _warm_broker(bootstrap: str, topic: str, partitions: int, producer: Any, sec
     reader = threading.Thread(target=fetch, name="demo-warmup", daemon=True)
     reader.start()
     try:
-        produce(bootstrap, topic, requests(int(seconds * rate), id_prefix="warmup"), rate=rate, producer=producer)
+        produce(bootstrap, topic, requests(int(seconds * rate), id_prefix="warmup"), rate=rate,
+                producer=producer)
     finally:
         done.set()
         reader.join(5)
@@ -218,7 +224,8 @@ def _collect(consumer_cls: Any, bootstrap: str, topic: str, want: int,
     from worker.adapters.kafka_clients import client_log
 
     c = consumer_cls({"bootstrap.servers": bootstrap, "group.id": f"demo-reader-{uuid.uuid4().hex[:6]}",
-                      "auto.offset.reset": "earliest", "enable.auto.commit": False, "logger": client_log("demo")})
+                      "auto.offset.reset": "earliest", "enable.auto.commit": False,
+                      "logger": client_log("demo")})
     c.subscribe([topic])
     out: list[dict[str, Any]] = []
     last_ms = 0.0

@@ -49,9 +49,11 @@ def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_
     # A partition the replay group never committed starts at its first dead letter, whatever the config's
     # auto.offset.reset says: with "latest" a first run started at the end, replayed nothing and exited 0.
     consumer = new_consumer(cfg, **{"group.id": replay_group(cfg, stage), "enable.partition.eof": True,
-                                     "partition.assignment.strategy": "range", "auto.offset.reset": "earliest"})
+                                     "partition.assignment.strategy": "range",
+                                    "auto.offset.reset": "earliest"})
     producer = new_producer(producer_config(cfg))
-    with unreachable_broker_is_an_error(cfg.kafka.bootstrap_servers, "$.kafka.bootstrap_servers", CONNECT_TIMEOUT_S):
+    with unreachable_broker_is_an_error(cfg.kafka.bootstrap_servers, "$.kafka.bootstrap_servers",
+                                        CONNECT_TIMEOUT_S):
         try:
             md = consumer.list_topics(topic, timeout=CONNECT_TIMEOUT_S)
         except KafkaException:
@@ -116,8 +118,8 @@ def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_
                     gave_up = True
                     return 1
                 if left:
-                    # Not delivered yet (broker down or slow): committing now would skip dead letters that were
-                    # never replayed. The next run starts again from the last commit.
+                    # Not delivered yet (broker down or slow): committing now would skip dead letters that
+                    # were never replayed. The next run starts again from the last commit.
                     print(f"dlq replay: {left} records still undelivered after 60 s; nothing more committed")
                     gave_up = True
                     return 1
@@ -126,8 +128,8 @@ def replay(cfg: Config, limit: int | None = None, stage: str | None = None, dry_
             if len(done_parts) < len(parts) and clock.monotonic() - last_activity > timeout_s:
                 # Broker or partition leader gone, or every read failing: not "done", whatever was replayed.
                 left = sorted(set(parts) - done_parts)
-                print(f"dlq replay: nothing read for {timeout_s:.0f} s with dead letters left on partitions {left}; "
-                      f"replayed {replayed} (committed); run it again to go on")
+                print(f"dlq replay: nothing read for {timeout_s:.0f} s with dead letters left on partitions "
+                      f"{left}; replayed {replayed} (committed); run it again to go on")
                 return 1
     finally:
         if gave_up:

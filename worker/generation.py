@@ -50,7 +50,8 @@ def default_seed(rec: Record) -> int:
 
 
 class GenerationWorker:
-    def __init__(self, model: GenerativeModel, device: str, *, lanes: list[LaneRule], limits: GenerationConfig,
+    def __init__(self, model: GenerativeModel, device: str, *, lanes: list[LaneRule],
+                 limits: GenerationConfig,
                  take: TakeFn, done: DoneFn, is_current: Callable[[Record], bool],
                  name: str | None = None, poll_s: float = 0.05) -> None:
         self.model = model
@@ -212,7 +213,8 @@ class GenerationWorker:
                 req: GenRequest = rec.item
                 params = req.params
                 if params.seed is None:
-                    params = type(params)(max_new_tokens=params.max_new_tokens, temperature=params.temperature,
+                    params = type(params)(max_new_tokens=params.max_new_tokens,
+                                          temperature=params.temperature,
                                           top_p=params.top_p, seed=default_seed(rec), stop=params.stop)
                 try:
                     ids = self.sm.encode(req.prompt)
@@ -302,7 +304,8 @@ class GenerationEngine:
         self._cv = threading.Condition()
         self._todo: list[Batch] = []
         self._outs: dict[int, Any] = {}
-        self.worker = GenerationWorker(model, device, lanes=lanes or [LaneRule("default")], limits=model.limits,
+        self.worker = GenerationWorker(model, device, lanes=lanes or [LaneRule("default")],
+                                       limits=model.limits,
                                        take=self._take, done=self._done, is_current=lambda r: True,
                                        poll_s=0.01)
 
@@ -316,8 +319,9 @@ class GenerationEngine:
         with self._cv:
             self._todo.append(Batch("default", list(records), now, now, "generate"))
             self._cv.notify_all()
-            ok = self._cv.wait_for(lambda: all(id(r) in self._outs for r in records) or self.worker.error is not None,
-                                   timeout)
+            ok = self._cv.wait_for(
+                lambda: all(id(r) in self._outs for r in records) or self.worker.error is not None, timeout
+            )
             if self.worker.error is not None or not ok:
                 raise RuntimeError(f"{self.worker.name}: generation stopped: {self.worker.error!r}")
             return [self._outs.pop(id(r)) for r in records]

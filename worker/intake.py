@@ -48,7 +48,8 @@ def salvage_id(value: bytes, fmt: str) -> str | None:
 
 class Intake:
     def __init__(self, cfg: Config, model: Model,
-                 route: Callable[[str, str | None, str | None, dict[str, str]], tuple[str, bool]] | None = None) -> None:
+                 route: Callable[[str, str | None, str | None, dict[str, str]],
+                                 tuple[str, bool]] | None = None) -> None:
         self.cfg = cfg
         self.model = model
         self.fmt = cfg.delivery.format
@@ -64,8 +65,8 @@ class Intake:
                           for n, ln in self.lanes.items()}
         self._topic_lane = {t: ln for t, ln in self.topic_lanes.items() if ln in self.lanes}
         self.default_lane = cfg.batching.default_lane
-        # A handler with decode_batch is decoded on the device's host threads: its record carries the validated
-        # inputs, sized by estimate_size before decoding.
+        # A handler with decode_batch is decoded on the device's host threads: its record carries the
+        # validated inputs, sized by estimate_size before decoding.
         self._deferred = callable(getattr(model, "decode_batch", None))
         self._size_of = getattr(model, "estimate_size" if self._deferred else "size_of", None)
         self._max_size = getattr(model, "max_size", None)  # the most one record may cost the model
@@ -116,7 +117,8 @@ class Intake:
             return Outcome(rec, "error", error="empty record value (tombstone)", dlq_stage="decode")
         if len(value) > self.max_bytes:
             return Outcome(rec, "error", dlq_stage="size",
-                           error=f"record value is {len(value)} bytes, over delivery.max_input_bytes={self.max_bytes}")
+                           error=f"record value is {len(value)} bytes, over "
+                                 f"delivery.max_input_bytes={self.max_bytes}")
         try:
             req = self.decoder.decode(value)
         except msgspec.ValidationError as e:
@@ -145,7 +147,8 @@ class Intake:
             if budget is not None:
                 rec.deadline = rec.received_at + budget
         if rec.deadline is not None and rec.deadline <= now:
-            return Outcome(rec, "expired", error="deadline passed before the record was read", dlq_stage="expired")
+            return Outcome(rec, "expired", error="deadline passed before the record was read",
+                           dlq_stage="expired")
         if self.cache_on:
             try:
                 rec.cache_key = cache_key(*self.model_id, _cache_input.encode(req.inputs))
@@ -165,5 +168,6 @@ class Intake:
             # BaseException too: a Rust tokenizer's panic arrives as pyo3's PanicException, which is not an
             # Exception. This runs on the loop thread, before any attempt is counted: escaping, it stopped the
             # worker at every restart, and the record was never quarantined.
-            return Outcome(rec, "error", error=f"model decode failed: {type(e).__name__}: {e}", dlq_stage="decode")
+            return Outcome(rec, "error", error=f"model decode failed: {type(e).__name__}: {e}",
+                           dlq_stage="decode")
         return None

@@ -51,11 +51,14 @@ def parse_lanes(spec: str | None) -> list[tuple[str, float]]:
         name = name.strip()
         if not name:
             # (a trailing comma used to add a lane named "" that took a share of the traffic)
-            raise ValueError(f"--lanes: a lane without a name in {spec!r}; expected NAME=FRACTION, e.g. high=0.1,low=0.9")
+            raise ValueError(f"--lanes: a lane without a name in {spec!r}; expected NAME=FRACTION, e.g. "
+                             "high=0.1,low=0.9")
         try:
             value = float(share) if share else 1.0
         except ValueError:
-            raise ValueError(f"--lanes: bad share in {part!r}; expected NAME=FRACTION, e.g. high=0.1,low=0.9") from None
+            raise ValueError(
+                f"--lanes: bad share in {part!r}; expected NAME=FRACTION, e.g. high=0.1,low=0.9"
+            ) from None
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"--lanes: share of {name!r} must be a finite number >= 0, got {share!r}")
         out.append((name, value))
@@ -136,8 +139,8 @@ def produce(bootstrap: str, topic: str, items: Iterator[tuple[bytes, bytes]], ra
     if failed:
         raise RuntimeError(f"{len(failed)} records failed to deliver, first: {failed[0]}")
     if undelivered:
-        raise RuntimeError(f"{undelivered} records still undelivered {FLUSH_TIMEOUT_S:.0f} s after the last was "
-                           f"produced ({delivered} delivered)")
+        raise RuntimeError(f"{undelivered} records still undelivered {FLUSH_TIMEOUT_S:.0f} s after the last "
+                           f"was produced ({delivered} delivered)")
     return delivered
 
 
@@ -153,7 +156,8 @@ def load_main(args: argparse.Namespace) -> int:
         return 2
     if args.deadline_ms is not None and not -(2**53) <= int(time.time() * 1000) + args.deadline_ms <= 2**53:
         # The request schema's deadline_ms is an integer within +-2^53: every record would be dead-lettered.
-        print(f"usage error: --deadline-ms {args.deadline_ms} puts deadlines outside +-2^53 ms", file=sys.stderr)
+        print(f"usage error: --deadline-ms {args.deadline_ms} puts deadlines outside +-2^53 ms",
+              file=sys.stderr)
         return 2
     t0 = time.monotonic()
     try:

@@ -36,8 +36,10 @@ REDACTED = "***"
 # The password runs to the last "@" before the host (greedy, then backtracking): one may contain "@".
 _URL_CREDS = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*):([^/\s]+)@")
 # ...and a secret passed as a URL query parameter (redis-py reads redis://host/0?password=...).
-_URL_QUERY_SECRET = re.compile(r"([?&][^=&\s]*(?:password|passwd|secret|token)[^=&\s]*=)[^&#\s]+", re.IGNORECASE)
-_RESERVED = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime", "taskName"}
+_URL_QUERY_SECRET = re.compile(r"([?&][^=&\s]*(?:password|passwd|secret|token)[^=&\s]*=)[^&#\s]+",
+                               re.IGNORECASE)
+_RESERVED = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime",
+                                                                                 "taskName"}
 _BASE_FIELDS = ("ts", "level", "logger", "msg")
 _MARK = "_kiw_handler"
 

@@ -2,10 +2,10 @@
 
 Each request takes the path a consumed record takes in ``worker run``: the intake's size check, decoding and
 validation into ``Request[model.input_type]``, lane routing and deadline, the model's ``decode``; the engine's
-``collate``/``forward``/``split`` in batches of the lane's ``max_batch_size`` (with its failure policy: a batch
-that fails is bisected down to the record that fails it); the emitter's result encoding, with its handling of
-outputs that cannot be encoded and results over ``message.max.bytes``. The emitter sends to a collector
-instead of a producer: the result it would put on the output topic is the line printed.
+``collate``/``forward``/``split`` in batches of the lane's ``max_batch_size`` (with its failure policy: a
+batch that fails is bisected down to the record that fails it); the emitter's result encoding, with its
+handling of outputs that cannot be encoded and results over ``message.max.bytes``. The emitter sends to a
+collector instead of a producer: the result it would put on the output topic is the line printed.
 
 Requests and results are JSON whatever ``delivery.format`` says. A result's ``source`` is the topic the
 request is taken to come from (``--topic``, by default the first input topic of the default lane; the topic
@@ -61,7 +61,9 @@ def read_requests(text: str | None, file: str | None, stdin: IO[bytes] | None = 
             raise InputError(f"cannot read requests file {file!r}: {e.strerror}") from None
         name = "stdin" if file == "-" else file
         data = data.removeprefix(b"\xef\xbb\xbf")  # a BOM is no part of the first request
-        reqs = [Request(f"{name} line {n}", line) for n, line in enumerate(data.split(b"\n"), 1) if line.strip()]
+        reqs = [
+            Request(f"{name} line {n}", line) for n, line in enumerate(data.split(b"\n"), 1) if line.strip()
+        ]
         if not reqs:
             raise InputError(f"{name}: no requests (expected one JSON request per line)")
     bad = []
@@ -116,7 +118,9 @@ class Predictor:
             # Sequences join and leave one continuous batch, as in ``worker run``.
             self.generation = GenerationEngine(self.model, device, lane_rules(cfg.batching.lanes))  # type: ignore[arg-type]
             self.generation.setup()
-        self.engine = None if self.generation is not None else Engine(self.model, device, dtype=cfg.model.dtype, compile=cfg.model.compile,
+        self.engine = None if self.generation is not None else Engine(self.model, device,
+                                                                      dtype=cfg.model.dtype,
+                                                                      compile=cfg.model.compile,
                              warmup=cfg.model.warmup,
                              max_batch_sizes={n: ln.max_batch_size for n, ln in self.lanes.items()})
         if self.engine is not None:
@@ -130,7 +134,8 @@ class Predictor:
                                max_message_bytes=int(cfg.kafka.producer.get("message.max.bytes", 1_000_000)),
                                outputs_encoding=cfg.delivery.outputs_encoding)
 
-    def run(self, requests: Sequence[Request], topic: str, first_offset: int = 0) -> list[tuple[Outcome, bytes]]:
+    def run(self, requests: Sequence[Request], topic: str,
+            first_offset: int = 0) -> list[tuple[Outcome, bytes]]:
         """One (final outcome, result JSON) per request, in order."""
         outcomes: list[Outcome | None] = [None] * len(requests)
         by_lane: dict[str, list[int]] = {}
@@ -177,7 +182,8 @@ class Predictor:
         now = time.monotonic()
         final = self.emitter.emit(o, now, wall_ms)
         self.emitter.flush(0)
-        value = next((v for t, v in self.sink.messages if t == self.cfg.kafka.output_topic and v is not None), None)
+        value = next((v for t, v in self.sink.messages if t == self.cfg.kafka.output_topic and v is not None),
+                     None)
         if value is None:
             value = self.emitter.result_bytes(final, now, wall_ms)
         return final, value
@@ -186,7 +192,8 @@ class Predictor:
 def default_topic(cfg: Config) -> str:
     """The first input topic of the default lane, else the first input topic (the config has one)."""
     lanes = cfg.lane_topics()
-    return next((t for t, lane in lanes.items() if lane == cfg.batching.default_lane), next(iter(lanes), DEFAULT_TOPIC))
+    return next((t for t, lane in lanes.items() if lane == cfg.batching.default_lane),
+                next(iter(lanes), DEFAULT_TOPIC))
 
 
 def predict(cfg: Config, requests: Sequence[Request], *, device: str, topic: str | None = None,

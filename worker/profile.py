@@ -2,10 +2,10 @@
 
 For each batch size it runs ``iters`` synchronous batches (collate -> copy -> forward -> copy back -> split,
 after ``warmup`` untimed ones) drawn in turn from the handler's ``example_inputs()`` (built-in sample
-sentences of varied length for text models, so padding and length variance show in p99), and reports p50/p99 batch latency, throughput (items/s)
-and peak memory (CUDA max allocated, or the process's peak RSS). The recommended ``max_batch_size`` is
-the size with the highest throughput whose p99 fits ``--latency-budget-ms`` (the highest throughput
-overall without a budget). Sizes past the first out-of-memory are skipped.
+sentences of varied length for text models, so padding and length variance show in p99), and reports p50/p99
+batch latency, throughput (items/s) and peak memory (CUDA max allocated, or the process's peak RSS). The
+recommended ``max_batch_size`` is the size with the highest throughput whose p99 fits ``--latency-budget-ms``
+(the highest throughput overall without a budget). Sizes past the first out-of-memory are skipped.
 
 The latencies are those of a lone batch; in the running worker collate overlaps forward, so sustained
 throughput is somewhat higher and per-record latency adds the batching wait (``max_wait_ms``).
@@ -39,11 +39,12 @@ class Row:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny",
-                        help="built-in (tiny, minilm, synthetic, identity), package.module:factory, or a model file "
-                        "(default tiny)")
+                        help="built-in (tiny, minilm, synthetic, identity), package.module:factory, or a "
+                        "model file (default tiny)")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="model option (repeatable); values are YAML scalars, e.g. --option a_ms=2")
-    parser.add_argument("--batch-sizes", default=DEFAULT_SIZES, help=f"comma-separated (default {DEFAULT_SIZES})")
+    parser.add_argument("--batch-sizes", default=DEFAULT_SIZES,
+                        help=f"comma-separated (default {DEFAULT_SIZES})")
     parser.add_argument("--device", default="auto", help="auto, cpu, mps, cuda or cuda:N (default auto)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"],
                         help="autocast dtype, as model.dtype (default fp32; fp16 on a CPU runs as fp32)")
@@ -54,10 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=20, help="timed batches per size (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed batches per size (default 3)")
     parser.add_argument("--threads", type=int, default=None, help=(
-        "torch intra-op threads (default: $WORKER_TORCH_THREADS, else $OMP_NUM_THREADS, else all CPUs but one "
-        "on a CPU device)"))
-    parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw throughput and latency vs batch size")
-    parser.add_argument("--json", default=None, metavar="FILE", help="write the rows and the recommendation as JSON")
+        "torch intra-op threads (default: $WORKER_TORCH_THREADS, else $OMP_NUM_THREADS, else all CPUs but "
+        "one on a CPU device)"))
+    parser.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="draw throughput and latency vs batch size")
+    parser.add_argument("--json", default=None, metavar="FILE",
+                        help="write the rows and the recommendation as JSON")
 
 
 def parse_options(pairs: list[str]) -> dict[str, Any]:
@@ -300,7 +303,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print("error: --plot needs matplotlib: pip install 'kafka-inference-worker[plot]'", file=sys.stderr)
+            print("error: --plot needs matplotlib: pip install 'kafka-inference-worker[plot]'",
+                  file=sys.stderr)
             return 2
 
     from worker.adapters.torch_engine import Engine
@@ -332,24 +336,40 @@ def run(args: argparse.Namespace) -> int:
     if best is None:
         fastest = min((r for r in rows if r.status == "ok"), key=lambda r: r.p99_ms, default=None)
         if fastest is None:  # not one size ran (out of memory, or the model failed): nothing to recommend
-            print("recommended max_batch_size: none; no batch size ran (see the status column); try smaller ones",
+            print("recommended max_batch_size: none; no batch size ran (see the status "
+                  "column); try smaller ones",
                   file=out)
         else:
             hint = f"; the lowest p99 is {fastest.p99_ms:.2f} ms at batch {fastest.batch_size}"
             print(f"recommended max_batch_size: none meets the p99 budget of {budget:g} ms{hint}", file=out)
     else:
-        why = f"p99 {best.p99_ms:.2f} ms <= {budget:g} ms budget" if budget is not None else "highest throughput"
-        print(f"recommended max_batch_size: {best.batch_size} ({why}, {best.throughput:.1f} items/s)", file=out)
+        why = (
+            f"p99 {best.p99_ms:.2f} ms <= {budget:g} ms budget"
+            if budget is not None
+            else "highest throughput"
+        )
+        print(f"recommended max_batch_size: {best.batch_size} ({why}, {best.throughput:.1f} items/s)",
+              file=out)
     if plot_path:
         plot(rows, plot_path, f"{engine.name} on {engine.device} ({cfg.dtype})", budget, best)
         print(f"plot written to {plot_path}", file=out)
     json_path = getattr(args, "json", None)
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"model": engine.name, "device": engine.device, "dtype": cfg.dtype,
-                       "rows": [{k: (None if isinstance(v, float) and v != v else v) for k, v in asdict(r).items()}
-                                for r in rows],
-                       "recommended": best.batch_size if best else None}, f, indent=2)
+            json.dump(
+                {
+                    "model": engine.name,
+                    "device": engine.device,
+                    "dtype": cfg.dtype,
+                    "rows": [
+                        {k: (None if isinstance(v, float) and v != v else v) for k, v in asdict(r).items()}
+                        for r in rows
+                    ],
+                    "recommended": best.batch_size if best else None,
+                },
+                f,
+                indent=2,
+            )
     return 0
 
 
@@ -364,9 +384,14 @@ def _run_generative(model: Any, device: str, sizes: list[int], iters: int, warmu
     print(format_table(rows).replace("batch", "sequences", 1).replace("items/s", "tokens/s", 1), file=out)
     best = recommend(rows, budget)
     if best is None:
-        print("recommended model.generation.max_sequences: none (no size ran, or none meets the budget)", file=out)
+        print("recommended model.generation.max_sequences: none (no size ran, or none meets the budget)",
+              file=out)
     else:
-        why = f"p99 step {best.p99_ms:.2f} ms <= {budget:g} ms budget" if budget is not None else "highest throughput"
+        why = (
+            f"p99 step {best.p99_ms:.2f} ms <= {budget:g} ms budget"
+            if budget is not None
+            else "highest throughput"
+        )
         print(f"recommended model.generation.max_sequences: {best.batch_size} ({why}, "
               f"{best.throughput:.1f} tokens/s)", file=out)
     return 0

@@ -48,7 +48,8 @@ def run_service(cfg: Config, metrics_port: int | None = None) -> int:
 
     # Before the health port opens: a device this machine lacks is the config's fault (exit 2), not a crash.
     check_devices(cfg)
-    # ... and so is a secured broker refusing its credentials or certificates (librdkafka would retry for ever).
+    # ... and so is a secured broker refusing its credentials or certificates (librdkafka would retry for
+    # ever).
     from worker.broker_access import check_access
 
     check_access(cfg)
@@ -68,8 +69,8 @@ def run_service(cfg: Config, metrics_port: int | None = None) -> int:
         except OSError as e:
             source = "--metrics-port" if metrics_port is not None else "$.metrics.port"
             why = "address already in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e)).lower()
-            raise CommandError(f"cannot serve metrics on {cfg.metrics.host}:{port} ($.metrics.host, {source}): "
-                               f"{why}") from None
+            raise CommandError(f"cannot serve metrics on {cfg.metrics.host}:{port} ($.metrics.host, "
+                               f"{source}): {why}") from None
         log.info("metrics and health on port %d", health_server.port)
     log.info("starting", extra={"consumer": redact(dict(cfg.kafka.consumer)),
                                 "producer": redact(dict(cfg.kafka.producer)),

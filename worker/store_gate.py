@@ -170,7 +170,8 @@ class StoreGate:
 
     def came_back(self, batch: Batch) -> None:
         """A suspect's batch came back from the device: it did not kill the process. Its counter is cleared
-        before the next batch can be taken (bounded by redis.timeout_ms; on outage the count stays, harmless)."""
+        before the next batch can be taken (bounded by redis.timeout_ms; on outage the count stays,
+        harmless)."""
         if self.attempts:
             assert self.store is not None
             self.store.clear_attempts([attempt_key(self.group_id, r) for r in batch.records])
@@ -183,7 +184,8 @@ class StoreGate:
         try:
             self._cache_puts.append((self._cache_ns + rec.cache_key, _cache_enc.encode(output)))
         except UNENCODABLE:
-            pass  # not cacheable, e.g. an int beyond 64 bits for msgpack (the result itself is still produced)
+            # not cacheable, e.g. an int beyond 64 bits for msgpack (the result itself is still produced)
+            pass
 
     def delivered(self, rec: Record) -> None:
         """The record's result (or dead letter) is delivered: enter it in the ledger and clear its count. Only

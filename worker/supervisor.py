@@ -1,4 +1,5 @@
-"""``worker run`` with ``model.processes: N`` (or ``--processes N``): N worker processes sharing the device(s).
+"""``worker run`` with ``model.processes: N`` (or ``--processes N``): N worker processes sharing the
+device(s).
 
 Each child is a full ``worker run``: its own consumer (a member of the one consumer group), offsets,
 producers, store client and metrics/health server. What differs between them comes in through the
@@ -14,10 +15,10 @@ The supervisor restarts a child that exits by itself, after a backoff that doubl
 times within ``EXIT_WINDOW_S`` is crash-looping: the supervisor drains the others and exits 1 saying which
 child and how it exited. A child that exits 2 (its config is bad) stops everything with exit 2.
 
-SIGTERM/SIGINT: the supervisor sends SIGTERM to every child, waits for them for ``delivery.shutdown_timeout_s``
-plus ``DRAIN_MARGIN_S`` (a child's own stop takes up to about 13 s past its shutdown timeout), then kills
-the ones left. Exit 0 when every child exited 0. On Linux each child gets SIGTERM when the supervisor dies
-(even by kill -9), so no child outlives it.
+SIGTERM/SIGINT: the supervisor sends SIGTERM to every child, waits for them for
+``delivery.shutdown_timeout_s`` plus ``DRAIN_MARGIN_S`` (a child's own stop takes up to about 13 s past its
+shutdown timeout), then kills the ones left. Exit 0 when every child exited 0. On Linux each child gets
+SIGTERM when the supervisor dies (even by kill -9), so no child outlives it.
 """
 
 from __future__ import annotations
@@ -177,8 +178,8 @@ class Supervisor:
             slot.exits.popleft()
         if len(slot.exits) >= self.policy.max_exits:
             self._give_up(f"child {slot.index} exited {len(slot.exits)} times within "
-                          f"{self.policy.exit_window_s:.0f} s (last: {describe_exit(rc)} after {ran:.1f} s): it is "
-                          "crash-looping; see its log lines above", now, rc=1)
+                          f"{self.policy.exit_window_s:.0f} s (last: {describe_exit(rc)} after {ran:.1f} s): "
+                          "it is crash-looping; see its log lines above", now, rc=1)
             return
         delay = self.policy.delay(slot.streak)
         slot.restart_at = now + delay
@@ -237,8 +238,8 @@ def check_ports(cfg: Config, processes: int, metrics_port: int | None) -> None:
     port = cfg.metrics.port if metrics_port is None else metrics_port
     if cfg.metrics.enabled and port and port + processes - 1 > 65535:
         source = "--metrics-port" if metrics_port is not None else "$.metrics.port"
-        raise ConfigError(f"{source}: {processes} processes serve metrics on ports {port}..{port + processes - 1},"
-                          " past 65535; choose a lower port")
+        raise ConfigError(f"{source}: {processes} processes serve metrics on ports "
+                          f"{port}..{port + processes - 1}, past 65535; choose a lower port")
 
 
 def _die_with_parent(parent: int) -> Callable[[], None]:

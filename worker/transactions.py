@@ -27,8 +27,8 @@ from worker.clock import Deadline
 from worker.core.records import Outcome, TopicPartition
 
 log = logging.getLogger("worker.transactions")
-# commit_transaction / abort_transaction calls (each waits up to ``timeout_s``) before a retriable error counts as
-# a failure: bounded, as a revoke or a shutdown waits for them.
+# commit_transaction / abort_transaction calls (each waits up to ``timeout_s``) before a retriable error
+# counts as a failure: bounded, as a revoke or a shutdown waits for them.
 COMMIT_ATTEMPTS = 3
 ABORT_ATTEMPTS = 3
 
@@ -132,16 +132,20 @@ class TransactionalCommitter:
             return False
 
     def _commit(self) -> None:
-        # A retriable error that does not require an abort (a timeout: the commit goes on in the background) is
-        # only resolved by calling commit_transaction again; abort is refused meanwhile.
-        _call_again(lambda: self.producer.commit_transaction(self._timeout()), "commit_transaction", COMMIT_ATTEMPTS,
-                    lambda err: err.retriable() and not err.fatal() and not err.txn_requires_abort(), self.deadline)
+        # A retriable error that does not require an abort (a timeout: the commit goes on in the background)
+        # is only resolved by calling commit_transaction again; abort is refused meanwhile.
+        _call_again(lambda: self.producer.commit_transaction(self._timeout()), "commit_transaction",
+                    COMMIT_ATTEMPTS,
+                    lambda err: err.retriable() and not err.fatal() and not err.txn_requires_abort(),
+                    self.deadline)
 
     def abort(self) -> None:
-        """Aborts the open transaction and begins the next one; raises TransactionFailed when it cannot be aborted
-        (beginning a transaction then fails anyway, and the loop would go on producing outside one)."""
+        """Aborts the open transaction and begins the next one; raises TransactionFailed when it cannot be
+        aborted (beginning a transaction then fails anyway, and the loop would go on producing outside
+        one)."""
         try:
-            _call_again(lambda: self.producer.abort_transaction(self._timeout()), "abort_transaction", ABORT_ATTEMPTS,
+            _call_again(lambda: self.producer.abort_transaction(self._timeout()), "abort_transaction",
+                        ABORT_ATTEMPTS,
                         lambda err: err.retriable() and not err.fatal(), self.deadline)
         except KafkaException as e:
             err = e.args[0]

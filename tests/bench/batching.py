@@ -95,8 +95,8 @@ def _point(ctx: Ctx, bs: int, backlog: int, paced_s: float) -> dict[str, Any]:
     kept, _ = _ideal(paced, bs, paced.started * 1000 + 1000.0)
     res["ideal_wc_p50_ms"], res["ideal_wc_p99_ms"] = percentile(kept, 50), percentile(kept, 99)
     log(f"  B={bs}: {res['throughput_per_s']:.0f}/s of ideal {res['ideal_per_s']:.0f}/s "
-        f"({res['efficiency']:.3f}); at 50% load p50 {res['e2e_p50_ms']:.1f} ms, p99 {res['e2e_p99_ms']:.1f} ms "
-        f"(ideal work-conserving p99 {res['ideal_wc_p99_ms']:.1f} ms)")
+        f"({res['efficiency']:.3f}); at 50% load p50 {res['e2e_p50_ms']:.1f} ms, p99 {res['e2e_p99_ms']:.1f} "
+        f"ms (ideal work-conserving p99 {res['ideal_wc_p99_ms']:.1f} ms)")
     return res
 
 
@@ -109,7 +109,8 @@ def _light(ctx: Ctx, seconds: float, bs: int = MAIN_B) -> dict[str, Any]:
     try:
         wait_assigned(w)
         time.sleep(1.0)
-        paced = produce_paced(ctx.bootstrap, ((inp, k, v) for k, v in requests("light", 10**9)), rate, seconds,
+        paced = produce_paced(ctx.bootstrap, ((inp, k, v) for k, v in requests("light", 10**9)), rate,
+                              seconds,
                               PARTITIONS)
         wait_count(ctx.bootstrap, out, len(paced.sent), timeout=120, alive=w.alive)
     finally:
@@ -121,8 +122,10 @@ def _light(ctx: Ctx, seconds: float, bs: int = MAIN_B) -> dict[str, Any]:
     e2e = [d["timings"]["e2e_ms"] for d in keep]
     sim_kept, sim_mean_batch = _ideal(paced, bs, t_from)
     floor_kept = [floor_ms[d["id"]] for d in keep if d["id"] in floor_ms]
-    res = {"max_batch": bs, "rate_per_s": rate, "sent": len(paced.sent), "n": len(e2e), "e2e_p50_ms": percentile(e2e, 50),
-           "e2e_p99_ms": percentile(e2e, 99), "mean_batch": sum(d["batch_size"] for d in keep) / max(len(keep), 1),
+    res = {"max_batch": bs, "rate_per_s": rate, "sent": len(paced.sent), "n": len(e2e),
+           "e2e_p50_ms": percentile(e2e, 50),
+           "e2e_p99_ms": percentile(e2e, 99),
+           "mean_batch": sum(d["batch_size"] for d in keep) / max(len(keep), 1),
            "queue_p50_ms": percentile([d["timings"]["queue_ms"] for d in keep], 50),
            "inference_p50_ms": percentile([d["timings"]["inference_ms"] for d in keep], 50),
            "total_p50_ms": percentile([d["timings"]["total_ms"] for d in keep], 50),
@@ -131,12 +134,13 @@ def _light(ctx: Ctx, seconds: float, bs: int = MAIN_B) -> dict[str, Any]:
            "total_p99_ms": percentile([d["timings"]["total_ms"] for d in keep], 99),
            "inference_p99_ms": percentile([d["timings"]["inference_ms"] for d in keep], 99),
            "queue_p99_ms": percentile([d["timings"]["queue_ms"] for d in keep], 99),
-           "outside_worker_p99_ms": percentile([d["timings"]["e2e_ms"] - d["timings"]["total_ms"] for d in keep], 99),
+           "outside_worker_p99_ms": percentile([d["timings"]["e2e_ms"] - d["timings"]["total_ms"]
+                                                for d in keep], 99),
            "ideal_mean_batch": sim_mean_batch, "e2e_ms": sorted(e2e)}
     log(f"  10% load, one lane, max batch {bs} ({rate:.1f}/s): p50 {res['e2e_p50_ms']:.1f} / p99 "
-        f"{res['e2e_p99_ms']:.1f} ms (in the worker p99 {res['total_p99_ms']:.1f} ms; a bare consumer's Kafka hop "
-        f"p50 {res['kafka_floor_p50_ms']:.1f} / p99 {res['kafka_floor_p99_ms']:.1f} ms), mean batch "
-        f"{res['mean_batch']:.2f}; ideal work-conserving p50 {res['ideal_wc_p50_ms']:.1f} / p99 "
+        f"{res['e2e_p99_ms']:.1f} ms (in the worker p99 {res['total_p99_ms']:.1f} ms; a bare consumer's "
+        f"Kafka hop p50 {res['kafka_floor_p50_ms']:.1f} / p99 {res['kafka_floor_p99_ms']:.1f} ms), mean "
+        f"batch {res['mean_batch']:.2f}; ideal work-conserving p50 {res['ideal_wc_p50_ms']:.1f} / p99 "
         f"{res['ideal_wc_p99_ms']:.1f} ms, mean batch {res['ideal_mean_batch']:.2f}")
     return res
 
@@ -196,12 +200,17 @@ def _seed(ctx: Ctx, seed: str, inp: str, n: int, paced_s: float, host_ms: float 
     res: dict[str, Any] = {"results": got, "throughput_per_s": rate_thr, "host_ms": host_ms}
     if paced_s > 0:
         skip = int(rate * 1.0)
-        e2e = [d["timings"]["e2e_ms"] for _, d in rows
-               if d["id"].startswith("lat-") and int(d["id"].split("-")[1]) >= skip and d["timings"].get("e2e_ms")]
+        e2e = [
+            d["timings"]["e2e_ms"]
+            for _, d in rows
+            if d["id"].startswith("lat-")
+            and int(d["id"].split("-")[1]) >= skip
+            and d["timings"].get("e2e_ms")
+        ]
         res.update({"paced_rate_per_s": rate, "paced_sent": n_paced, "paced_results": len(e2e),
                     "e2e_p50_ms": percentile(e2e, 50), "e2e_p99_ms": percentile(e2e, 99)})
-        log(f"  seed {seed}: {got}/{n} results, {rate_thr:.0f}/s; at 50% load p50 {res['e2e_p50_ms']:.1f} ms, "
-            f"p99 {res['e2e_p99_ms']:.1f} ms")
+        log(f"  seed {seed}: {got}/{n} results, {rate_thr:.0f}/s; at 50% load p50 {res['e2e_p50_ms']:.1f} "
+            f"ms, p99 {res['e2e_p99_ms']:.1f} ms")
     else:
         log(f"  seed {seed}, host work {host_ms:g} ms per record: {got}/{n} results, {rate_thr:.0f}/s")
     return res
@@ -257,19 +266,23 @@ def run(ctx: Ctx) -> dict[str, Any]:
     rows = [
         row("3 / 7.2 saturated throughput", "worker records/s", wr, f"ideal B/(a+bB) = {ideal(MAIN_B):.0f}/s",
             ideal(MAIN_B), ">=", 0.95, "rec/s", note),
-        row("7.2 batching vs seeds", "worker records/s", wr, "seed 000 DynamicBatcher", seeds["000"]["throughput_per_s"],
+        row("7.2 batching vs seeds", "worker records/s", wr, "seed 000 DynamicBatcher",
+            seeds["000"]["throughput_per_s"],
             ">=", 2.0, "rec/s", note),
         row("7.2 batching vs seeds", "worker records/s", wr, "seed 003 BatchInferenceServer",
             seeds["003"]["throughput_per_s"], ">=", 2.0, "rec/s", note),
         row("3 latency at 10% load", "p99 end-to-end ms", light["e2e_p99_ms"], f"a + b = {A_MS + B_MS:g} ms",
             A_MS + B_MS, "<=", 1.5, "ms", f"one lane, B={MAIN_B}; ideal work-conserving batcher on the same "
-            f"arrivals: p99 {light['ideal_wc_p99_ms']:.1f} ms ({light['ideal_wc_p99_ms'] / (A_MS + B_MS):.2f}x); "
-            f"mean batch {light['mean_batch']:.2f} (ideal {light['ideal_mean_batch']:.2f})"),
-        row("3 latency at 10% load", "p99 end-to-end ms, B=8", light8["e2e_p99_ms"], f"a + b = {A_MS + B_MS:g} ms",
-            A_MS + B_MS, "<=", 1.5, "ms", f"one lane, B={LIGHT_B}: 10% = {light8['rate_per_s']:.0f}/s, the device "
-            f"idle between arrivals; ideal p99 {light8['ideal_wc_p99_ms']:.1f} ms; in the worker p99 "
-            f"{light8['total_p99_ms']:.1f} ms (the model's own a + b sleep p99 {light8['inference_p99_ms']:.1f} ms); "
-            f"a bare consumer's Kafka hop p99 {light8['kafka_floor_p99_ms']:.1f} ms"),
+            f"arrivals: p99 {light['ideal_wc_p99_ms']:.1f} ms "
+            f"({light['ideal_wc_p99_ms'] / (A_MS + B_MS):.2f}x); mean batch {light['mean_batch']:.2f} (ideal "
+            f"{light['ideal_mean_batch']:.2f})"),
+        row("3 latency at 10% load", "p99 end-to-end ms, B=8", light8["e2e_p99_ms"],
+            f"a + b = {A_MS + B_MS:g} ms",
+            A_MS + B_MS, "<=", 1.5, "ms", f"one lane, B={LIGHT_B}: 10% = {light8['rate_per_s']:.0f}/s, the "
+            f"device idle between arrivals; ideal p99 {light8['ideal_wc_p99_ms']:.1f} ms; in the worker p99 "
+            f"{light8['total_p99_ms']:.1f} ms (the model's own a + b sleep p99 "
+            f"{light8['inference_p99_ms']:.1f} ms); a bare consumer's Kafka hop p99 "
+            f"{light8['kafka_floor_p99_ms']:.1f} ms"),
     ]
     for s, name in (("000", "seed 000 DynamicBatcher"), ("003", "seed 003 BatchInferenceServer")):
         rows.append(row("7.2 batching vs seeds", "worker p99 end-to-end ms at 50% load", main["e2e_p99_ms"],
@@ -278,15 +291,18 @@ def run(ctx: Ctx) -> dict[str, Any]:
                         f"p50 worker {main['e2e_p50_ms']:.0f} ms, seed {seeds[s]['e2e_p50_ms']:.0f} ms"))
     bound = host["ideal_pipelined_per_s"] / host["ideal_serial_per_s"]  # (host + device) / max(host, device)
     for s, name in (("000", "seed 000 DynamicBatcher"), ("003", "seed 003 BatchInferenceServer")):
-        rows.append(row("7.2 batching vs seeds, host work = device time", "worker records/s", host["worker_per_s"],
+        rows.append(row("7.2 batching vs seeds, host work = device time", "worker records/s",
+                        host["worker_per_s"],
                         name, host["seeds"][s], "info", 0, "rec/s",
-                        f"{HOST_MS:g} ms of host work per record in collate (GIL held), {HOST_MS * MAIN_B:g} ms per "
-                        f"batch of {MAIN_B} = its device time; a batcher that overlaps them can be at most "
-                        f"{bound:.2f}x one that does not; worker at {host['worker_per_s'] / host['ideal_pipelined_per_s']:.2f} "
-                        f"of the overlapped ideal {host['ideal_pipelined_per_s']:.0f}/s, backlog {host['backlog']}"))
+                        f"{HOST_MS:g} ms of host work per record in collate (GIL held), {HOST_MS * MAIN_B:g} "
+                        f"ms per batch of {MAIN_B} = its device time; a batcher that overlaps them can be at "
+                        f"most {bound:.2f}x one that does not; worker at "
+                        f"{host['worker_per_s'] / host['ideal_pipelined_per_s']:.2f} of the overlapped ideal "
+                        f"{host['ideal_pipelined_per_s']:.0f}/s, backlog {host['backlog']}"))
     for s in ("000", "003"):
         seeds[s]["efficiency"] = seeds[s]["throughput_per_s"] / ideal(MAIN_B)
-    return {"a_ms": A_MS, "b_ms": B_MS, "main_batch": MAIN_B, "max_wait_ms": WAIT_MS, "sweep": sweep, "seeds": seeds,
+    return {"a_ms": A_MS, "b_ms": B_MS, "main_batch": MAIN_B, "max_wait_ms": WAIT_MS, "sweep": sweep,
+            "seeds": seeds,
             "host_work": host,
             "light_load": light, "light_load_b8": light8, "rows": rows}
 

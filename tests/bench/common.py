@@ -44,12 +44,13 @@ def log(msg: str) -> None:
 # ------------------------------------------------------------------------------------------------ broker
 
 
-# The local broker keeps its data in memory (tmpfs) when there is room. On the shared 2-core VM its disk stalled
-# appends and fetches for 100-200 ms, a minute or two after the pipeline scenario had written its results
-# (page-cache writeback): a bare consumer's Kafka hop p99 read 40-90 ms instead of 2-3, and sweep points whose
-# ideal p99 is 21-46 ms read 110-210 ms. The same sequence (pipeline, then the B=1..16 points and the 10% run)
-# stalled in 3 runs of 3 with the data on disk, and in 0 of 2 on /dev/shm. Every system in a run uses the same
-# broker, so this only takes out noise that is not theirs. KIW_BENCH_BROKER_DISK=1 keeps the data on disk.
+# The local broker keeps its data in memory (tmpfs) when there is room. On the shared 2-core VM its disk
+# stalled appends and fetches for 100-200 ms, a minute or two after the pipeline scenario had written its
+# results (page-cache writeback): a bare consumer's Kafka hop p99 read 40-90 ms instead of 2-3, and sweep
+# points whose ideal p99 is 21-46 ms read 110-210 ms. The same sequence (pipeline, then the B=1..16 points and
+# the 10% run) stalled in 3 runs of 3 with the data on disk, and in 0 of 2 on /dev/shm. Every system in a run
+# uses the same broker, so this only takes out noise that is not theirs. KIW_BENCH_BROKER_DISK=1 keeps the
+# data on disk.
 SHM = Path("/dev/shm")
 SHM_MIN_FREE = 4 << 30  # a full run writes well under 1 GB; less free than this, and disk it is
 
@@ -141,7 +142,8 @@ def request_value(i: int, prefix: str, inputs: Any, size: int = 0, **extra: Any)
 
 def _producer(bootstrap: str, **conf: Any) -> Producer:
     return Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, "enable.idempotence": True,
-                     "queue.buffering.max.messages": 2_000_000, "queue.buffering.max.kbytes": 1_048_576, **conf})
+                     "queue.buffering.max.messages": 2_000_000,
+                     "queue.buffering.max.kbytes": 1_048_576, **conf})
 
 
 def _send(p: Producer, topic: str, key: bytes | None, value: bytes, partition: int | None, cb: Any) -> None:
@@ -187,8 +189,8 @@ class Paced:
 
 def produce_paced(bootstrap: str, plan: Iterator[tuple[str, bytes, bytes]], rate: float, duration_s: float,
                   partitions: int, linger_ms: float = 0.0) -> Paced:
-    """Produce ``plan`` items (topic, key, value) at ``rate``/s for ``duration_s`` (evenly spaced; keys are the
-    request ids). ``linger.ms=0`` so producer-side batching is not charged to the worker's latency."""
+    """Produce ``plan`` items (topic, key, value) at ``rate``/s for ``duration_s`` (evenly spaced; keys are
+    the request ids). ``linger.ms=0`` so producer-side batching is not charged to the worker's latency."""
     p = _producer(bootstrap, **{"linger.ms": linger_ms, "enable.idempotence": False})
     first = next(plan)
     # The paced producer connects before the schedule starts, and is not idempotent. An idempotent producer
@@ -368,7 +370,8 @@ class Proc:
 def worker_config(bootstrap: str, group: str, output: str, dlq: str, *, topics: list[str] | None = None,
                   lanes: list[dict[str, Any]] | None = None, model: dict[str, Any] | None = None,
                   batching: dict[str, Any] | None = None, metrics: bool = False,
-                  kafka: dict[str, Any] | None = None, delivery: dict[str, Any] | None = None) -> dict[str, Any]:
+                  kafka: dict[str, Any] | None = None,
+                  delivery: dict[str, Any] | None = None) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "kafka": {"bootstrap_servers": bootstrap, "group_id": group, "input_topics": topics or [],
                   "output_topic": output, "dlq_topic": dlq, **(kafka or {})},
@@ -471,7 +474,8 @@ class KafkaFloor(threading.Thread):
 
     def __init__(self, bootstrap: str, topic: str, partitions: int) -> None:
         super().__init__(daemon=True, name="kafka-floor")
-        self.c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"floor-{uid()}", "enable.auto.commit": False,
+        self.c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"floor-{uid()}",
+                           "enable.auto.commit": False,
                            "fetch.wait.max.ms": 50, "auto.offset.reset": "earliest"})
         self.c.assign([KTP(topic, p, OFFSET_BEGINNING) for p in range(partitions)])
         self.lag_ms: dict[str, float] = {}  # request key -> receive delay
@@ -511,7 +515,8 @@ class Ctx:
     run: str = field(default_factory=uid)
 
 
-def row(scenario: str, figure: str, value: float, baseline: str, baseline_value: float, op: str, target: float,
+def row(scenario: str, figure: str, value: float, baseline: str, baseline_value: float, op: str,
+        target: float,
         unit: str = "", note: str = "") -> dict[str, Any]:
     """One line of the summary table: ``ratio = value / baseline_value`` checked against ``op target``."""
     ratio = value / baseline_value if baseline_value and baseline_value == baseline_value else float("nan")
@@ -523,7 +528,8 @@ def row(scenario: str, figure: str, value: float, baseline: str, baseline_value:
         verdict = "pass" if ratio >= target else "MISS"
     else:
         verdict = "pass" if ratio <= target else "MISS"
-    return {"scenario": scenario, "figure": figure, "value": round(value, 3), "unit": unit, "baseline": baseline,
+    return {"scenario": scenario, "figure": figure, "value": round(value, 3), "unit": unit,
+            "baseline": baseline,
             "baseline_value": round(baseline_value, 3), "ratio": round(ratio, 3),
             "target": "-" if op == "info" else f"{op} {target:g}",
             "verdict": verdict, "note": note}

@@ -47,7 +47,8 @@ Outcome = tuple[list[list[int]], list[float], float]  # tokens per request, late
 
 def requests(n: int, seed: int = 28) -> list[Request]:
     rng = random.Random(seed)
-    return [([rng.randrange(32, 127) for _ in range(rng.randint(8, 40))], rng.randint(4, 96)) for _ in range(n)]
+    return [([rng.randrange(32, 127) for _ in range(rng.randint(8, 40))],
+             rng.randint(4, 96)) for _ in range(n)]
 
 
 def _cut(tokens: list[int], n: int, eos: int | None) -> list[int]:
@@ -153,8 +154,8 @@ def measure(device: str, n: int, repeat: int, only: tuple[str, ...] = ()) -> lis
         rows.append({"engine": name, "wall_s": wall, "tokens_per_s": useful / wall,
                      "mean_latency_s": sum(lat) / len(lat),
                      "agree": sum(a == b for a, b in zip(tokens, want, strict=True)), "requests": len(reqs)})
-        print(f"  {name:<15} {wall:7.2f} s  {useful / wall:8.0f} tok/s  mean latency {rows[-1]['mean_latency_s']:6.2f} s"
-              f"  agree {rows[-1]['agree']}/{len(reqs)}", flush=True)
+        print(f"  {name:<15} {wall:7.2f} s  {useful / wall:8.0f} tok/s  mean latency "
+              f"{rows[-1]['mean_latency_s']:6.2f} s  agree {rows[-1]['agree']}/{len(reqs)}", flush=True)
     return rows
 
 

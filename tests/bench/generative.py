@@ -201,7 +201,8 @@ def mean(xs: list[float]) -> float:
 def run(ctx: Ctx) -> dict[str, Any]:
     n = 400 if ctx.quick else 1000
     rows: list[dict[str, Any]] = []
-    res: dict[str, Any] = {"a_ms": A_MS, "b_ms": B_MS, "static_batch": STATIC_B, "memory_tokens": MEMORY_TOKENS}
+    res: dict[str, Any] = {"a_ms": A_MS, "b_ms": B_MS, "static_batch": STATIC_B,
+                           "memory_tokens": MEMORY_TOKENS}
 
     t_cont = run_continuous(make_reqs(n, None, seed=1))
     t_res = run_continuous(make_reqs(n, None, seed=1), admission="reserve")
@@ -214,7 +215,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
                     "static batching", thr_s, ">=", 2.3, "req/s",
                     f"backlog of {n}, 8-128 new tokens, same token memory"))
     rows.append(row("28 generative throughput", "continuous batching (reserve admission), requests/s", thr_r,
-                    "static batching", thr_s, "info", 0, "req/s", "each sequence holds prompt + max_new_tokens"))
+                    "static batching", thr_s, "info", 0, "req/s",
+                    "each sequence holds prompt + max_new_tokens"))
 
     rate = 0.7 * thr_s
     paced = make_reqs(n, rate, seed=2)
@@ -224,7 +226,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
     run_static(paced_s)
     lat_s = mean([(r.done or 0.0) - r.at for r in paced_s])
     res["latency"] = {"rate_rps": rate, "continuous_mean_s": lat_c, "static_mean_s": lat_s}
-    log(f"generative: at {rate:.1f}/s mean latency continuous {lat_c * 1000:.0f} ms, static {lat_s * 1000:.0f} ms")
+    log(f"generative: at {rate:.1f}/s mean latency continuous {lat_c * 1000:.0f} ms, static "
+        f"{lat_s * 1000:.0f} ms")
     rows.append(row("28 generative latency", "continuous batching, mean latency", lat_c * 1000,
                     "static batching", lat_s * 1000, "<=", 0.6, "ms",
                     f"Poisson arrivals at {rate:.1f}/s (70% of static's saturated rate)"))
@@ -240,7 +243,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
     res["ttft"] = {"high_overload_2x_s": over, "high_light_10pct_s": light}
     log(f"generative: high-lane TTFT 2x overload {over * 1000:.1f} ms, 10% load {light * 1000:.1f} ms")
     rows.append(row("28 generative high-lane TTFT", "2x overload, mean TTFT", over * 1000,
-                    "10% load", light * 1000, "<=", 2.0, "ms", "high lane 10% of traffic, priority 1, weight 4"))
+                    "10% load", light * 1000, "<=", 2.0, "ms",
+                    "high lane 10% of traffic, priority 1, weight 4"))
     res["rows"] = rows
     return res
 

@@ -1,11 +1,12 @@
-"""Issue 3 (latency at 10% load, priority under 2x overload) and issue 7.4 (p50/p99 per lane at 10/50/90/200%).
+"""Issue 3 (latency at 10% load, priority under 2x overload) and issue 7.4 (p50/p99 per lane at
+10/50/90/200%).
 
 One worker process, synthetic model (a=20 ms, b=1 ms), two lanes fed by two topics:
-``high`` (priority 1, weight 4) gets 10% of the traffic, ``low`` (priority 0, weight 1) 90%; both max batch 32,
-max wait 10 ms, queue_bound 2000 (the low lane's backlog pauses only the low topic). The offered load steps
-through 10%, 50%, 90% and 200% of the ideal saturated rate ``32 / (a + 32 b)``; requests are evenly spaced,
-produced with ``linger.ms=0`` (producer batching is not charged to the worker). End-to-end latency is the
-result's ``timings.e2e_ms`` (result time - the request's Kafka timestamp). The first seconds of each step
+``high`` (priority 1, weight 4) gets 10% of the traffic, ``low`` (priority 0, weight 1) 90%; both max batch
+32, max wait 10 ms, queue_bound 2000 (the low lane's backlog pauses only the low topic). The offered load
+steps through 10%, 50%, 90% and 200% of the ideal saturated rate ``32 / (a + 32 b)``; requests are evenly
+spaced, produced with ``linger.ms=0`` (producer batching is not charged to the worker). End-to-end latency is
+the result's ``timings.e2e_ms`` (result time - the request's Kafka timestamp). The first seconds of each step
 are discarded.
 
 For context each step also reports the p99 an ideal work-conserving batcher would get on the very same
@@ -74,8 +75,8 @@ def plan(topics: dict[str, str], prefix: str, seed: int = 11,
 
 def simulate(arrivals: list[tuple[float, str]], bs: int = MAX_B,
              order: tuple[str, ...] = ("high", "low")) -> tuple[dict[str, list[float]], list[float]]:
-    """An ideal work-conserving batcher on the given (arrival ms, lane) list: one server; whenever it is free it
-    takes up to ``bs`` queued records of the first lane in ``order`` that has any (batches never mix lanes,
+    """An ideal work-conserving batcher on the given (arrival ms, lane) list: one server; whenever it is free
+    it takes up to ``bs`` queued records of the first lane in ``order`` that has any (batches never mix lanes,
     strict priority), service ``a + b*n``; no Kafka, no threads. Returns latencies per lane and the
     completion time of every record."""
     arr = sorted(arrivals)
@@ -143,19 +144,23 @@ def _drive(ctx: Ctx, tag: str, high_wait_ms: float, loads: tuple[int, ...], dura
             total += len(p.sent)
             if load < 100:
                 wait_count(ctx.bootstrap, out, total, timeout=120, alive=w.alive)
-            log(f"  {load}%: sent {len(p.sent)} at {rate:.0f}/s (producer behind by {p.behind_s * 1000:.0f} ms max)")
+            log(f"  {load}%: sent {len(p.sent)} at {rate:.0f}/s (producer behind by {p.behind_s * 1000:.0f} "
+                "ms max)")
         time.sleep(1.0)
     finally:
         w.stop(timeout=20)
     return decode_results(read_topic(ctx.bootstrap, out)), sent, lanes
 
 
-def _step(load: int, p: Any, rows: list[tuple[int, dict[str, Any]]], warm: float, duration: float) -> dict[str, Any]:
+def _step(load: int, p: Any, rows: list[tuple[int, dict[str, Any]]], warm: float,
+          duration: float) -> dict[str, Any]:
     """Latency per lane of one load step (its first ``warm`` seconds discarded) and, for an overload step,
     the throughput and lane shares while both lanes are backlogged."""
     cap = ideal(MAX_B)
     t_from = p.started * 1000 + warm * 1000
-    keep = [(ts, d) for ts, d in rows if int(d["id"].split("-")[0][1:]) == load and p.sent[d["id"]][1] >= t_from]
+    keep = [
+        (ts, d) for ts, d in rows if int(d["id"].split("-")[0][1:]) == load and p.sent[d["id"]][1] >= t_from
+    ]
     # The worker's last result: under overload the records not served by then have no latency, so the ideal
     # batcher's figures count only what it would have finished by then too.
     cutoff = max((ts for ts, _ in rows), default=float("inf"))
@@ -182,7 +187,9 @@ def _step(load: int, p: Any, rows: list[tuple[int, dict[str, Any]]], warm: float
     # reference here: with a = 20 ms a 10% high stream served in small batches can fill the device.
     arrivals = sorted((t, "low") for _tp, t in p.sent.values())
     sim_lat, _ = simulate(arrivals, order=("low",))
-    ideal_lat = [x for (t, _ln), x in zip(arrivals, sim_lat["low"], strict=True) if t >= t_from and t + x <= cutoff]
+    ideal_lat = [
+        x for (t, _ln), x in zip(arrivals, sim_lat["low"], strict=True) if t >= t_from and t + x <= cutoff
+    ]
     step["ideal_wc_served"] = len(ideal_lat)
     step["ideal_wc_p99_ms"] = percentile(ideal_lat, 99)
     step["ideal_wc_p50_ms"] = percentile(ideal_lat, 50)
@@ -196,9 +203,9 @@ def _step(load: int, p: Any, rows: list[tuple[int, dict[str, Any]]], warm: float
         step["low_share"] = n_low / max(len(in_win), 1)
         step["low_min_share"] = W_LOW / (W_LOW + W_HIGH)
     a = step["all"]
-    log(f"  {load}%: p50 {a['p50_ms']:.1f} / p99 {a['p99_ms']:.1f} ms (high p99 {step['high']['p99_ms']:.1f}, "
-        f"low p99 {step['low']['p99_ms']:.1f}); ideal work-conserving p99 {step['ideal_wc_p99_ms']:.1f} ms; "
-        f"mean batch {a['mean_batch']:.1f}")
+    log(f"  {load}%: p50 {a['p50_ms']:.1f} / p99 {a['p99_ms']:.1f} ms (high p99 "
+        f"{step['high']['p99_ms']:.1f}, low p99 {step['low']['p99_ms']:.1f}); ideal work-conserving p99 "
+        f"{step['ideal_wc_p99_ms']:.1f} ms; mean batch {a['mean_batch']:.1f}")
     return step
 
 
@@ -213,7 +220,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
     # (here, not at the top: the replay takes this module's lane constants)
     from tests.bench.overload_sim import print_tradeoff, tradeoff
 
-    durations = {10: 10.0, 50: 4.0, 90: 5.0, 200: 8.0} if ctx.quick else {10: 30.0, 50: 10.0, 90: 12.0, 200: 20.0}
+    durations = {10: 10.0, 50: 4.0, 90: 5.0, 200: 8.0} if ctx.quick else {10: 30.0, 50: 10.0, 90: 12.0,
+                                                                          200: 20.0}
     warm = 2.0
     cap = ideal(MAX_B)
     log(f"latency: two lanes (high {HIGH_SHARE:.0%} of traffic), capacity {cap:.0f}/s, loads {LOADS}%; "
@@ -263,11 +271,14 @@ def run(ctx: Ctx) -> dict[str, Any]:
             f"{s200['low']['mean_batch']:.1f}"),
         row("3 fairness under 2x overload", "low-lane share of served records, high lane 10% of traffic",
             s200.get("low_share", float("nan")),
-            f"configured minimum w_low/(w_low+w_high) = {W_LOW / (W_LOW + W_HIGH):.2f}", W_LOW / (W_LOW + W_HIGH),
-            ">=", 1.0, "", "issue 3's case; the high lane offers less than its share, so the minimum is not at stake"),
-        row("3 fairness under 2x overload", f"low-lane share of served records, high lane {HEAVY_HIGH_SHARE:.0%} "
-            "of traffic", heavy.get("low_share", float("nan")),
-            f"guaranteed minimum: w_low/(w_low+w_high) = {W_LOW / (W_LOW + W_HIGH):.2f} less 4 batches of lag",
+            f"configured minimum w_low/(w_low+w_high) = {W_LOW / (W_LOW + W_HIGH):.2f}",
+            W_LOW / (W_LOW + W_HIGH),
+            ">=", 1.0, "", "issue 3's case; the high lane offers less than its share, so the "
+                           "minimum is not at stake"),
+        row("3 fairness under 2x overload", "low-lane share of served records, high lane "
+            f"{HEAVY_HIGH_SHARE:.0%} of traffic", heavy.get("low_share", float("nan")),
+            f"guaranteed minimum: w_low/(w_low+w_high) = {W_LOW / (W_LOW + W_HIGH):.2f} "
+            "less 4 batches of lag",
             heavy_min, ">=", 1.0, "", f"the high lane alone offers {2 * HEAVY_HIGH_SHARE:.1f}x capacity; "
             f"{heavy.get('window_results', 0)} records served in the window, "
             f"{heavy.get('served_per_s', float('nan')):.0f}/s"),
@@ -279,7 +290,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
             unfilled["high"]["p99_ms"], "high-lane p99 at 10% load (defaults)", light_high, "info", 0, "ms",
             f"low-lane share {unfilled.get('low_share', float('nan')):.2f}"),
         row("7.4 two lanes, 200%, high fill_efficiency 1", "served records/s (both lanes)",
-            filled.get("served_per_s", float("nan")), "capacity at full batches 32/(a+32b)", cap, "info", 0, "rec/s",
+            filled.get("served_per_s", float("nan")), "capacity at full batches 32/(a+32b)", cap, "info", 0,
+            "rec/s",
             f"high records' batches: mean {filled['high']['mean_batch']:.1f} records"),
         row("7.4 two lanes, 200%, high fill_efficiency 1", "high-lane p99 ms at 200%",
             filled["high"]["p99_ms"], "high-lane p99 at 10% load (defaults)", light_high, "info", 0,

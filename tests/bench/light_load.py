@@ -33,8 +33,10 @@ from worker.runner import Runner
 
 
 def pct(values: list[float]) -> str:
-    # (interpolated, as every other figure of the bench: v[int(0.99 * n)] was one rank high, the maximum at n=100)
-    return f"p50 {percentile(values, 50):6.1f} p90 {percentile(values, 90):6.1f} p99 {percentile(values, 99):6.1f}"
+    # (interpolated, as every other figure of the bench: v[int(0.99 * n)] was one rank high, the maximum at
+    # n=100)
+    return (f"p50 {percentile(values, 50):6.1f} p90 {percentile(values, 90):6.1f} p99 "
+            f"{percentile(values, 99):6.1f}")
 
 
 def main() -> int:
@@ -44,7 +46,8 @@ def main() -> int:
     ap.add_argument("--b-ms", type=float, default=0.05)
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--max-wait-ms", type=float, default=5.0)
-    ap.add_argument("--seconds", type=float, default=5.0, help="length of each phase (at most 10,000 records)")
+    ap.add_argument("--seconds", type=float, default=5.0,
+                    help="length of each phase (at most 10,000 records)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.ERROR)
     with Broker() as broker:
@@ -55,7 +58,8 @@ def main() -> int:
         cfg = from_dict({
             "kafka": {"bootstrap_servers": bootstrap, "group_id": f"light-{r}", "input_topics": [names["in"]],
                       "output_topic": names["out"], "dlq_topic": names["dlq"]},
-            "model": {"name": "synthetic", "options": {"a_ms": args.a_ms, "b_ms": args.b_ms}, "warmup": False},
+            "model": {"name": "synthetic", "options": {"a_ms": args.a_ms, "b_ms": args.b_ms},
+                      "warmup": False},
             "batching": {"lanes": [{"name": "default", "max_batch_size": args.max_batch,
                                     "max_wait_ms": args.max_wait_ms}]},
             "metrics": {"enabled": False}}, environ={})

@@ -1,9 +1,9 @@
 """Issue 7.6 - memory under 10x overload, and the overload timeline.
 
-One ``worker run`` process (synthetic model, B=32, ``batching.max_in_flight`` = 2000, metrics on port 0) is fed
-at 10x its ideal rate for 60 s (15 s with --quick). Every 0.5 s the benchmark samples the process's VmRSS
-(/proc/<pid>/status) and scrapes its /metrics (kiw_in_flight, kiw_paused_partitions, kiw_records_out_total, and
-kiw_consumer_lag summed over partitions, reported every second here: the queue waiting in Kafka).
+One ``worker run`` process (synthetic model, B=32, ``batching.max_in_flight`` = 2000, metrics on port 0) is
+fed at 10x its ideal rate for 60 s (15 s with --quick). Every 0.5 s the benchmark samples the process's VmRSS
+(/proc/<pid>/status) and scrapes its /metrics (kiw_in_flight, kiw_paused_partitions, kiw_records_out_total,
+and kiw_consumer_lag summed over partitions, reported every second here: the queue waiting in Kafka).
 
 The bound its settings imply: RSS when idle (interpreter, libraries, model) + max_in_flight x the memory one
 in-flight record holds (measured here with tracemalloc on the worker's own intake and result encoding; the
@@ -60,7 +60,8 @@ def record_bytes(n: int = 5000) -> float:
     cfg = from_dict({"kafka": {"input_topics": ["in"]}, "model": {"name": "synthetic"}}, environ={})
     model = SyntheticModel(a_ms=20, b_ms=1)
     intake = Intake(cfg, model)
-    em = Emitter(None, "out", "dlq", "synthetic", "v", "json", on_done=lambda r: None, on_failed=lambda r, e: None)
+    em = Emitter(None, "out", "dlq", "synthetic", "v", "json", on_done=lambda r: None,
+                 on_failed=lambda r, e: None)
     values = [v for _, v in requests("m", n)]
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
@@ -69,10 +70,12 @@ def record_bytes(n: int = 5000) -> float:
     for i, v in enumerate(values):
         # A fresh copy, as the consumer's own bytes (bytes(v) is v itself, made before tracing started: the
         # value was not counted, 42 B short per record at aeaeaf7).
-        rec = Record(tp=TopicPartition("in", i % 4), offset=i, value=bytes(bytearray(v)), key=f"m-{i}".encode(),
+        rec = Record(tp=TopicPartition("in", i % 4), offset=i, value=bytes(bytearray(v)),
+                     key=f"m-{i}".encode(),
                      received_at=now, produced_at_ms=int(time.time() * 1000))
         intake.admit(rec, now)
-        out = Outcome(rec, "ok", output=rec.item.inputs, batch_size=32, timings={"queue": 0.01, "infer": 0.05})
+        out = Outcome(rec, "ok", output=rec.item.inputs, batch_size=32,
+                      timings={"queue": 0.01, "infer": 0.05})
         keep.append((rec, out, em.result_bytes(out, now, time.time() * 1000)))
     used = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
@@ -88,7 +91,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
                         lanes=[{"name": "default", "max_batch_size": MAIN_B, "max_wait_ms": WAIT_MS}],
                         model=synthetic_model(), batching={"max_in_flight": MAX_IN_FLIGHT}, metrics=True,
                         kafka={"consumer": {"queued.max.messages.kbytes": QUEUED_KB, **EXTRA_CONSUMER}})
-    cfg["metrics"]["lag_interval_s"] = 1.0  # the timeline's queue in Kafka (consumer lag), sampled every 0.5 s
+    # the timeline's queue in Kafka (consumer lag), sampled every 0.5 s
+    cfg["metrics"]["lag_interval_s"] = 1.0
     rate = 10 * ideal(MAIN_B)
     log(f"memory: 10x overload ({rate:.0f}/s offered, capacity {ideal(MAIN_B):.0f}/s) for {seconds:.0f}s, "
         f"max_in_flight {MAX_IN_FLIGHT}")
@@ -101,7 +105,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
         def sample() -> dict[str, Any]:
             m = scrape(port)
             return {"rss_kb": rss_kb(w.pid), "in_flight": m.get("kiw_in_flight", 0.0),
-                    "paused": m.get("kiw_paused_partitions", 0.0), "out_total": m.get("kiw_records_out_total", 0.0),
+                    "paused": m.get("kiw_paused_partitions", 0.0),
+                    "out_total": m.get("kiw_records_out_total", 0.0),
                     "lag": m.get("kiw_consumer_lag", 0.0)}
 
         s = Sampler(sample, 0.5)
@@ -117,7 +122,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
         w.stop(timeout=20)
     per_rec = record_bytes()
     res: dict[str, Any] = {
-        "seconds": seconds, "offered_per_s": rate, "sent": len(paced.sent), "producer_behind_s": paced.behind_s,
+        "seconds": seconds, "offered_per_s": rate, "sent": len(paced.sent),
+        "producer_behind_s": paced.behind_s,
         "max_in_flight": MAX_IN_FLIGHT, "bytes_per_in_flight_record": per_rec,
         # The settings the bound is computed from, kept with the run (a re-render uses these, not today's).
         "bound_inputs": {"max_in_flight": MAX_IN_FLIGHT, "poll_max_records": POLL_MAX, "queued_kb": QUEUED_KB,
@@ -126,9 +132,10 @@ def run(ctx: Ctx) -> dict[str, Any]:
         "timeline": [{"t": round(t - t_load, 2), **v} for t, v in s.samples if "rss_kb" in v],
         "load_from_s": 0.0, "load_to_s": round(t_end - t_load, 2)}
     summarize(res)
-    log(f"  RSS idle {res['idle_rss_mb']:.0f} MB, max {res['max_rss_mb']:.0f} MB, bound {res['bound_mb']:.0f} MB; "
-        f"median RSS middle third {res['rss_mid_third_mb']:.1f} MB -> last third {res['rss_last_third_mb']:.1f} MB; "
-        f"in flight max {res['max_in_flight_seen']:.0f}; served {res['served_per_s']:.0f}/s")
+    log(f"  RSS idle {res['idle_rss_mb']:.0f} MB, max {res['max_rss_mb']:.0f} MB, bound "
+        f"{res['bound_mb']:.0f} MB; median RSS middle third {res['rss_mid_third_mb']:.1f} MB -> last third "
+        f"{res['rss_last_third_mb']:.1f} MB; in flight max {res['max_in_flight_seen']:.0f}; served "
+        f"{res['served_per_s']:.0f}/s")
     return res
 
 
@@ -141,8 +148,10 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     idle_kb = max(idle) if idle else 0
     per_rec = res["bytes_per_in_flight_record"]
     b = res.get("bound_inputs") or {"max_in_flight": MAX_IN_FLIGHT, "poll_max_records": POLL_MAX,
-                                    "queued_kb": QUEUED_KB, "partitions": PARTITIONS, "fetch_bytes": FETCH_BYTES}
-    # The worker checks the bound after each consume(), so in flight can pass it by one poll (poll_max_records).
+                                    "queued_kb": QUEUED_KB, "partitions": PARTITIONS,
+                                    "fetch_bytes": FETCH_BYTES}
+    # The worker checks the bound after each consume(), so in flight can pass it by one poll
+    # (poll_max_records).
     above_idle_kb = ((b["max_in_flight"] + b["poll_max_records"]) * per_rec + b["queued_kb"] * 1024
                      + b["partitions"] * b["fetch_bytes"]) / 1024
     bound_kb = idle_kb + above_idle_kb
@@ -155,9 +164,12 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     thr = ((loaded[-1]["out_total"] - loaded[0]["out_total"]) / max(loaded[-1]["t"] - loaded[0]["t"], 1e-9)
            if len(loaded) > 1 else float("nan"))
     res.update({"idle_rss_mb": idle_kb / 1024, "max_rss_mb": max_kb / 1024, "bound_mb": bound_kb / 1024,
-                "bound_above_idle_mb": above_idle_kb / 1024, "max_rss_above_idle_mb": (max_kb - idle_kb) / 1024,
-                "rss_mid_third_mb": statistics.median(mid) / 1024, "rss_last_third_mb": statistics.median(last) / 1024,
-                "rss_growth_mid_to_last_third_mb": growth_mb, "rss_median_growth_mid_to_last_third_mb": median_growth_mb,
+                "bound_above_idle_mb": above_idle_kb / 1024,
+                "max_rss_above_idle_mb": (max_kb - idle_kb) / 1024,
+                "rss_mid_third_mb": statistics.median(mid) / 1024,
+                "rss_last_third_mb": statistics.median(last) / 1024,
+                "rss_growth_mid_to_last_third_mb": growth_mb,
+                "rss_median_growth_mid_to_last_third_mb": median_growth_mb,
                 "rss_slope_mb_per_min_second_half": slope,
                 "served_per_s": thr, "max_in_flight_seen": max(x["in_flight"] for x in loaded)})
     allowance = 0.01 * res["max_rss_mb"]
@@ -169,12 +181,14 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         # Most of the RSS is the idle process, so the row above hardly moves with what overload adds; this one
         # compares only the growth over idle with the part of the bound that the limits imply.
         row("7.6 memory at 10x overload", "max RSS above idle, MB", res["max_rss_above_idle_mb"],
-            "bound above idle (in-flight records + consumer queue + fetches)", res["bound_above_idle_mb"], "<=", 1.0,
+            "bound above idle (in-flight records + consumer queue + fetches)", res["bound_above_idle_mb"],
+            "<=", 1.0,
             "MB", ""),
-        row("7.6 memory at 10x overload", "RSS growth, middle -> last third (10th and 90th percentiles), MB", max(growth_mb, 0.0),
+        row("7.6 memory at 10x overload", "RSS growth, middle -> last third (10th and 90th percentiles), MB",
+            max(growth_mb, 0.0),
             "plateau: 1% of max RSS", allowance, "<=", 1.0, "MB",
-            f"medians {median_growth_mb:+.1f} MB; least-squares slope over the second half {slope:+.1f} MB/min "
-            "(both swing with the two RSS levels)"),
+            f"medians {median_growth_mb:+.1f} MB; least-squares slope over the second half {slope:+.1f} "
+            "MB/min (both swing with the two RSS levels)"),
     ]
     return res
 

@@ -1,6 +1,7 @@
 """Offline baseline for the real-model benchmark: the ``minilm`` handler run directly over the same texts, no
-Kafka, no threads: tokenize (the handler's ``decode``) -> ``collate`` -> ``forward`` (inference_mode) -> ``split``
-per batch, texts in their arrival order, torch threads as the worker sets them (``configure_threads``).
+Kafka, no threads: tokenize (the handler's ``decode``) -> ``collate`` -> ``forward`` (inference_mode) ->
+``split`` per batch, texts in their arrival order, torch threads as the worker sets them
+(``configure_threads``).
 
 ``python -m tests.bench.offline_minilm --texts FILE.json --batch-sizes 8,16,32,64 [--bucket-width 8]`` prints
 JSON ``{"threads": t, "rates": {bs: texts/s}, "best_batch": bs, "sorted_rate": texts/s at the best bs with the

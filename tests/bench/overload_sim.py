@@ -1,9 +1,9 @@
 """The latency bench's overload step replayed on the real scheduler, without Kafka, threads or a clock.
 
-``python -m tests.bench.overload_sim [--load 2.0[,0.9,...]] [--high-wait-ms 5,10,20,30,50] [--seconds 60] [--fill]
-[--high-max-batch 32]`` prints, per load and high-lane ``max_wait_ms``, the records/s served (as a fraction of
-full-batch capacity), the mean size and share of device time of the batches the high lane leads, the p99
-latency of each lane and the low lane's share of the records served. The high lane is set explicitly:
+``python -m tests.bench.overload_sim [--load 2.0[,0.9,...]] [--high-wait-ms 5,10,20,30,50] [--seconds 60]
+[--fill] [--high-max-batch 32]`` prints, per load and high-lane ``max_wait_ms``, the records/s served (as a
+fraction of full-batch capacity), the mean size and share of device time of the batches the high lane leads,
+the p99 latency of each lane and the low lane's share of the records served. The high lane is set explicitly:
 without ``--fill`` it does not fill; ``--fill`` sets ``fill_with_lower`` with ``fill_efficiency: 1`` (its
 partial batches take low-lane records up to ``max_batch_size``). ``--fill-efficiency 1,0.97,0.9`` prints the
 trade-off of the lane default instead: per ``fill_efficiency`` the filled batch's size on this device, the
@@ -18,9 +18,10 @@ batch may take its place (``preempt``), else a partial batch taken ahead takes a
 (``next_batch(idle=True)``). Records over a lane's ``queue_bound`` wait "in Kafka" (the runner pauses the
 lane's partitions) and enter when the lane drops below it; their latency counts from arrival.
 
-Why: the bench's overload figures (0.44-0.46 of capacity served at a 10 ms high-lane window, 0.80-0.81 at 30 ms) take
-minutes on a noisy machine. This reproduces them within a few hundredths in a second, deterministically, so a
-scheduler change that alters them shows up in the unit tests (``tests/unit/test_overload_sim.py``).
+Why: the bench's overload figures (0.44-0.46 of capacity served at a 10 ms high-lane window, 0.80-0.81 at 30
+ms) take minutes on a noisy machine. This reproduces them within a few hundredths in a second,
+deterministically, so a scheduler change that alters them shows up in the unit tests
+(``tests/unit/test_overload_sim.py``).
 """
 
 from __future__ import annotations
@@ -185,8 +186,8 @@ def main() -> int:
     ap.add_argument("--high-wait-ms", default="5,10,20,30,50", help="high-lane max_wait_ms values to compare")
     ap.add_argument("--fill", action="store_true", help="the high lane with fill_with_lower: true")
     ap.add_argument("--high-max-batch", type=int, default=MAX_B,
-                    help=f"the high lane's max_batch_size (default {MAX_B}, the low lane's): with --fill it bounds "
-                         "how long a filled high batch takes")
+                    help=f"the high lane's max_batch_size (default {MAX_B}, the low lane's): with --fill it "
+                         "bounds how long a filled high batch takes")
     ap.add_argument("--seconds", type=float, default=60.0, help="simulated seconds per value (default 60)")
     ap.add_argument("--fill-efficiency", default=None, metavar="E[,E...]",
                     help="instead: the filled high lane's fill_efficiency values (e.g. 1,0.97,0.9) against "

@@ -23,7 +23,8 @@ def batch_size(res: dict[str, Any], out: Path) -> Path:
     ax1.plot(bs, [p["ideal_per_s"] for p in sweep], "k--", label="ideal B/(a+bB)")
     ax1.plot(bs, [p["throughput_per_s"] for p in sweep], "o-", label="worker (saturated)")
     for name, s in res.get("seeds", {}).items():
-        ax1.plot([res["main_batch"]], [s["throughput_per_s"]], "s", label=f"seed {name} (B={res['main_batch']})")
+        ax1.plot([res["main_batch"]], [s["throughput_per_s"]], "s",
+                 label=f"seed {name} (B={res['main_batch']})")
     ax1.set_xscale("log", base=2)
     ax1.set_xlabel("max batch size")
     ax1.set_ylabel("records/s")
@@ -33,7 +34,8 @@ def batch_size(res: dict[str, Any], out: Path) -> Path:
     ax2.plot(bs, [p["e2e_p50_ms"] for p in sweep], "o-", label="worker e2e p50 at 50% load")
     ax2.plot(bs, [p["e2e_p99_ms"] for p in sweep], "o-", label="worker e2e p99 at 50% load")
     if all("ideal_wc_p99_ms" in p for p in sweep):
-        ax2.plot(bs, [p["ideal_wc_p99_ms"] for p in sweep], ":", label="ideal work-conserving p99, same arrivals")
+        ax2.plot(bs, [p["ideal_wc_p99_ms"] for p in sweep], ":",
+                 label="ideal work-conserving p99, same arrivals")
     ax2.set_xscale("log", base=2)
     ax2.set_yscale("log")
     ax2.set_xlabel("max batch size")
@@ -79,7 +81,8 @@ def overload_timeline(res: dict[str, Any], out: Path) -> Path:
     plt = _plt()
     tl = [x for x in res["timeline"] if "rss_kb" in x]
     t = [x["t"] for x in tl]
-    thr = [0.0] + [(b["out_total"] - a["out_total"]) / max(b["t"] - a["t"], 1e-9) for a, b in zip(tl, tl[1:], strict=False)]
+    thr = [0.0] + [(b["out_total"] - a["out_total"]) / max(b["t"] - a["t"], 1e-9) for a, b in zip(tl, tl[1:],
+                                                                                                  strict=False)]
     has_lag = any("lag" in x for x in tl)  # runs stored before the lag was sampled have no such series
     fig, axes = plt.subplots(5 if has_lag else 4, 1, figsize=(10, 10 if has_lag else 8), sharex=True)
     axes[0].plot(t, [x["in_flight"] for x in tl])

@@ -4,10 +4,12 @@
 [--model identity|synthetic] [--records N] [--max-batch B] [--top 30] [--metrics] [--producer K=V]
 [--consumer K=V]`` prints per-thread CPU seconds and the functions with the most own CPU time (yappi,
 CPU clock, so time spent waiting for the GIL or in sleep does not count), plus the records/s reached while
-profiled. ``--tool cprofile`` profiles the loop thread with the standard library's cProfile. ``--tool none`` runs unprofiled and splits the process's CPU per record by OS thread (the loop
-thread, the device threads, librdkafka's own), read from /proc. Needs ``yappi`` or ``pyinstrument`` (``pip install yappi pyinstrument``; not project dependencies);
-``--tool none`` needs neither (e.g. ``--tool none --gc freeze`` against ``--tool none --gc on``). Uses $KAFKA_BOOTSTRAP_SERVERS
-or starts a local broker.
+profiled. ``--tool cprofile`` profiles the loop thread with the standard library's cProfile. ``--tool none``
+runs unprofiled and splits the process's CPU per record by OS thread (the loop thread, the device threads,
+librdkafka's own), read from /proc. Needs ``yappi`` or ``pyinstrument`` (``pip install yappi pyinstrument``;
+not project dependencies);
+``--tool none`` needs neither (e.g. ``--tool none --gc freeze`` against ``--tool none --gc on``). Uses
+$KAFKA_BOOTSTRAP_SERVERS or starts a local broker.
 """
 
 from __future__ import annotations
@@ -28,9 +30,15 @@ def main() -> int:
     ap.add_argument("--max-batch", type=int, default=256)
     ap.add_argument("--max-wait-ms", type=float, default=5.0)
     ap.add_argument("--top", type=int, default=30)
-    ap.add_argument("--metrics", action="store_true", help="with the Prometheus metrics adapter (as `worker run`)")
-    ap.add_argument("--producer", action="append", default=[], metavar="KEY=VALUE",
-                    help="a librdkafka producer setting over the worker's defaults (repeatable), for A/B runs")
+    ap.add_argument("--metrics", action="store_true",
+                    help="with the Prometheus metrics adapter (as `worker run`)")
+    ap.add_argument(
+        "--producer",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a librdkafka producer setting over the worker's defaults (repeatable), for A/B runs",
+    )
     ap.add_argument("--consumer", action="append", default=[], metavar="KEY=VALUE",
                     help="a librdkafka consumer setting over the worker's defaults (repeatable)")
     ap.add_argument("--kafka-calls", action="store_true",
@@ -38,12 +46,14 @@ def main() -> int:
                          "(producer.poll is where delivery reports are served)")
     ap.add_argument("--clock", default="cpu", choices=["cpu", "wall"])
     ap.add_argument("--tool", default="yappi", choices=["yappi", "pyinstrument", "cprofile", "none"],
-                    help="yappi: every thread, CPU clock, deterministic (slow); pyinstrument: the loop thread only, "
-                         "sampling (low overhead, truer proportions); none: just the records/s")
+                    help="yappi: every thread, CPU clock, deterministic (slow); pyinstrument: the loop "
+                         "thread only, sampling (low overhead, truer proportions); none: just the records/s")
     ap.add_argument("--gc", default="on", choices=["on", "off", "freeze"],
-                    help="Python's cyclic GC once the model is loaded: as is, disabled, or gc.freeze() (A/B tests)")
+                    help="Python's cyclic GC once the model is loaded: as is, disabled, or "
+                         "gc.freeze() (A/B tests)")
     ap.add_argument("--mode", default="at_least_once", choices=["at_least_once", "exactly_once"],
-                    help="delivery.mode (exactly_once: one transactional producer, a checkpoint per commit interval)")
+                    help="delivery.mode (exactly_once: one transactional producer, a checkpoint "
+                         "per commit interval)")
     ap.add_argument("--commit-interval-ms", type=int, default=1000,
                     help="kafka.commit_interval_ms (exactly_once: the transaction checkpoint interval)")
     args = ap.parse_args()
@@ -112,7 +122,8 @@ def main() -> int:
         print(f"\ntop {args.top} functions by own time (tsub), all threads:")
         print(f"  {'ncall':>9} {'tsub':>8} {'ttot':>8}  function")
         for s in list(stats)[: args.top]:
-            print(f"  {s.ncall:>9} {s.tsub:8.3f} {s.ttot:8.3f}  {s.module.split('site-packages/')[-1]}:{s.lineno} {s.name}")
+            print(f"  {s.ncall:>9} {s.tsub:8.3f} {s.ttot:8.3f}  "
+                  f"{s.module.split('site-packages/')[-1]}:{s.lineno} {s.name}")
     return 0
 
 
@@ -186,14 +197,16 @@ def _plain(runner: Any, records: int, gc_mode: str, calls: dict[str, list[float]
     if calls is not None:
         print("loop thread inside Kafka client calls, per record: CPU, and wall time (waits included)")
         for name, (secs, count, wall) in sorted(calls.items(), key=lambda kv: -kv[1][0]):
-            print(f"  {name:<32} {secs / n * 1e6:6.2f} us  wall {wall / n * 1e6:6.2f} us  ({count:.0f} calls)")
+            print(
+                f"  {name:<32} {secs / n * 1e6:6.2f} us  wall {wall / n * 1e6:6.2f} us  ({count:.0f} calls)"
+            )
     return 0
 
 
 def _time_kafka_calls() -> dict[str, list[float]]:
-    """Wrap the runner's Kafka clients so each call's thread CPU time and wall time are summed per method (from the moment
-    the steady state starts; see _plain). A wrapper call costs well under a microsecond, and poll/consume
-    are called once per loop turn, produce once per record."""
+    """Wrap the runner's Kafka clients so each call's thread CPU time and wall time are summed per method
+    (from the moment the steady state starts; see _plain). A wrapper call costs well under a microsecond, and
+    poll/consume are called once per loop turn, produce once per record."""
     import worker.runner
 
     acc: dict[str, list[float]] = {}

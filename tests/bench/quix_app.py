@@ -1,7 +1,8 @@
 """Baseline: a Quix Streams application doing the same job: consume -> apply (build the result) -> produce.
 
-The idiomatic Quix Streams 3 pipeline: ``app.dataframe(input)`` (JSON values) ``.apply(fn)`` ``.to_topic(output)``,
-at-least-once, ``commit_interval=1.0`` s (the worker's ``commit_interval_ms`` default). librdkafka gets the
+The idiomatic Quix Streams 3 pipeline: ``app.dataframe(input)`` (JSON values) ``.apply(fn)``
+``.to_topic(output)``, at-least-once, ``commit_interval=1.0`` s (the worker's ``commit_interval_ms`` default).
+librdkafka gets the
 worker's fetch and produce settings (``worker.adapters.kafka_clients`` defaults: prefetch queue, fetch wait
 and backoff; linger, batch size, lz4, acks=all; Quix already sets an idempotent producer), so that the
 comparison is of the frameworks, not of their defaults. Quix keeps what it requires: its own commit handling,

@@ -65,7 +65,8 @@ def main() -> int:
                 continue
             topic, part, off = m.topic(), m.partition(), m.offset()
             req = dec.decode(m.value())
-            value = enc.encode({"id": req["id"], "status": "ok", "outputs": req.get("inputs"), "model": "identity",
+            value = enc.encode({"id": req["id"], "status": "ok", "outputs": req.get("inputs"),
+                                "model": "identity",
                                 "source": {"topic": topic, "partition": part, "offset": off}})
             while True:
                 try:

@@ -40,8 +40,9 @@ PARTITIONS = 4
 BUCKET = 8
 _VOCAB = ("kafka stream batch model latency throughput request result offset partition consumer producer "
           "worker lane priority deadline embedding vector sentence token device memory queue window commit "
-          "delivery broker topic record service scale group cluster cache ledger retry error the a of and to in "
-          "is that for on with as it be at by this from or an are was were not but all can has had which one")
+          "delivery broker topic record service scale group cluster cache ledger retry error the a of and to "
+          "in is that for on with as it be at by this from or an are was were not but all "
+          "can has had which one")
 WORDS = tuple(w for w in _VOCAB.split(" ") if w)
 
 
@@ -58,7 +59,8 @@ def texts(n: int, seed: int = 3) -> list[str]:
 def _worker(ctx: Ctx, corpus: list[str], bs: int, bucket: int, tag: str = "") -> dict[str, Any]:
     r = f"{ctx.run}-k{bucket}{tag}"
     inp, out = f"minilm-in-{r}", f"minilm-out-{r}"
-    create_topics(ctx.bootstrap, {inp: PARTITIONS, out: PARTITIONS, f"minilm-dlq-{r}": 1}, log_append_time=[out])
+    create_topics(ctx.bootstrap, {inp: PARTITIONS, out: PARTITIONS, f"minilm-dlq-{r}": 1},
+                  log_append_time=[out])
     cfg = worker_config(ctx.bootstrap, f"minilm-{r}", out, f"minilm-dlq-{r}", topics=[inp],
                         lanes=[{"name": "default", "max_batch_size": bs, "max_wait_ms": 10}],
                         model={"name": "minilm", "warmup": True}, batching={"bucket_width": bucket})
@@ -66,7 +68,8 @@ def _worker(ctx: Ctx, corpus: list[str], bs: int, bucket: int, tag: str = "") ->
     enc = msgspec.json.Encoder()
     try:
         wait_assigned(w, timeout=300)
-        produce_backlog(ctx.bootstrap, inp, ((f"t-{i}".encode(), enc.encode({"id": f"t-{i}", "inputs": {"text": t}}))
+        produce_backlog(ctx.bootstrap, inp, ((f"t-{i}".encode(),
+                                              enc.encode({"id": f"t-{i}", "inputs": {"text": t}}))
                                              for i, t in enumerate(corpus)), PARTITIONS)
         got = wait_count(ctx.bootstrap, out, len(corpus), timeout=900, alive=w.alive)
     finally:
@@ -101,8 +104,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
     base = offline["rates"][best]
     best_k = max(offline["bucketed_rates"], key=lambda b: offline["bucketed_rates"][b])
     base_k = offline["bucketed_rates"][best_k]
-    log(f"  offline: {', '.join(f'B={k}: {v:.1f}/s' for k, v in offline['rates'].items())}; sorted by length at "
-        f"B={best}: {offline['sorted_rate']:.1f}/s; bucketed "
+    log(f"  offline: {', '.join(f'B={k}: {v:.1f}/s' for k, v in offline['rates'].items())}; sorted by length "
+        f"at B={best}: {offline['sorted_rate']:.1f}/s; bucketed "
         f"{', '.join(f'B={k}: {v:.1f}/s' for k, v in offline['bucketed_rates'].items())}; "
         f"torch threads {offline['threads']}")
     # Each worker configuration runs twice, alternating, as the offline passes do: the target rows compare the
@@ -116,7 +119,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
     bucketed = {**max(bucketed_runs, key=lambda x: x["throughput_per_s"]),
                 "runs_per_s": [x["throughput_per_s"] for x in bucketed_runs]}
     # Offline again at the best size after the worker runs (shared machine): the baseline is the better pass.
-    again = Proc("offline-minilm-2", [sys.executable, "-m", "tests.bench.offline_minilm", "--texts", str(path),
+    again = Proc("offline-minilm-2", [sys.executable, "-m", "tests.bench.offline_minilm", "--texts",
+                                      str(path),
                                       "--batch-sizes", ",".join(str(b) for b in sorted({best, best_k})),
                                       "--no-sorted", "--bucket-width", str(BUCKET)], ctx.work)
     if again.proc.wait(1200) != 0:
@@ -126,8 +130,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
     offline["best_rate_runs"] = [base, second]
     offline["best_bucketed_rate_runs"] = [base_k, second_k]
     base, base_k = max(base, second), max(base_k, second_k)
-    log(f"  offline again: B={best} {second:.1f}/s, bucketed B={best_k} {second_k:.1f}/s; baselines {base:.1f} "
-        f"and {base_k:.1f}/s")
+    log(f"  offline again: B={best} {second:.1f}/s, bucketed B={best_k} {second_k:.1f}/s; baselines "
+        f"{base:.1f} and {base_k:.1f}/s")
     note = (f"{n} texts, B={best}, torch threads {offline['threads']}; best of 2 each (worker "
             f"{', '.join(f'{x:.1f}' for x in plain['runs_per_s'])}/s, offline "
             f"{', '.join(f'{x:.1f}' for x in offline['best_rate_runs'])}/s)")
@@ -135,12 +139,15 @@ def run(ctx: Ctx) -> dict[str, Any]:
         row("7.3 real model (minilm)", "worker texts/s, no bucketing", plain["throughput_per_s"],
             f"offline best batch (B={best}), same texts", base, ">=", 0.9, "texts/s", note),
         row("7.3 real model (minilm)", f"worker texts/s, bucket_width {BUCKET}", bucketed["throughput_per_s"],
-            f"offline best batch, bucketed the same way (B={best_k}), same texts", base_k, ">=", 0.9, "texts/s",
+            f"offline best batch, bucketed the same way (B={best_k}), same texts", base_k, ">=", 0.9,
+            "texts/s",
             f"best of 2 each (worker {', '.join(f'{x:.1f}' for x in bucketed['runs_per_s'])}/s, offline "
             f"{', '.join(f'{x:.1f}' for x in offline['best_bucketed_rate_runs'])}/s)"),
         row("7.3 real model (minilm)", f"worker texts/s, bucket_width {BUCKET}", bucketed["throughput_per_s"],
-            f"offline best batch (B={best}), arrival order", base, "info", 0, "texts/s", "what bucketing gains"),
+            f"offline best batch (B={best}), arrival order", base, "info", 0, "texts/s",
+            "what bucketing gains"),
         row("7.3 real model (minilm)", f"worker texts/s, bucket_width {BUCKET}", bucketed["throughput_per_s"],
-            f"offline, whole corpus sorted by length (B={best})", offline["sorted_rate"], "info", 0, "texts/s",
+            f"offline, whole corpus sorted by length (B={best})", offline["sorted_rate"], "info", 0,
+            "texts/s",
             "a stream never sees the whole corpus"),
     ]}

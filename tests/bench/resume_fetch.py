@@ -30,7 +30,8 @@ def run(bootstrap: str, wake: bool) -> tuple[float, list[float]]:
     topic = f"resume-{r}"
     create_topics(bootstrap, {topic: PARTITIONS})
     produce_backlog(bootstrap, topic, requests(RECORDS), PARTITIONS)
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"resume-{r}", **CONSUMER_DEFAULTS, **CONSUMER_FIXED})
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"resume-{r}", **CONSUMER_DEFAULTS,
+                  **CONSUMER_FIXED})
     c.subscribe([topic])
     n = since = 0
     t0: float | None = None

@@ -1,8 +1,8 @@
 """``make bench`` = ``python -m tests.bench.run_all [--only NAME[,NAME]] [--quick] [--out DIR]``.
 
 Runs the benchmark scenarios against one Kafka broker ($KAFKA_BOOTSTRAP_SERVERS, else a local one it starts),
-prints one table (scenario, figure, baseline, ratio, target, verdict) and writes ``results.json`` and PNG plots
-to ``docs/bench/``. Only a full run writes there: ``--quick`` (smaller counts) and ``--only`` write to
+prints one table (scenario, figure, baseline, ratio, target, verdict) and writes ``results.json`` and PNG
+plots to ``docs/bench/``. Only a full run writes there: ``--quick`` (smaller counts) and ``--only`` write to
 /tmp/kiw-bench-quick and /tmp/kiw-bench-only unless --out is given, so the published table is always one run
 of every scenario, never rows picked from several. A full run also rewrites the results section of
 ``docs/benchmarks.md`` (between its ``<!-- results: begin -->`` and ``<!-- results: end -->`` markers; the
@@ -60,7 +60,8 @@ _LABEL_WORDS = (("batching vs seeds", "batching vs other batchers"), ("seed 000 
 def git_commit() -> str:
     """The code measured: HEAD, with "+changes" when tracked files other than the bench outputs differ."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True,
                               check=True).stdout.strip()
         changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
                                   ":!docs/bench", ":!docs/benchmarks.md"], cwd=ROOT,
@@ -92,14 +93,15 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         out.append("| " + " | ".join([label(r["scenario"]), r["figure"], _fmt(r["value"]),
                                       label(r["baseline"]),
-                                      _fmt(r["baseline_value"]), f"{r['ratio']:.2f}" if r["ratio"] == r["ratio"]
+                                      _fmt(r["baseline_value"]),
+                                      f"{r['ratio']:.2f}" if r["ratio"] == r["ratio"]
                                       else "n/a", r["target"], r["verdict"]]) + " |")
     return out
 
 
 def lane_table(lat: dict[str, Any]) -> list[str]:
-    out = ["| load | offered/s | high served | high p50 | high p99 | low served | low p50 | low p99 | all p99 | "
-           "ideal p99 | mean batch |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| load | offered/s | high served | high p50 | high p99 | low served | low p50 | low p99 | all "
+           "p99 | ideal p99 | mean batch |", "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def served(x: dict[str, Any]) -> str:
         return f"{x['n']:,}/{x['sent_in_window']:,}" if "sent_in_window" in x else "-"
@@ -108,7 +110,8 @@ def lane_table(lat: dict[str, Any]) -> list[str]:
         h, lo = st["high"], st["low"]
         out.append(f"| {st['load_pct']}% | {st['rate_per_s']:.0f} | {served(h)} | {h['p50_ms']:.0f} ms | "
                    f"{h['p99_ms']:.0f} ms | {served(lo)} | {lo['p50_ms']:.0f} ms | {lo['p99_ms']:.0f} ms | "
-                   f"{st['all']['p99_ms']:.0f} ms | {st['ideal_wc_p99_ms']:.0f} ms | {st['all']['mean_batch']:.1f} |")
+                   f"{st['all']['p99_ms']:.0f} ms | {st['ideal_wc_p99_ms']:.0f} ms | "
+                   f"{st['all']['mean_batch']:.1f} |")
     return out
 
 
@@ -118,7 +121,8 @@ def _strip_samples(res: dict[str, Any]) -> None:
         sc = res.get(key)
         if not isinstance(sc, dict):
             continue
-        steps = sc.get("steps", []) + [sc[k] for k in ("tuned_overload", "filled_overload", "heavy_high_overload") if k in sc]
+        steps = sc.get("steps", []) + [sc[k] for k in ("tuned_overload", "filled_overload",
+                                                       "heavy_high_overload") if k in sc]
         holders = [st[lane] for st in steps for lane in ("high", "low", "all")]
         holders += [sc[k] for k in ("light_load", "light_load_b8") if k in sc]
         for h in holders:
@@ -142,7 +146,8 @@ def write_page(results: dict[str, Any]) -> None:
     lines = [
         "## Results",
         "",
-        f"Measured {results['date']} on a {results['machine']} (figures are noisy, so every one is a ratio against",
+        f"Measured {results['date']} on a {results['machine']} (figures are noisy, so every "
+        "one is a ratio against",
         f"a baseline measured in the same run), with a local single-node Kafka broker "
         f"({results.get('broker_storage', 'data on disk')}), by one run of",
         f"{_runs_line(results)} at commit `{results.get('commit', 'unknown')}`.",
@@ -159,10 +164,14 @@ def write_page(results: dict[str, Any]) -> None:
         "",
     ]
     if "latency" in sc and "steps" in sc["latency"]:
-        lines += ["Latency per lane (two lanes: `high` 10% of traffic, priority 1, weight 4; `low` weight 1). Latencies",
-                  "are of the records served (\"served\": results of the records sent after the first seconds of the",
-                  "step); under overload the low lane's backlog is not served before the worker stops, and the ideal",
-                  "p99 then counts only what the ideal batcher would have finished by the worker's last result:", "",
+        lines += ["Latency per lane (two lanes: `high` 10% of traffic, priority 1, weight 4; `low` weight "
+                  "1). Latencies",
+                  "are of the records served (\"served\": results of the records sent after the first "
+                  "seconds of the",
+                  "step); under overload the low lane's backlog is not served before the worker "
+                  "stops, and the ideal",
+                  "p99 then counts only what the ideal batcher would have finished by the "
+                  "worker's last result:", "",
                   *lane_table(sc["latency"]), ""]
     lines += [
         "Plots: [throughput and latency vs batch size](bench/batch_size.png),",
@@ -220,7 +229,11 @@ def all_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 def failures(results: dict[str, Any], names: list[str]) -> list[str]:
     out = [f"{n}: {results['scenarios'][n]['error']}" for n in names if "error" in results["scenarios"][n]]
-    out += [f"{n}: {results['scenarios'][n]['plot_error']}" for n in names if "plot_error" in results["scenarios"][n]]
+    out += [
+        f"{n}: {results['scenarios'][n]['plot_error']}"
+        for n in names
+        if "plot_error" in results["scenarios"][n]
+    ]
     out += [f"{r['scenario']} / {r['figure']}: not measured (verdict FAIL)" for r in results["table"]
             if r["verdict"] == "FAIL"]
     return out
@@ -257,8 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(SCENARIOS)}")
     ap.add_argument("--quick", action="store_true", help="smaller counts (about 5 minutes)")
     ap.add_argument("--out", default=None,
-                    help="output folder (default: docs/bench for a full run, /tmp/kiw-bench-quick with --quick, "
-                         "/tmp/kiw-bench-only with --only)")
+                    help="output folder (default: docs/bench for a full run, /tmp/kiw-bench-quick with "
+                         "--quick, /tmp/kiw-bench-only with --only)")
     ap.add_argument("--no-page", action="store_true",
                     help="do not rewrite the results section of docs/benchmarks.md")
     ap.add_argument("--rerender", action="store_true",
@@ -301,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         (["--quick"] if args.quick else []) + ([f"--only {args.only}"] if args.only else []))
     today = time.strftime("%Y-%m-%d", time.gmtime())
     runs = [{"command": cmd, "runtime_s": round(runtime, 1), "scenarios": names, "date": today}]
-    results.update({"date": today, "machine": MACHINE, "broker_storage": broker.storage, "python": sys.version.split()[0],
+    results.update({"date": today, "machine": MACHINE, "broker_storage": broker.storage,
+                    "python": sys.version.split()[0],
                     "platform": platform.platform(), "quick": args.quick, "command": cmd,
                     "runtime_s": round(runtime, 1), "last_run_scenarios": names, "runs": runs})
     results["table"] = all_rows(results)

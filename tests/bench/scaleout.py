@@ -46,7 +46,8 @@ PARTITIONS = 4
 def _run(ctx: Ctx, workers: int, n: int) -> dict[str, Any]:
     r = f"{ctx.run}-x{workers}"
     inp, out = f"scale-in-{r}", f"scale-out-{r}"
-    create_topics(ctx.bootstrap, {inp: PARTITIONS, out: PARTITIONS, f"scale-dlq-{r}": 1}, log_append_time=[out])
+    create_topics(ctx.bootstrap, {inp: PARTITIONS, out: PARTITIONS, f"scale-dlq-{r}": 1},
+                  log_append_time=[out])
     cfg = worker_config(ctx.bootstrap, f"scale-{r}", out, f"scale-dlq-{r}", topics=[inp],
                         lanes=[{"name": "default", "max_batch_size": MAIN_B, "max_wait_ms": WAIT_MS}],
                         model=synthetic_model())
@@ -90,9 +91,11 @@ def _run_processes(ctx: Ctx, processes: int, corpus: list[str]) -> dict[str, Any
     5-95% window of those (while the first child to join runs alone, it is one process's rate)."""
     r = f"{ctx.run}-p{processes}"
     inp, out = f"procs-in-{r}", f"procs-out-{r}"
-    create_topics(ctx.bootstrap, {inp: PARTITIONS, out: PARTITIONS, f"procs-dlq-{r}": 1}, log_append_time=[out])
+    create_topics(ctx.bootstrap, {inp: PARTITIONS, out: PARTITIONS, f"procs-dlq-{r}": 1},
+                  log_append_time=[out])
     enc = msgspec.json.Encoder()
-    produce_backlog(ctx.bootstrap, inp, ((f"t-{i}".encode(), enc.encode({"id": f"t-{i}", "inputs": {"text": t}}))
+    produce_backlog(ctx.bootstrap, inp, ((f"t-{i}".encode(),
+                                          enc.encode({"id": f"t-{i}", "inputs": {"text": t}}))
                                          for i, t in enumerate(corpus)), PARTITIONS)
     cfg = worker_config(ctx.bootstrap, f"procs-{r}", out, f"procs-dlq-{r}", topics=[inp],
                         lanes=[{"name": "default", "max_batch_size": NULL_B, "max_wait_ms": 10}],
@@ -103,7 +106,8 @@ def _run_processes(ctx: Ctx, processes: int, corpus: list[str]) -> dict[str, Any
         deadline = time.monotonic() + 300
         while w.log().count("partitions assigned") < processes:
             if not w.alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"{w.name}: {processes} children never all got partitions:\n{w.log()[-3000:]}")
+                raise RuntimeError(f"{w.name}: {processes} children never all got "
+                                   f"partitions:\n{w.log()[-3000:]}")
             time.sleep(0.05)
         time.sleep(1.0)  # the cooperative rebalance moves the partitions to the last one
         since_ms, cpu0 = int(time.time() * 1000), tree_cpu_s(w.pid)
@@ -117,9 +121,9 @@ def _run_processes(ctx: Ctx, processes: int, corpus: list[str]) -> dict[str, Any
     per_record = cpu / max(len(measured), 1)
     # The cores the worker processes keep busy at the measured rate (their CPU per record times the rate).
     cores = per_record * rate
-    log(f"  null-device minilm, model.processes={processes}: {got}/{len(corpus)} results, {len(measured)} after "
-        f"all joined, {rate:.0f}/s; workers' CPU {1e6 * per_record:.0f} us/record, {cores:.2f} cores at that rate; "
-        f"load average {os.getloadavg()[0]:.1f}")
+    log(f"  null-device minilm, model.processes={processes}: {got}/{len(corpus)} results, {len(measured)} "
+        f"after all joined, {rate:.0f}/s; workers' CPU {1e6 * per_record:.0f} us/record, {cores:.2f} cores "
+        f"at that rate; load average {os.getloadavg()[0]:.1f}")
     return {"processes": processes, "records": len(corpus), "results": got, "measured": len(measured),
             "throughput_per_s": rate, "cpu_us_per_record": 1e6 * per_record, "cores_used": cores,
             "load_average_1m": os.getloadavg()[0]}
@@ -137,7 +141,8 @@ def run(ctx: Ctx) -> dict[str, Any]:
     p2 = _run_processes(ctx, 2, texts(2 * n_null))
     return {"one": one, "two": two, "null_one": p1, "null_two": p2, "rows": [
         row("7.5 scale-out", "2 processes, records/s", two["throughput_per_s"], "1 process",
-            one["throughput_per_s"], ">=", 1.8, "rec/s", f"synthetic a=20 ms b=1 ms B={MAIN_B}, 4 partitions"),
+            one["throughput_per_s"], ">=", 1.8, "rec/s",
+            f"synthetic a=20 ms b=1 ms B={MAIN_B}, 4 partitions"),
         row("27.4 processes", "model.processes 2, texts/s", p2["throughput_per_s"], "model.processes 1",
             p1["throughput_per_s"], ">=", 1.8, "texts/s",
             f"null-device minilm B={NULL_B}, 4 partitions, {os.cpu_count()} cores; workers' CPU "

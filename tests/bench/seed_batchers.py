@@ -129,7 +129,8 @@ class Glue:
         rid, key, topic, part, off, ts = meta
         now_ms = time.time() * 1000.0
         value = self.enc.encode({"id": rid, "status": "ok", "outputs": output, "model": self.model_name,
-                                 "batch_size": n, "source": {"topic": topic, "partition": part, "offset": off},
+                                 "batch_size": n, "source": {"topic": topic, "partition": part,
+                                                             "offset": off},
                                  "timings": {"e2e_ms": round(now_ms - ts, 3) if ts else None}})
         while True:
             try:
@@ -156,7 +157,8 @@ class Glue:
             return None
         req = self.dec.decode(m.value())
         ts_type, ts = m.timestamp()
-        return req.get("inputs"), (req["id"], m.key(), m.topic(), m.partition(), m.offset(), ts if ts_type else 0)
+        return req.get("inputs"), (req["id"], m.key(), m.topic(), m.partition(), m.offset(),
+                                   ts if ts_type else 0)
 
 
 def run_000(args: argparse.Namespace, g: Glue, model: SyntheticModel, running: threading.Event) -> None:
@@ -215,7 +217,8 @@ def main() -> int:
     ap.add_argument("--timeout-ms", type=float, default=10.0)
     ap.add_argument("--a-ms", type=float, default=20.0)
     ap.add_argument("--b-ms", type=float, default=1.0)
-    ap.add_argument("--host-ms", type=float, default=0.0, help="the synthetic model's host work per record (collate)")
+    ap.add_argument("--host-ms", type=float, default=0.0,
+                    help="the synthetic model's host work per record (collate)")
     ap.add_argument("--commit-interval-ms", type=float, default=1000.0)
     args = ap.parse_args()
     running = threading.Event()

@@ -74,7 +74,8 @@ def timed(n: int, fn: Callable[[], Any]) -> float:
 
 def _round(msgs: list[_FakeMsg], n: int) -> tuple[list[tuple[str, float]], float]:
     """One measurement of every step on fresh state: (rows, raw loop us/record)."""
-    conf = {**PRODUCER_DEFAULTS, "bootstrap.servers": "127.0.0.1:1", "queue.buffering.max.messages": 2_000_000,
+    conf = {**PRODUCER_DEFAULTS, "bootstrap.servers": "127.0.0.1:1",
+            "queue.buffering.max.messages": 2_000_000,
             "queue.buffering.max.kbytes": 2_097_151, "log_level": 0}
     rows: list[tuple[str, float]] = []
 
@@ -85,8 +86,10 @@ def _round(msgs: list[_FakeMsg], n: int) -> tuple[list[tuple[str, float]], float
     def raw() -> None:
         for m in msgs:
             req = dec.decode(m.value())
-            value = enc.encode({"id": req["id"], "status": "ok", "outputs": req.get("inputs"), "model": "identity",
-                                "source": {"topic": m.topic(), "partition": m.partition(), "offset": m.offset()}})
+            value = enc.encode({"id": req["id"], "status": "ok", "outputs": req.get("inputs"),
+                                "model": "identity",
+                                "source": {"topic": m.topic(), "partition": m.partition(),
+                                           "offset": m.offset()}})
             p_raw.produce("out", value=value, key=m.key())
 
     raw_us = timed(n, raw)
@@ -109,7 +112,8 @@ def _round(msgs: list[_FakeMsg], n: int) -> tuple[list[tuple[str, float]], float
             offset = m.offset()
             tracker.track(tp, offset)
             ts_type, ts = m.timestamp()
-            recs.append(Record(tp, offset, m.value(), m.key(), m.headers() or [], now, ts if ts_type else None, 0))
+            recs.append(Record(tp, offset, m.value(), m.key(), m.headers() or [], now,
+                               ts if ts_type else None, 0))
 
     rows.append(("consume side: Record + OffsetTracker.track", timed(n, make_records)))
     rows.append(("Intake.admit (validate Request, route, model.decode)",
@@ -182,15 +186,16 @@ def main() -> int:
     rows = [(name, min(r[0][i][1] for r in results)) for i, (name, _) in enumerate(results[0][0])]
     raw_us = min(r[1] for r in results)
     total = sum(us for name, us in rows if not name.startswith("  (of which"))
-    print(f"\nper-record CPU, {n} identity requests of 100 B, one thread, CPU time, no profiler, minimum of {len(results)} rounds\n")
+    print(f"\nper-record CPU, {n} identity requests of 100 B, one thread, CPU time, no profiler, minimum of "
+          f"{len(results)} rounds\n")
     print(f"  {'step':<70} {'us/record':>9}")
     for name, us in rows:
         print(f"  {name:<70} {us:9.2f}")
     print(f"  {'worker loop-thread steps, total':<70} {total:9.2f}  (max {1e6 / total:,.0f} records/s)")
     print(f"  {'raw loop: decode + encode dict + produce (no callback)':<70} {raw_us:9.2f}  "
           f"(max {1e6 / raw_us:,.0f} records/s)")
-    print("\n(not included: consume() itself, Producer.poll (it serves failure reports only), GIL hand-offs with the device "
-          "threads, metrics)")
+    print("\n(not included: consume() itself, Producer.poll (it serves failure reports only), GIL hand-offs "
+          "with the device threads, metrics)")
     return 0
 
 

@@ -99,8 +99,9 @@ class OutputWatcher:
 
     def _reopen_if_behind(self) -> None:
         """Nothing new for REOPEN_AFTER_S: if the topic holds records past what was read (asked with a new
-        client), go on from there with a new consumer; the old one closes on a thread (its close may hang too).
-        With read_committed, an aborted transaction at a partition's end looks the same: a harmless re-read."""
+        client), go on from there with a new consumer; the old one closes on a thread (its close may hang
+        too). With read_committed, an aborted transaction at a partition's end looks the same: a harmless
+        re-read."""
         try:
             ends = end_offsets(self.bootstrap, self.topic)
         except Exception:  # noqa: BLE001 - the broker may be down: try again later
@@ -108,18 +109,20 @@ class OutputWatcher:
         behind = {p: e for p, e in ends.items() if e > self._next.get(p, 0)}
         if not behind:
             return
-        print(f"[watch] nothing new from {self.topic} for {REOPEN_AFTER_S:.0f} s while it has more ({behind}, read "
-              f"up to {self._next}): reading on with a new consumer", file=sys.stderr, flush=True)
+        print(f"[watch] nothing new from {self.topic} for {REOPEN_AFTER_S:.0f} s while it has more "
+              f"({behind}, read up to {self._next}): reading on with a new consumer", file=sys.stderr,
+              flush=True)
         old, self._consumer = self._consumer, Consumer(self._conf)
-        self._consumer.assign([TopicPartition(self.topic, p, self._next.get(p, OFFSET_BEGINNING)) for p in ends])
+        self._consumer.assign([TopicPartition(self.topic, p,
+                                              self._next.get(p, OFFSET_BEGINNING)) for p in ends])
         threading.Thread(target=old.close, name="watch-close", daemon=True).start()
         self.reopened += 1
 
     def describe(self) -> str:
         """For a test's failure message: what it read, how far, how often it reopened."""
         with self._lock:
-            return (f"watcher: {self.records} records, {len(self.ids)} ids, read up to {dict(sorted(self._next.items()))} "
-                    f"of {self.topic}, reopened {self.reopened}x")
+            return (f"watcher: {self.records} records, {len(self.ids)} ids, read up to "
+                    f"{dict(sorted(self._next.items()))} of {self.topic}, reopened {self.reopened}x")
 
     def visible_ends(self) -> dict[int, int]:
         """Per input partition: one past the highest source offset that has a visible result."""
@@ -139,7 +142,8 @@ class OutputWatcher:
             self._consumer.close()
 
 
-def kill_points(n: int, k: int, seed: int, lo: float = 0.05, hi: float = 0.9, min_gap: float = 0.08) -> list[int]:
+def kill_points(n: int, k: int, seed: int, lo: float = 0.05, hi: float = 0.9,
+                min_gap: float = 0.08) -> list[int]:
     """``k`` progress thresholds in ``[lo*n, hi*n]``, at least ``min_gap*n`` apart, from a seeded RNG."""
     rng = random.Random(seed)
     for _ in range(10_000):
@@ -218,7 +222,9 @@ def supervise(make_worker: Callable[[int], WorkerProcess], progress: Callable[[]
                 if not restart_exits or len(sup.exits) > max_exits:
                     raise AssertionError(
                         f"worker {w.name} exited with {rc} at progress {done}/{target}; incidents: "
-                        f"{[(i.kind, i.worker, i.returncode, i.progress) for i in sup.incidents]}\n{sup.logs()}")
+                        f"{[(i.kind, i.worker, i.returncode, i.progress) for i in sup.incidents]}\n"
+                        f"{sup.logs()}"
+                    )
                 sup.workers.append(make_worker(len(sup.workers)).start())
                 continue
             if pending and done >= pending[0]:
@@ -263,7 +269,8 @@ def where_things_stand(bootstrap: str, group: str, in_topic: str, out_topic: str
     """The group's commits against the input's end offsets, the output's end offsets, and the watcher: whether
     the worker stopped short, its results did not reach the broker, or the reader fell behind."""
     parts = [f"input {in_topic}: committed {committed_offsets(bootstrap, group, in_topic, stable=False)} "
-             f"of ends {end_offsets(bootstrap, in_topic)}", f"output {out_topic}: ends {end_offsets(bootstrap, out_topic)}"]
+             f"of ends {end_offsets(bootstrap, in_topic)}",
+             f"output {out_topic}: ends {end_offsets(bootstrap, out_topic)}"]
     if watch is not None:
         parts.append(watch.describe())
     return "; ".join(parts)
@@ -290,7 +297,8 @@ def tally(bootstrap: str, out_topic: str, dlq_topic: str | None, expected: set[s
         by_id.setdefault(v["id"], []).append(v)
     lost = sum(1 for i in expected if i not in by_id)
     dups = sum(len(v) - 1 for v in by_id.values())
-    dead = read_all(bootstrap, dlq_topic, timeout=30, idle=2.0, read_committed=read_committed) if dlq_topic else []
+    dead = read_all(bootstrap, dlq_topic, timeout=30, idle=2.0,
+                    read_committed=read_committed) if dlq_topic else []
     return Tally(sent, len(values), lost, dups, len(dead), by_id, dead)
 
 
@@ -301,7 +309,8 @@ def _results_file() -> Path | None:
 
 
 def report(name: str, t: Tally, **extra: Any) -> str:
-    line = f"[chaos:{name}] sent={t.sent} results={t.results} lost={t.lost} duplicates={t.duplicates} dlq={t.dlq}"
+    line = (f"[chaos:{name}] sent={t.sent} results={t.results} lost={t.lost} duplicates={t.duplicates} "
+            f"dlq={t.dlq}")
     if extra:
         line += " " + " ".join(f"{k}={v}" for k, v in extra.items())
     print("\n" + line, flush=True)
@@ -324,8 +333,13 @@ def broker_healthy(bootstrap: str, timeout: float = 60.0) -> None:
         try:
             md = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0}).list_topics(timeout=5)
             if md.brokers:
-                leaderless = [f"{name}[{p.id}]" for name in ("__consumer_offsets", "__transaction_state")
-                              if name in md.topics for p in md.topics[name].partitions.values() if p.leader < 0]
+                leaderless = [
+                    f"{name}[{p.id}]"
+                    for name in ("__consumer_offsets", "__transaction_state")
+                    if name in md.topics
+                    for p in md.topics[name].partitions.values()
+                    if p.leader < 0
+                ]
                 if not leaderless:
                     return
                 last = f"internal partitions without a leader: {leaderless[:4]}"

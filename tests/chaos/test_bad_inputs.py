@@ -1,6 +1,6 @@
 """A corpus of bad inputs mixed into valid traffic: each bad record becomes a dead letter with the right
-``x-error-stage`` and/or an ``error``/``expired`` result; every valid record gets an ok result; every partition's
-committed offset reaches its end offset (nothing blocks a partition)."""
+``x-error-stage`` and/or an ``error``/``expired`` result; every valid record gets an ok result; every
+partition's committed offset reaches its end offset (nothing blocks a partition)."""
 
 from __future__ import annotations
 
@@ -28,11 +28,14 @@ enc = msgspec.json.encode
 
 def corpus(suffix: str) -> list[tuple[str, bytes | None, str | None, str | None]]:
     """(case, value, expected DLQ stage or None, expected result status or None). Keys are f"{case}-{suffix}"
-    and ids (where there is one) the same, so dead letters can be matched by key even without a readable id."""
+    and ids (where there is one) the same, so dead letters can be matched by key even without a readable
+    id."""
     k = lambda case: f"{case}-{suffix}"  # noqa: E731
     return [
-        ("truncated-json", b'{"id": "' + k("truncated-json").encode() + b'", "inputs": [1, 2', "decode", None),
-        ("invalid-utf8", b'{"id": "' + k("invalid-utf8").encode() + b'", "inputs": "\xff\xfe"}', "decode", None),
+        ("truncated-json", b'{"id": "' + k("truncated-json").encode() + b'", "inputs": [1, 2',
+         "decode", None),
+        ("invalid-utf8", b'{"id": "' + k("invalid-utf8").encode() + b'", "inputs": "\xff\xfe"}',
+         "decode", None),
         ("nan-literal", b'{"id": "' + k("nan-literal").encode() + b'", "inputs": [NaN]}', "decode", None),
         ("tombstone", None, "decode", None),
         ("not-an-object", b"[1, 2, 3]", "validate", None),
@@ -44,7 +47,8 @@ def corpus(suffix: str) -> list[tuple[str, bytes | None, str | None, str | None]
         ("number-out-of-range", b'{"id": "' + k("number-out-of-range").encode() + b'", "inputs": [1e999]}',
          "validate", "error"),
         ("oversize", enc({"id": k("oversize"), "inputs": "x" * (MAX_INPUT_BYTES + 100)}), "size", None),
-        ("deadline-past", enc({"id": k("deadline-past"), "inputs": [1], "deadline_ms": 1}), "expired", "expired"),
+        ("deadline-past", enc({"id": k("deadline-past"), "inputs": [1], "deadline_ms": 1}),
+         "expired", "expired"),
         ("model-raises", enc({"id": k("model-raises"), "inputs": ["poison"]}), "inference", "error"),
         ("unknown-lane", enc({"id": k("unknown-lane"), "inputs": [1], "priority": "nope"}), None, "ok"),
         # Deeper than the decoder's recursion limit (1,000 levels), well under the size limit.

@@ -40,7 +40,8 @@ N_BEFORE = 12_000
 N_AFTER = 8_000
 OUTAGE_S = 5.0
 REPLACED = "replacing it with a new one"  # the worker's log line when it replaces its consumer
-RESUMED = "partitions lost earlier are back: going on after"  # ... when lost partitions come back (_resume_lost)
+# ... when lost partitions come back (_resume_lost)
+RESUMED = "partitions lost earlier are back: going on after"
 PRODUCER_REPLACED = "replacing it and sending them again"  # ... and a producer (delivery.producer_stall_s)
 
 
@@ -66,7 +67,8 @@ def one_worker_through(cfg, tmp_path, name, watch, expected, tick):  # type: ign
     return supervise(lambda i: WorkerProcess(cfg, tmp_path, name=f"{name}-{i}"), lambda: watch.seen(expected),
                      len(expected), deadline_s=170, restart_exits=False, tick=tick,
                      diagnose=lambda: where_things_stand(kafka["bootstrap_servers"], kafka["group_id"],
-                                                         kafka["input_topics"][0], kafka["output_topic"], watch))
+                                                         kafka["input_topics"][0],
+                                                         kafka["output_topic"], watch))
 
 
 def test_broker_stop_start_mid_run(kafka, topic_names, tmp_path):
@@ -129,9 +131,10 @@ def test_broker_stop_start_mid_run(kafka, topic_names, tmp_path):
     assert t.dlq == 0
     assert all(v["status"] == "ok" for vs in t.by_id.values() for v in vs)
     # The session usually expires with thousands of results delivered since the last commit (8,152-10,848 were
-    # produced twice before the worker went on from what it had delivered, 0 since): the partitions come back to
-    # the same worker seconds after its producers delivered everything. A second result now comes only from a
-    # record whose delivery was not confirmed when its partition came back. (No expiry: no duplicates either.)
+    # produced twice before the worker went on from what it had delivered, 0 since): the partitions come back
+    # to the same worker seconds after its producers delivered everything. A second result now comes only from
+    # a record whose delivery was not confirmed when its partition came back. (No expiry: no duplicates
+    # either.)
     assert t.duplicates <= N_BEFORE // 10, f"{t.duplicates} duplicates: {log.count(RESUMED)} resume lines"
 
 
@@ -139,11 +142,11 @@ FROZEN_S = 15.0
 
 
 def test_broker_frozen_past_the_session_timeout(kafka, topic_names, tmp_path):
-    """SIGSTOP: connections stay open and nothing answers. The consumer's session (6 s) expires on its side, it
-    stays out of the group past ``rejoin_timeout_ms`` (2 s) while the broker is frozen, and is replaced (again
-    after 4 s, with the allowance doubled, if the broker is still frozen then). Once the broker runs again the
-    new consumer joins: nothing lost, everything committed, the same process throughout, and the replaced
-    consumers closed."""
+    """SIGSTOP: connections stay open and nothing answers. The consumer's session (6 s) expires on its side,
+    it stays out of the group past ``rejoin_timeout_ms`` (2 s) while the broker is frozen, and is replaced
+    (again after 4 s, with the allowance doubled, if the broker is still frozen then). Once the broker runs
+    again the new consumer joins: nothing lost, everything committed, the same process throughout, and the
+    replaced consumers closed."""
     broker = local_broker(kafka)
     bs = kafka.bootstrap
     create_topics(bs, {topic_names["in"]: 4, topic_names["out"]: 4, topic_names["dlq"]: 1})
@@ -194,7 +197,8 @@ def test_broker_frozen_past_the_session_timeout(kafka, topic_names, tmp_path):
     t = tally(bs, topic_names["out"], topic_names["dlq"], expected, len(expected))
     log = last.log()
     report("broker-frozen", t, frozen_s=FROZEN_S, frozen_at=frozen.get("at"),
-           consumer_replacements=log.count(REPLACED), replaced_consumers_closed=log.count("replaced consumer closed"),
+           consumer_replacements=log.count(REPLACED),
+           replaced_consumers_closed=log.count("replaced consumer closed"),
            producer_replacements=log.count(PRODUCER_REPLACED), skipped_after_loss=skipped_after_loss(log))
     assert frozen["replaced_while_frozen"] >= 1, log[-4000:]
     assert len(sup.workers) == 1, "the worker had to be restarted"

@@ -3,8 +3,8 @@
 at-least-once: every id gets >= 1 result. Duplicates are allowed only where a kill left them: right after each
 kill the test reads the group's committed offset C and the end of what has a visible result V per partition;
 every duplicate must have its source offset in one of those [C, V) windows, and there can be no more
-duplicates than the windows hold. ``max_in_flight`` is 1,000 so that in-flight work is a small part of the run.
-exactly-once: every id exactly once for a read_committed reader.
+duplicates than the windows hold. ``max_in_flight`` is 1,000 so that in-flight work is a small part of the
+run. exactly-once: every id exactly once for a read_committed reader.
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def test_kill9_five_times(kafka, topic_names, tmp_path, mode):
                     time.sleep(0.05)
                 assert watch.records >= on_topic, f"the watcher read {watch.records} of {on_topic} results"
             ends = watch.visible_ends()
-            windows.append({p: (max(committed.get(p, 0), 0), ends.get(p, 0)) for p in set(committed) | set(ends)})
+            windows.append({p: (max(committed.get(p, 0), 0),
+                                ends.get(p, 0)) for p in set(committed) | set(ends)})
 
         sup = supervise(lambda i: WorkerProcess(cfg, tmp_path, name=f"{mode}-{i}"),
                         lambda: watch.seen(expected), N, kill_at=points, deadline_s=170, restart_exits=False,

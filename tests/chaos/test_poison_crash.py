@@ -44,13 +44,15 @@ def test_crashing_record_is_quarantined_after_max_attempts(kafka, redis_url, top
         items = [request(part * PER_PARTITION + i, inputs=[float(i)]) for i in range(PER_PARTITION)]
         valid |= {k.decode() for k, _ in items}
         if part == 0:  # the killer sits in the middle of partition 0
-            items.insert(PER_PARTITION // 2, (b"killer", msgspec.json.encode({"id": "killer", "inputs": "boom"})))
+            items.insert(PER_PARTITION // 2, (b"killer", msgspec.json.encode({"id": "killer",
+                                                                              "inputs": "boom"})))
         produce_values(bs, topic_names["in"], items, partition=part)
     sent = len(valid) + 1
 
     prefix = f"kiw-chaos:{uuid.uuid4().hex[:8]}:"
     cfg = worker_config(bs, topic_names,
-                        model={"name": "synthetic", "options": {"a_ms": 2.0, "b_ms": 0.05, "crash_on": "boom"}},
+                        model={"name": "synthetic", "options": {"a_ms": 2.0, "b_ms": 0.05,
+                                                                "crash_on": "boom"}},
                         kafka={"consumer": FAST_GROUP, "commit_interval_ms": 300},
                         delivery={"max_attempts": MAX_ATTEMPTS},
                         redis={"url": redis_url, "key_prefix": prefix, "timeout_ms": 500})

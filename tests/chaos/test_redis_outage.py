@@ -1,5 +1,5 @@
-"""Redis stopped for 10 s mid-run (ledger and cache on): nothing is lost, results keep coming during the outage,
-the run finishes, and the outage is visible: ``kiw_redis_errors_total`` on /metrics and the breaker's
+"""Redis stopped for 10 s mid-run (ledger and cache on): nothing is lost, results keep coming during the
+outage, the run finishes, and the outage is visible: ``kiw_redis_errors_total`` on /metrics and the breaker's
 "redis circuit open" warning in the worker log; the circuit closes again once Redis is back."""
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ def test_redis_down_for_10s_mid_run(kafka, local_redis, topic_names, tmp_path):
         assert "stopped_at" in outage, "the outage never happened"
         wait_committed_to_end(bs, group, topic_names["in"], 60)
         # After the outage the breaker's probe succeeds and closes the circuit.
-        wait_for(lambda: scrape(port[0]).get("kiw_redis_circuit_open") == 0.0, 30, what="the circuit to close")
+        wait_for(lambda: scrape(port[0]).get("kiw_redis_circuit_open") == 0.0, 30,
+                 what="the circuit to close")
         final = scrape(port[0])
         assert last.stop() == 0, last.log()[-3000:]
     finally:
@@ -87,11 +88,15 @@ def test_redis_down_for_10s_mid_run(kafka, local_redis, topic_names, tmp_path):
     errs = redis_errors(final)
     report("redis-outage", t, outage_s=OUTAGE_S, results_during_outage=int(outage["during"]),
            redis_errors=int(sum(errs.values())), circuit_open_logs=log.count("redis circuit open"))
-    print("redis errors by op: " + ", ".join(f"{k[len('kiw_redis_errors_total'):]}={int(v)}" for k, v in errs.items()))
+    print(
+        "redis errors by op: "
+        + ", ".join(f"{k[len('kiw_redis_errors_total') :]}={int(v)}" for k, v in errs.items())
+    )
     assert len(sup.workers) == 1 and sup.exits == [], "the worker died"
     assert t.lost == 0, f"{t.lost} ids without a result"
     assert t.dlq == 0
     assert all(v["status"] == "ok" for vs in t.by_id.values() for v in vs)
     assert outage["during"] > 0, "no result was produced while Redis was down: the pipeline stalled"
-    assert outage["errors_during"] > outage["before"], f"no kiw_redis_errors_total counted during the outage: {errs}"
+    assert outage["errors_during"] > outage["before"], ("no kiw_redis_errors_total counted during the "
+                                                        f"outage: {errs}")
     assert "redis circuit open" in log and "redis circuit closed" in log

@@ -1,5 +1,5 @@
-"""The chaos tests' OutputWatcher reads on with a new consumer when its own stops delivering while the topic has
-more (tests/chaos/support.py: REOPEN_AFTER_S). Its consumer is paused here to stand for one stuck after a
+"""The chaos tests' OutputWatcher reads on with a new consumer when its own stops delivering while the topic
+has more (tests/chaos/support.py: REOPEN_AFTER_S). Its consumer is paused here to stand for one stuck after a
 frozen broker resumed; the reopened one starts where the old one stopped (no id counted twice)."""
 
 from __future__ import annotations
@@ -29,4 +29,6 @@ def test_a_stuck_watcher_reads_on_with_a_new_consumer(kafka, topic_names, monkey
         assert watch.records == 500  # read on from where the old consumer stopped: nothing twice
         # What a supervised test prints when it runs out of time (nothing committed by this group).
         text = support.where_things_stand(bs, f"g-{topic_names['run']}", out, out, watch)
-        assert f"output {out}: ends " in text and "reopened" in text and "committed {0: -1001, 1: -1001}" in text
+        assert (
+            f"output {out}: ends " in text and "reopened" in text and "committed {0: -1001, 1: -1001}" in text
+        )

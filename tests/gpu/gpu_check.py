@@ -90,7 +90,8 @@ def check_minilm_vs_cpu(device: str, quick: bool) -> list[Result]:
         got = embed(engine(device, dtype), sample)
         cos = torch.nn.functional.cosine_similarity(got, ref, dim=1).min().item()
         out.append({"name": f"minilm_vs_cpu[{dtype}]", "value": round(cos, 6), "target": f">= {target}",
-                    "status": "PASS" if cos >= target else "FAIL", "detail": f"{len(sample)} texts on {device}"})
+                    "status": "PASS" if cos >= target else "FAIL",
+                    "detail": f"{len(sample)} texts on {device}"})
     return out
 
 
@@ -165,9 +166,15 @@ def check_dtype_speedup(device: str, quick: bool) -> list[Result]:
     out = []
     for dtype in ("bf16", "fp16"):
         if dtype in rates:
-            out.append({"name": f"dtype_speedup[{dtype}/fp32]", "value": round(rates[dtype] / rates["fp32"], 2),
-                        "target": "info", "status": "INFO",
-                        "detail": f"{dtype} {rates[dtype]:.0f} vs fp32 {rates['fp32']:.0f} items/s at bs={bs}"})
+            out.append(
+                {
+                    "name": f"dtype_speedup[{dtype}/fp32]",
+                    "value": round(rates[dtype] / rates["fp32"], 2),
+                    "target": "info",
+                    "status": "INFO",
+                    "detail": f"{dtype} {rates[dtype]:.0f} vs fp32 {rates['fp32']:.0f} items/s at bs={bs}",
+                }
+            )
     return out
 
 
@@ -225,9 +232,10 @@ def check_real_oom(device: str, quick: bool) -> list[Result]:
 
 
 def profile_verdict(rc: int, data: dict[str, Any], budget_ms: float) -> str | None:
-    """Why a ``worker profile`` run failed (None when it did not): exit 0 is not enough, since a run where every
-    batch size failed exits 0 too, recommending none. Wanted: a recommended size whose row ran ("ok") within
-    the budget, and no size that failed other than by running out of memory (a small device's largest)."""
+    """Why a ``worker profile`` run failed (None when it did not): exit 0 is not enough, since a run where
+    every batch size failed exits 0 too, recommending none. Wanted: a recommended size whose row ran ("ok")
+    within the budget, and no size that failed other than by running out of memory (a small device's
+    largest)."""
     if rc != 0:
         return f"worker profile exited {rc}"
     rows = data.get("rows") or []
@@ -253,8 +261,10 @@ def check_profile_curve(device: str, quick: bool, out_dir: Path) -> list[Result]
         f.unlink(missing_ok=True)  # a previous run's files would pass for this one's
     sizes = "1,4,16" if quick else "1,2,4,8,16,32,64,128,256,512"
     budget = 50.0
-    ns = argparse.Namespace(model="minilm", option=[], batch_sizes=sizes, device=device, dtype="fp32", compile=False,
-                            latency_budget_ms=budget, iters=3 if quick else 20, warmup=1 if quick else 3, threads=None,
+    ns = argparse.Namespace(model="minilm", option=[], batch_sizes=sizes, device=device, dtype="fp32",
+                            compile=False,
+                            latency_budget_ms=budget, iters=3 if quick else 20, warmup=1 if quick else 3,
+                            threads=None,
                             plot=str(png), json=str(js))
     rc = profile.run(ns)
     data = json.loads(js.read_text()) if js.exists() else {}
@@ -323,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="small sizes (a dry run on CPU)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "gpu-check-out"), help="folder for the table, curve, plot")
+    ap.add_argument("--out", default=os.environ.get("OUT", "gpu-check-out"),
+                    help="folder for the table, curve, plot")
     ap.add_argument("--only", default="", help="comma-separated check names")
     args = ap.parse_args(argv)
     out_dir = Path(args.out)
@@ -358,13 +369,15 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             r["seconds"] = round(time.perf_counter() - t, 1)
         results.extend(rows)
-        print(f"  {name}: {', '.join(r['status'] for r in rows)} ({time.perf_counter() - t:.1f}s)", flush=True)
+        print(f"  {name}: {', '.join(r['status'] for r in rows)} ({time.perf_counter() - t:.1f}s)",
+              flush=True)
     table = [f"{'check':<28} {'value':<28} {'target':<26} {'status':<6} detail"]
     table += [f"{r['name']:<28} {str(r['value']):<28} {r['target']:<26} {r['status']:<6} {r['detail']}"
               for r in results]
     print("\n".join(table))
     (out_dir / "gpu_check.txt").write_text(f"gpu_check on {args.device} ({env})\n" + "\n".join(table) + "\n")
-    (out_dir / "gpu_check.json").write_text(json.dumps({"env": env, "device": args.device, "results": results},
+    (out_dir / "gpu_check.json").write_text(json.dumps({"env": env, "device": args.device,
+                                                        "results": results},
                                                        indent=2))
     return 1 if any(r["status"] == "FAIL" for r in results) else 0
 

@@ -10,7 +10,8 @@ Checks:
                  PASS/FAIL in fp32; INFO in fp16/bf16, where padded and unpadded attention round differently
   step_tokens_s  decode tokens/s of one ``step`` over 1, 16 and 64 active sequences (prompts of 128 tokens),
                  per dtype, on ``tiny`` (tiny-lm: 2 layers, hidden 64) and ``realistic`` (a Llama-1B shape:
-                 16 layers, hidden 2048, 32 heads, 8 KV heads, vocab 32000; random weights, no download) (info)
+                 16 layers, hidden 2048, 32 heads, 8 KV heads, vocab 32000; random weights, no download)
+                 (info)
   engines        tests/bench/gen_engines on the device: tokens/s and mean latency of each engine (info)
 Exit code 0 when every PASS/FAIL check passed.
 """
@@ -125,7 +126,8 @@ def check_step_tokens(device: str, dtype: str, shape: str, quick: bool) -> list[
         dt = time.perf_counter() - t0
         for i in ids:
             m.release(i)
-        out.append({"name": f"step_tokens_s {shape} {dtype} x{active}", "value": round(active * steps / dt, 1),
+        out.append({"name": f"step_tokens_s {shape} {dtype} x{active}",
+                    "value": round(active * steps / dt, 1),
                     "target": "info", "status": "INFO",
                     "detail": f"{dt / steps * 1e3:.2f} ms per step, context {prompt_len}+{steps}"})
     return out
@@ -166,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     device = "cpu" if a.cpu else a.device
     if a.cpu:
-        torch.set_num_threads(1)  # small shapes gain nothing from more, and a shared machine slows spinning threads
+        # small shapes gain nothing from more, and a shared machine slows spinning threads
+        torch.set_num_threads(1)
     if device.startswith("cuda") and not torch.cuda.is_available():
         print("no CUDA device: run with --cpu for the smoke run", file=sys.stderr)
         return 2

@@ -39,7 +39,8 @@ def test_pipeline_outputs_match_engine_run() -> None:
         return batches.pop(0) if batches else None
 
     def done(batch: gpu_check.Batch, results: list[object], timings: dict[str, float]) -> None:
-        # No assert in here: DeviceWorker logs what its done() raises and goes on, so it could not fail the test.
+        # No assert in here: DeviceWorker logs what its done() raises and goes on, so it could not fail the
+        # test.
         got[batch.records[0].offset] = results
         forward_s.append(timings.get("forward", 0.0))
         if len(got) == 3:

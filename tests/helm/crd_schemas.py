@@ -14,7 +14,8 @@ _STRMAP = {"type": "object", "additionalProperties": {"type": "string"}}
 _META = {
     "type": "object",
     "required": ["name"],
-    "properties": {"name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", "maxLength": 253},
+    "properties": {"name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+                            "maxLength": 253},
                    "namespace": _STR, "labels": _STRMAP, "annotations": _STRMAP},
     "additionalProperties": False,
 }
@@ -57,7 +58,8 @@ CRD_SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
             "fallback": {"type": "object"},
             "advanced": {"type": "object", "additionalProperties": False, "properties": {
                 "restoreToOriginalReplicaCount": {"type": "boolean"},
-                "horizontalPodAutoscalerConfig": {"type": "object", "additionalProperties": False, "properties": {
+                "horizontalPodAutoscalerConfig": {"type": "object", "additionalProperties": False,
+                                                  "properties": {
                     "name": _STR, "behavior": {"type": "object"}}},
                 "scalingModifiers": {"type": "object"}}},
             "triggers": {"type": "array", "minItems": 1, "items": {
@@ -70,7 +72,8 @@ CRD_SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
                     "metadata": {"type": "object", "required": ["bootstrapServers", "consumerGroup"],
                                  "propertyNames": {"enum": sorted(_KAFKA_TRIGGER_KEYS)},
                                  "additionalProperties": {"type": "string"}},
-                    "authenticationRef": {"type": "object", "required": ["name"], "additionalProperties": False,
+                    "authenticationRef": {"type": "object", "required": ["name"],
+                                          "additionalProperties": False,
                                           "properties": {"name": _STR,
                                                          "kind": {"enum": ["TriggerAuthentication",
                                                                            "ClusterTriggerAuthentication"]}}},
@@ -84,7 +87,8 @@ CRD_SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
         "properties": {
             "secretTargetRef": {"type": "array", "minItems": 1, "items": {
                 "type": "object", "required": ["parameter", "name", "key"], "additionalProperties": False,
-                "properties": {"parameter": {"enum": ["sasl", "username", "password", "tls", "ca", "cert", "key",
+                "properties": {"parameter": {"enum": ["sasl", "username", "password", "tls", "ca", "cert",
+                                                      "key",
                                                       "keyPassword", "oauthTokenEndpointUri", "scopes"]},
                                "name": _STR, "key": _STR}}},
         },
@@ -117,12 +121,14 @@ CRD_SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
 
 _RULE = {
     "type": "object", "additionalProperties": False,
-    "properties": {"alert": _STR, "record": _STR, "expr": _STR, "for": _DURATION, "keep_firing_for": _DURATION,
+    "properties": {"alert": _STR, "record": _STR, "expr": _STR, "for": _DURATION,
+                   "keep_firing_for": _DURATION,
                    "labels": _STRMAP, "annotations": _STRMAP},
     "required": ["expr"],
     "oneOf": [{"required": ["alert"]}, {"required": ["record"]}],
 }
-CRD_SCHEMAS[("monitoring.coreos.com/v1", "PrometheusRule")] = _crd("monitoring.coreos.com/v1", "PrometheusRule", {
+CRD_SCHEMAS[("monitoring.coreos.com/v1", "PrometheusRule")] = _crd("monitoring.coreos.com/v1",
+                                                                   "PrometheusRule", {
     "type": "object",
     "required": ["groups"],
     "additionalProperties": False,

@@ -1,4 +1,5 @@
-"""`helm template` of the chart for the pytest checks in tests/helm, with the helm binary check_chart.sh builds.
+"""`helm template` of the chart for the pytest checks in tests/helm, with the helm binary check_chart.sh
+builds.
 
 Outside CI a missing helm (none cached in ~/.cache/kafka-inference-worker/tools and no Go toolchain to build
 it) skips the test that needs it, with the reason; in CI (CI=true) it fails.
@@ -18,8 +19,10 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "kafka-inference-worker"
 HELM_VERSION = os.environ.get("HELM_VERSION", "v3.19.0")
-TOOLS = Path(os.environ.get("KIW_TOOLS_DIR")
-             or Path(os.environ.get("KIW_CACHE") or Path.home() / ".cache" / "kafka-inference-worker") / "tools")
+TOOLS = Path(
+    os.environ.get("KIW_TOOLS_DIR")
+    or Path(os.environ.get("KIW_CACHE") or Path.home() / ".cache" / "kafka-inference-worker") / "tools"
+)
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 

@@ -23,8 +23,11 @@ import yaml
 _REF = re.compile(r"\$\{(env|file):([^}]+)\}")
 _ONLY_REF = re.compile(r"^\$\{(env|file):[^}]+\}$")
 # The worker's own list (worker.config.SECRET_WORDS), spelled with "." and "_" alike.
-_SECRET_KEY = re.compile(r"(password|passwd|secret|token|sasl[._]jaas|sasl[._]oauthbearer[._]config|key[._]pem|"
-                         r"private|credential|api[._]?key|authorization)", re.IGNORECASE)
+_SECRET_KEY = re.compile(
+    r"(password|passwd|secret|token|sasl[._]jaas|sasl[._]oauthbearer[._]config|key[._]pem|"
+    r"private|credential|api[._]?key|authorization)",
+    re.IGNORECASE,
+)
 _FILE_PROPS = ("ssl.ca.location", "ssl.certificate.location", "ssl.key.location", "ssl.crl.location",
                "ssl.keystore.location")
 _URL_FILES = ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs")
@@ -61,7 +64,8 @@ class PodView:
         self.env: dict[str, dict[str, Any]] = {e["name"]: e for e in worker.get("env", [])}
         self.env_from = bool(worker.get("envFrom"))
         volumes = {v["name"]: v for v in pod.get("volumes", [])}
-        self.mounts = [(m["mountPath"].rstrip("/"), volumes.get(m["name"], {})) for m in worker.get("volumeMounts", [])]
+        self.mounts = [(m["mountPath"].rstrip("/"),
+                        volumes.get(m["name"], {})) for m in worker.get("volumeMounts", [])]
 
     def secret_ref(self, var: str) -> tuple[str, str] | None:
         ref = self.env.get(var, {}).get("valueFrom", {}).get("secretKeyRef")
@@ -70,7 +74,8 @@ class PodView:
     def file_source(self, path: str) -> tuple[str, str | None] | None:
         """("secret:<name>", key) / ("<kind>", None) of the volume holding ``path``; None when none does, or
         ("missing", None) when a Secret volume's items leave that file out."""
-        best = max((m for m in self.mounts if path.startswith(m[0] + "/")), key=lambda m: len(m[0]), default=None)
+        best = max((m for m in self.mounts if path.startswith(m[0] + "/")), key=lambda m: len(m[0]),
+                   default=None)
         if best is None:
             return None
         mount, vol = best
@@ -104,31 +109,37 @@ def check_config_secrets(cfg: dict[str, Any], pod: PodView, where: str) -> list[
     errs: list[str] = []
     for path, key, value in _walk(cfg, "config"):
         if isinstance(value, str) and _SECRET_KEY.search(key) and value and not _ONLY_REF.match(value):
-            errs.append(f"{where}: {path} holds a value, not a ${{env:...}} / ${{file:...}} reference: a secret "
-                        "would be inlined in the ConfigMap")
+            errs.append(f"{where}: {path} holds a value, not a ${{env:...}} / ${{file:...}} reference: a "
+                        "secret would be inlined in the ConfigMap")
         for kind, ref in (_REF.findall(value) if isinstance(value, str) else []):
             if kind != "env":
                 continue
             var = ref.strip()
             if var not in pod.env and not pod.env_from:
-                errs.append(f"{where}: {path} references ${{env:{var}}}, which the worker container does not set")
+                errs.append(f"{where}: {path} references ${{env:{var}}}, which the worker "
+                            "container does not set")
             elif (_SECRET_KEY.search(key) or var.startswith("KIW_")) and var in pod.env \
                     and pod.secret_ref(var) is None:
-                errs.append(f"{where}: {path} references ${{env:{var}}}, which the pod does not set from a Secret")
+                errs.append(f"{where}: {path} references ${{env:{var}}}, which the pod does "
+                            "not set from a Secret")
     url = (cfg.get("redis") or {}).get("url") or ""
     # user:password@ before the host; a reference may stand for either (and holds a ":" of its own).
     userinfo = _REF.sub("REF", url.partition("://")[2].partition("/")[0].rpartition("@")[0])
     password = userinfo.partition(":")[2]
     if password and password != "REF":
-        errs.append(f"{where}: config.redis.url carries a password: a secret would be inlined in the ConfigMap")
+        errs.append(f"{where}: config.redis.url carries a password: a secret would be "
+                    "inlined in the ConfigMap")
     for path, file in _config_files(cfg):
         if file == "probe" or file.startswith(_SYSTEM):
             continue
         src = pod.file_source(file)
         if src is None:
-            errs.append(f"{where}: {path} names {file}, which no volume mounted in the worker container holds")
+            errs.append(
+                f"{where}: {path} names {file}, which no volume mounted in the worker container holds"
+            )
         elif src[0] == "missing":
-            errs.append(f"{where}: {path} names {file}, but the Secret volume there does not project that file")
+            errs.append(f"{where}: {path} names {file}, but the Secret volume there does "
+                        "not project that file")
     return errs
 
 
@@ -143,7 +154,8 @@ def check_keda(cfg: dict[str, Any], pod: PodView, scaled: list[dict[str, Any]],
             md = t["metadata"]
             tls = md.get("tls") == "enable"
             if tls != (protocol in ("SSL", "SASL_SSL")):
-                errs.append(f"{where}: trigger tls={md.get('tls')!r} but the worker's security.protocol is {protocol}")
+                errs.append(f"{where}: trigger tls={md.get('tls')!r} but the worker's "
+                            f"security.protocol is {protocol}")
             sasl = protocol.startswith("SASL")
             mech = consumer.get("sasl.mechanism", consumer.get("sasl.mechanisms", "PLAIN")).upper()
             if sasl and md.get("sasl") != _KEDA_SASL.get(mech) and "sasl.username" in consumer:
@@ -162,11 +174,11 @@ def _check_refs(where: str, consumer: dict[str, str], pod: PodView, refs: dict[s
         m = _ONLY_REF.match(consumer.get(prop, "")) and _REF.match(consumer[prop])
         worker = pod.secret_ref(m.group(2).strip()) if m and m.group(1) == "env" else None
         if param in refs and worker is not None and refs[param] != worker:
-            errs.append(f"{where}: TriggerAuthentication {param} is {refs[param]}, the worker reads {prop} from "
-                        f"{worker}")
+            errs.append(f"{where}: TriggerAuthentication {param} is {refs[param]}, the worker reads {prop} "
+                        f"from {worker}")
         if worker is not None and param not in refs and (sasl or param == "keyPassword"):
-            errs.append(f"{where}: the worker reads {prop} from Secret {worker}, the TriggerAuthentication has no "
-                        f"{param}: KEDA could not connect")
+            errs.append(f"{where}: the worker reads {prop} from Secret {worker}, the TriggerAuthentication "
+                        f"has no {param}: KEDA could not connect")
     for param, prop in _KEDA_FILE.items():
         file = consumer.get(prop)
         if not tls or not file or file == "probe" or file.startswith(_SYSTEM):
@@ -174,11 +186,11 @@ def _check_refs(where: str, consumer: dict[str, str], pod: PodView, refs: dict[s
         src = pod.file_source(file)
         worker = (src[0].removeprefix("secret:"), src[1]) if src and src[0].startswith("secret:") else None
         if param not in refs:
-            errs.append(f"{where}: the worker's {prop} is {file}, the TriggerAuthentication has no {param}: KEDA "
-                        "could not connect")
+            errs.append(f"{where}: the worker's {prop} is {file}, the TriggerAuthentication has no {param}: "
+                        "KEDA could not connect")
         elif worker is not None and refs[param] != worker:
-            errs.append(f"{where}: TriggerAuthentication {param} is {refs[param]}, the worker's {prop} is "
-                        f"{worker}")
+            errs.append(f"{where}: TriggerAuthentication {param} is {refs[param]}, the worker's {prop} "
+                        f"is {worker}")
     return errs
 
 

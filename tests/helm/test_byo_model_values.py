@@ -47,7 +47,8 @@ def test_the_pages_values_render_and_their_config_runs_the_pages_model(tmp_path:
     rendered.write_text(p.stdout)
     config = tmp_path / "config.yaml"
     p = subprocess.run([sys.executable, str(HERE / "validate_manifests.py"), "--kube-version", "1.30.0",
-                        "--extract-config", str(config), str(rendered)], capture_output=True, text=True, timeout=300)
+                        "--extract-config", str(config), str(rendered)], capture_output=True, text=True,
+                       timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
 
     docs = [d for d in yaml.safe_load_all(rendered.read_text()) if d]
@@ -68,7 +69,8 @@ def test_the_pages_values_render_and_their_config_runs_the_pages_model(tmp_path:
                        timeout=300, env=env, cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     p = subprocess.run([worker, "predict", "--config", str(config), "--device", "cpu", "--input",
-                        FILES["request.json"]], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+                        FILES["request.json"]], capture_output=True, text=True, timeout=300, env=env,
+                       cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     result = yaml.safe_load(p.stdout)
     assert (result["status"], result["model_version"]) == ("ok", wanted["config"]["model"]["version"])

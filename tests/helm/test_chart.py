@@ -23,8 +23,10 @@ HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "check_chart.sh"
 HELM_VERSION = os.environ.get("HELM_VERSION", "v3.19.0")
 # The cache worker/local/setup_env.sh uses (KIW_CACHE), as check_chart.sh does.
-TOOLS = Path(os.environ.get("KIW_TOOLS_DIR")
-             or Path(os.environ.get("KIW_CACHE") or Path.home() / ".cache" / "kafka-inference-worker") / "tools")
+TOOLS = Path(
+    os.environ.get("KIW_TOOLS_DIR")
+    or Path(os.environ.get("KIW_CACHE") or Path.home() / ".cache" / "kafka-inference-worker") / "tools"
+)
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
@@ -50,5 +52,6 @@ def test_chart_checks() -> None:
     proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=1500)
     print(proc.stdout)
     print(proc.stderr, file=sys.stderr)
-    assert proc.returncode == 0, f"check_chart.sh exited {proc.returncode}:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, ("check_chart.sh exited "
+                                  f"{proc.returncode}:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}")
     assert " 0 failed" in proc.stdout

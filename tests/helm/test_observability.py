@@ -65,7 +65,8 @@ def test_documented_alerts_have_rules() -> None:
 
 def test_alert_values_disable_and_tune() -> None:
     rules = _rules("--set", "prometheusRule.alerts.deadLetters.enabled=false",
-                   "--set", "prometheusRule.alerts.drainTimeHigh.threshold=42", "--set", "prometheusRule.selector=job=\"x\"")
+                   "--set", "prometheusRule.alerts.drainTimeHigh.threshold=42", "--set",
+                   "prometheusRule.selector=job=\"x\"")
     by_name = {r["alert"]: r for r in rules}
     assert "KiwDeadLetters" not in by_name
     assert by_name["KiwDrainTimeHigh"]["expr"] == 'max by (namespace, pod) (kiw_drain_seconds{job="x"}) > 42'

@@ -1,5 +1,5 @@
-"""docs/helm-values.md is what tests/helm/values_table.py generates from values.yaml and values.schema.json, and
-every value of the chart is declared in the schema and documented."""
+"""docs/helm-values.md is what tests/helm/values_table.py generates from values.yaml and values.schema.json,
+and every value of the chart is declared in the schema and documented."""
 
 from __future__ import annotations
 

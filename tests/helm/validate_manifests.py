@@ -99,13 +99,15 @@ def check_invariants(docs: list[dict[str, Any]]) -> list[str]:
         else:  # exec: python3 calls the loopback address on the metrics port (each process's, with several)
             command = " ".join(worker[probe]["exec"]["command"])
             m = re.search(r"http://[^/]+:(\d+)(/\w+)", command)
-            many = re.search(r"http://[^/]+:%d(/\w+)' % p, timeout=\d+\) for p in range\((\d+), (\d+)\)", command)
+            many = re.search(r"http://[^/]+:%d(/\w+)' % p, timeout=\d+\) for p in range\((\d+), (\d+)\)",
+                             command)
             target, path = (int(m.group(1)), m.group(2)) if m else (None, None)
             if many:
                 path, called = many.group(1), list(range(int(many.group(2)), int(many.group(3))))
                 declared = sorted(v for k, v in ports.items() if k == "metrics" or k.startswith("metrics-"))
                 if called != declared:
-                    errs.append(f"Deployment/{name}: {probe} calls ports {called}, not the metrics ports {declared}")
+                    errs.append(f"Deployment/{name}: {probe} calls ports {called}, not the "
+                                f"metrics ports {declared}")
             elif target != ports.get("metrics"):
                 errs.append(f"Deployment/{name}: {probe} calls port {target}, not the metrics port")
         if path not in ((want,) if want else ("/readyz", "/healthz")):
@@ -156,14 +158,16 @@ def check_invariants(docs: list[dict[str, Any]]) -> list[str]:
                         f"{STOP_OVERHEAD_S}s")
         port = int(cfg.get("metrics", {}).get("port", 9400))
         if ports.get("metrics") != port:
-            errs.append(f"Deployment/{name}: containerPort metrics={ports.get('metrics')} but config metrics.port={port}")
+            errs.append(f"Deployment/{name}: containerPort metrics={ports.get('metrics')} but config "
+                        f"metrics.port={port}")
         if "checksum/config" not in dep["spec"]["template"]["metadata"].get("annotations", {}):
             errs.append(f"Deployment/{name}: pod template lacks the checksum/config annotation")
 
     for c in pod.get("initContainers", []) + pod["containers"]:
         for m in c.get("volumeMounts", []):
             if m["name"] not in volumes and c is not worker:
-                errs.append(f"Deployment/{name}: container {c['name']!r} mounts {m['name']!r}, which has no volume")
+                errs.append(f"Deployment/{name}: container {c['name']!r} mounts {m['name']!r}, "
+                            "which has no volume")
     errs += secret_wiring.check(docs)
     errs += check_extras(docs, labels, pod)
 
@@ -174,7 +178,8 @@ def check_invariants(docs: list[dict[str, Any]]) -> list[str]:
         pod_ports = {p.get("name") for c in pod["containers"] for p in c.get("ports", [])}
         for p in svc["spec"]["ports"]:
             if isinstance(p.get("targetPort"), str) and p["targetPort"] not in pod_ports:
-                errs.append(f"Service/{svc['metadata']['name']}: targetPort {p['targetPort']!r} is not a container port")
+                errs.append(f"Service/{svc['metadata']['name']}: targetPort {p['targetPort']!r} is not a "
+                            "container port")
 
     scalers = by_kind.get("ScaledObject", []) + by_kind.get("HorizontalPodAutoscaler", [])
     if len(scalers) > 1:
@@ -189,7 +194,8 @@ def check_invariants(docs: list[dict[str, Any]]) -> list[str]:
         for t in so["spec"]["triggers"]:
             ref = t.get("authenticationRef", {}).get("name")
             if ref and ref not in auths:
-                errs.append(f"ScaledObject/{so['metadata']['name']}: authenticationRef {ref!r} is not rendered")
+                errs.append(f"ScaledObject/{so['metadata']['name']}: authenticationRef {ref!r} "
+                            "is not rendered")
     for pdb in by_kind.get("PodDisruptionBudget", []):
         sel = pdb["spec"]["selector"].get("matchLabels", {})
         if any(labels.get(k) != v for k, v in sel.items()):
@@ -218,7 +224,8 @@ def check_extras(docs: list[dict[str, Any]], labels: dict[str, str], pod: dict[s
         m = re.search(r"http://([a-z0-9-]+)\.[a-z0-9-]+\.svc:(\d+)", script)
         svc = services.get(m.group(1)) if m else None
         if svc is None or int(m.group(2)) not in [p["port"] for p in svc["spec"]["ports"]]:
-            errs.append(f"{where}: does not call a port of a rendered Service ({m.group(0) if m else 'no URL'})")
+            errs.append(f"{where}: does not call a port of a rendered Service "
+                        f"({m.group(0) if m else 'no URL'})")
     for np in (d for d in docs if d["kind"] == "NetworkPolicy"):
         where = f"NetworkPolicy/{np['metadata']['name']}"
         if not _selects(np["spec"]["podSelector"].get("matchLabels", {}), labels):
@@ -239,7 +246,9 @@ def check_extras(docs: list[dict[str, Any]], labels: dict[str, str], pod: dict[s
                     if job not in jobs:
                         errs.append(f"PrometheusRule/{pr['metadata']['name']}: {rule.get('alert')} selects "
                                     f"job={job!r}, which is no rendered Service (the ServiceMonitor's job)")
-    for cm in (d for d in docs if d["kind"] == "ConfigMap" and "kafka-inference-worker.json" in d.get("data", {})):
+    for cm in (
+        d for d in docs if d["kind"] == "ConfigMap" and "kafka-inference-worker.json" in d.get("data", {})
+    ):
         try:
             json.loads(cm["data"]["kafka-inference-worker.json"])
         except ValueError as e:

@@ -109,7 +109,8 @@ def type_of(node: dict[str, Any]) -> str:
 
 
 def _cell(text: str) -> str:
-    """Text for a table cell: pipes escaped, and outside code spans <...> escaped (Markdown reads it as HTML)."""
+    """Text for a table cell: pipes escaped, and outside code spans <...> escaped (Markdown reads it as
+    HTML)."""
     parts = text.replace("|", "\\|").replace("\n", " ").split("`")
     for i in range(0, len(parts), 2):
         parts[i] = parts[i].replace("<", "&lt;").replace(">", "&gt;")

@@ -1,5 +1,5 @@
-"""``worker backfill``: exactly the snapshot, exit 0; killed or stopped halfway and rerun -> every id has a result; --from-timestamp;
-an input written by a transactional producer."""
+"""``worker backfill``: exactly the snapshot, exit 0; killed or stopped halfway and rerun -> every id has a
+result; --from-timestamp; an input written by a transactional producer."""
 
 from __future__ import annotations
 
@@ -40,7 +40,10 @@ def test_backfill_20000_exactly_then_exit_0(kafka, topic_names, tmp_path):
     assert "backfill summary" in w.log() and f"{n} records read" in w.log()
     results = decode(read_all(bs, topic_names["out"], want=n, timeout=60))
     ids = collections.Counter(r["id"] for r in results)
-    print(f"\n[backfill] {len(results)} results for {n} records; last lines:\n" + "\n".join(w.log().splitlines()[-2:]))
+    print(
+        f"\n[backfill] {len(results)} results for {n} records; last lines:\n"
+        + "\n".join(w.log().splitlines()[-2:])
+    )
     assert len(results) == n and set(ids) == {f"bf-{i}" for i in range(n)}
 
     # Records produced after the snapshot are left alone; a second backfill picks up only those.
@@ -51,7 +54,8 @@ def test_backfill_20000_exactly_then_exit_0(kafka, topic_names, tmp_path):
 
 
 def _slow_backfill_under_way(kafka: Any, topic_names: dict[str, str], tmp_path: Path, n: int, prefix: str,
-                             name: str, extra_args: tuple[str, ...] = ()) -> tuple[dict[str, Any], WorkerProcess]:
+                             name: str, extra_args: tuple[str, ...] = ()) -> tuple[dict[str, Any],
+                                                                                   WorkerProcess]:
     """n records and a backfill of them at ~64 records per 33 ms (about 10 s for the topic), 4 s after it
     got its partitions: well under way, far from done."""
     bs = kafka.bootstrap
@@ -59,7 +63,8 @@ def _slow_backfill_under_way(kafka: Any, topic_names: dict[str, str], tmp_path: 
     produce(bs, topic_names["in"], requests(n, "synthetic", id_prefix=prefix))
     cfg = worker_config(bs, topic_names, model={"name": "synthetic", "options": {"a_ms": 20, "b_ms": 0.2}},
                         batching={"lanes": [{"name": "default", "max_batch_size": 64, "max_wait_ms": 5}]})
-    w = WorkerProcess(cfg, tmp_path, command="backfill", name=name, extra_args=["--verbose", *extra_args]).start()
+    w = WorkerProcess(cfg, tmp_path, command="backfill", name=name,
+                      extra_args=["--verbose", *extra_args]).start()
     w.wait_assigned()
     time.sleep(4)
     return cfg, w
@@ -95,7 +100,8 @@ def test_backfill_assigned_again_mid_run_goes_on_from_its_commits(kafka, topic_n
         other.close()  # leaves: the backfill gets every partition again
     assert w.wait(300) == 0, w.log()[-3000:]
     assert 0 < done_before < n, "the other member did not join mid-backfill; nothing was tested"
-    assert w.log().count("partitions assigned") >= 3, w.log()[-3000:]  # start, after the join, after the leave
+    # start, after the join, after the leave
+    assert w.log().count("partitions assigned") >= 3, w.log()[-3000:]
     results = decode(read_all(bs, topic_names["out"], want=n, timeout=60))
     ids = collections.Counter(r["id"] for r in results)
     dupes = sum(c - 1 for c in ids.values())
@@ -116,10 +122,14 @@ def test_backfill_stopped_early_exits_1_and_from_timestamp_counts_from_there(kaf
     group = f"{cfg['kafka']['group_id']}-backfill"
     done = sum(committed_offsets(bs, group, topic_names["in"]).values())
     assert 0 < done < n, "the stop did not land mid-backfill; nothing was tested"
-    again = WorkerProcess(cfg, tmp_path, command="backfill", name="retried", extra_args=["--from-beginning"]).start()
+    again = WorkerProcess(cfg, tmp_path, command="backfill", name="retried",
+                          extra_args=["--from-beginning"]).start()
     assert again.wait(120) == 0, again.log()[-3000:]
     assert f"backfill: {n - done} records in 4 partitions" in again.log(), again.log()[-3000:]
-    assert "partitions go on from the commits of group" in again.log() and f"{n - done} records read" in again.log()
+    assert (
+        "partitions go on from the commits of group" in again.log()
+        and f"{n - done} records read" in again.log()
+    )
 
     # --from-timestamp: only the records at or after it (the total, the records read, the results).
     time.sleep(0.05)
@@ -127,14 +137,16 @@ def test_backfill_stopped_early_exits_1_and_from_timestamp_counts_from_there(kaf
     time.sleep(0.05)
     produce(bs, topic_names["in"], requests(40, "synthetic", id_prefix="new"))
     w2 = WorkerProcess(cfg, tmp_path, command="backfill", name="since",
-                       extra_args=["--from-timestamp", str(since), "--group", f"since-{topic_names['run']}"]).start()
+                       extra_args=["--from-timestamp", str(since), "--group",
+                                   f"since-{topic_names['run']}"]).start()
     assert w2.wait(120) == 0, w2.log()[-3000:]
     assert "backfill: 40 records in 4 partitions" in w2.log() and "40 records read" in w2.log()
 
 
 def test_backfill_of_a_topic_written_in_transactions_exits_0(kafka, topic_names, tmp_path):
     """A transactional producer's commit marker takes the offset after its last record: the end snapshot (high
-    watermark) is one past the last commit a consumer can make. The backfill never exited 0, nor did a rerun."""
+    watermark) is one past the last commit a consumer can make. The backfill never exited 0, nor did a
+    rerun."""
     bs = kafka.bootstrap
     create_topics(bs, {topic_names["in"]: 2, topic_names["out"]: 2, topic_names["dlq"]: 1})
     p = Producer({"bootstrap.servers": bs, "transactional.id": f"upstream-{topic_names['run']}"})

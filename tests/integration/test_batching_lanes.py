@@ -23,8 +23,10 @@ def test_high_lane_first_low_lane_keeps_its_share(kafka, topic_names, tmp_path):
     hi, lo = topic_names["in"] + "-hi", topic_names["in"] + "-lo"
     create_topics(bs, {hi: 2, lo: 2, topic_names["out"]: 1, topic_names["dlq"]: 1})
     enc = msgspec.json.encode
-    produce_values(bs, lo, [(f"lo-{i}".encode(), enc({"id": f"lo-{i}", "inputs": {"x": i}})) for i in range(n)])
-    produce_values(bs, hi, [(f"hi-{i}".encode(), enc({"id": f"hi-{i}", "inputs": {"x": i}})) for i in range(n)])
+    produce_values(bs, lo, [(f"lo-{i}".encode(), enc({"id": f"lo-{i}",
+                                                      "inputs": {"x": i}})) for i in range(n)])
+    produce_values(bs, hi, [(f"hi-{i}".encode(), enc({"id": f"hi-{i}",
+                                                      "inputs": {"x": i}})) for i in range(n)])
     cfg = worker_config(bs, topic_names,
                         kafka={"input_topics": []},
                         model={"name": "synthetic", "options": {"a_ms": 4, "b_ms": 0.2}},
@@ -32,7 +34,8 @@ def test_high_lane_first_low_lane_keeps_its_share(kafka, topic_names, tmp_path):
                         batching={"lanes": [
                             {"name": "low", "topics": [lo], "priority": 0, "weight": 1, "max_batch_size": 16,
                              "max_wait_ms": 5},
-                            {"name": "high", "topics": [hi], "priority": 10, "weight": 3, "max_batch_size": 16,
+                            {"name": "high", "topics": [hi], "priority": 10, "weight": 3,
+                             "max_batch_size": 16,
                              "max_wait_ms": 5}],
                             "default_lane": "low"})
     w = WorkerProcess(cfg, tmp_path).start()

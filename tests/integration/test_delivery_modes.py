@@ -52,7 +52,8 @@ def test_exactly_once_results_visible_once_under_read_committed(kafka, topic_nam
     last: dict[tuple[int, int], int] = {}
     for m, r in zip(results, values, strict=True):
         k = (m.partition(), r["source"]["partition"])
-        assert r["source"]["offset"] > last.get(k, -1), f"out of order in output partition {k[0]}: {r['source']}"
+        assert r["source"]["offset"] > last.get(k, -1), (f"out of order in output partition {k[0]}: "
+                                                         f"{r['source']}")
         last[k] = r["source"]["offset"]
     # No transaction aborted here, so a read_uncommitted reader sees the same n results, and the dead letter
     # went through the same transactions.
@@ -87,13 +88,15 @@ def test_dlq_replay_resubmits_to_the_source_topic(kafka, topic_names, tmp_path):
     path.write_text(yaml.safe_dump(cfg))
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
     dry = subprocess.run([sys.executable, "-m", "worker", "dlq", "replay", "--config", str(path), "--dry-run",
-                          "--filter-stage", "inference"], capture_output=True, text=True, env=env, timeout=120)
+                          "--filter-stage", "inference"], capture_output=True, text=True, env=env,
+                         timeout=120)
     assert dry.returncode == 0, dry.stderr
     assert "would replay 2 dead letters" in dry.stdout
     assert sum(end_offsets(bs, topic_names["in"]).values()) == before
 
     run = subprocess.run([sys.executable, "-m", "worker", "dlq", "replay", "--config", str(path),
-                          "--filter-stage", "inference"], capture_output=True, text=True, env=env, timeout=120)
+                          "--filter-stage", "inference"], capture_output=True, text=True, env=env,
+                         timeout=120)
     assert run.returncode == 0, run.stderr
     assert "replayed 2 dead letters, skipped 1" in run.stdout
     assert sum(end_offsets(bs, topic_names["in"]).values()) == before + 2
@@ -103,11 +106,13 @@ def test_dlq_replay_resubmits_to_the_source_topic(kafka, topic_names, tmp_path):
     assert all(not k.startswith("x-") for m in everything for k, _ in (m.headers() or []))
     # Replaying the same stage again finds nothing new: its replay group committed its progress.
     again = subprocess.run([sys.executable, "-m", "worker", "dlq", "replay", "--config", str(path),
-                            "--filter-stage", "inference"], capture_output=True, text=True, env=env, timeout=120)
+                            "--filter-stage", "inference"], capture_output=True, text=True, env=env,
+                           timeout=120)
     assert again.returncode == 0 and "replayed 0 dead letters" in again.stdout, again.stdout + again.stderr
     # The filtered run's progress is its own: an unfiltered replay still sees every dead letter, the decode
     # one it skipped included (in a shared group that one would have been committed past, never replayed).
-    rest = subprocess.run([sys.executable, "-m", "worker", "dlq", "replay", "--config", str(path), "--dry-run"],
+    rest = subprocess.run([sys.executable, "-m", "worker", "dlq", "replay", "--config",
+                           str(path), "--dry-run"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert rest.returncode == 0 and "would replay 3 dead letters" in rest.stdout, rest.stdout + rest.stderr
 
@@ -120,8 +125,10 @@ def test_a_live_zombie_is_fenced_and_readers_still_see_each_id_once(kafka, topic
     create_topics(bs, {topic_names["in"]: 2, topic_names["out"]: 2, topic_names["dlq"]: 1})
     produce_values(bs, topic_names["in"], [(f"z-{i}".encode(), enc({"id": f"z-{i}", "inputs": {"x": i}}))
                                            for i in range(n)])
-    cfg = worker_config(bs, topic_names, model={"name": "synthetic", "options": {"a_ms": 20, "b_ms": 1}},  # ~600/s
-                        delivery={"mode": "exactly_once", "transactional_id": f"tx-zombie-{topic_names['run']}"})
+    # ~600/s
+    cfg = worker_config(bs, topic_names, model={"name": "synthetic", "options": {"a_ms": 20, "b_ms": 1}},
+                        delivery={"mode": "exactly_once",
+                                  "transactional_id": f"tx-zombie-{topic_names['run']}"})
     old = WorkerProcess(cfg, tmp_path, name="old").start()
     new = WorkerProcess(cfg, tmp_path, name="new")
     try:

@@ -19,7 +19,8 @@ def test_demo_summary_accounts_for_every_request(kafka):
     env.pop("KAFKA_BOOTSTRAP_SERVERS", None)
     # --warm-up-s: the warm-up a freshly started local broker gets, here through the session's broker.
     p = subprocess.run([sys.executable, "-m", "worker", "demo", "--records", "400", "--rate", "1000",
-                        "--bootstrap", kafka.bootstrap, "--warm-up-s", "0.5"], capture_output=True, text=True, timeout=300, env=env,
+                        "--bootstrap", kafka.bootstrap, "--warm-up-s", "0.5"], capture_output=True, text=True,
+                       timeout=300, env=env,
                        cwd=str(ROOT))
     out = p.stdout + p.stderr
     print(out[-1500:])

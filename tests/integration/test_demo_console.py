@@ -1,6 +1,6 @@
-"""``worker demo`` with its own freshly started broker (``make demo`` as a newcomer runs it): the console shows
-the demo's lines and nothing raw from librdkafka (``%4|...|GETPID|... Coordinator load in progress``, which a
-fresh broker makes the idempotent producers log) or from other libraries at exit."""
+"""``worker demo`` with its own freshly started broker (``make demo`` as a newcomer runs it): the console
+shows the demo's lines and nothing raw from librdkafka (``%4|...|GETPID|... Coordinator load in progress``,
+which a fresh broker makes the idempotent producers log) or from other libraries at exit."""
 
 from __future__ import annotations
 
@@ -28,5 +28,6 @@ def test_the_demo_console_has_no_raw_third_party_lines() -> None:
     assert "distinct ok ids   300 of 300" in out
     raw = [line for line in out.splitlines() if re.match(r"%\d\|", line) or "nanobind" in line]
     assert raw == [], raw[:10]
-    # librdkafka's lines, when any reach the console, come through the worker's logging ("LEVEL logger: text").
+    # librdkafka's lines, when any reach the console, come through the worker's logging ("LEVEL logger:
+    # text").
     assert not [line for line in p.stderr.splitlines() if "|GETPID|" in line or "|FAIL|" in line]

@@ -30,7 +30,8 @@ def test_5000_requests_exactly_once_each_and_offsets_committed(kafka, topic_name
         chunk = reqs[part::4]
         produce_values(bs, topic_names["in"], chunk[: len(chunk) // 2], partition=part)
         if part == 2:
-            produce_values(bs, topic_names["in"], [(b"broken", b'{"id": "broken", "inputs": [1, 2')], partition=2)
+            produce_values(bs, topic_names["in"], [(b"broken", b'{"id": "broken", "inputs": [1, 2')],
+                           partition=2)
         produce_values(bs, topic_names["in"], chunk[len(chunk) // 2:], partition=part)
     cfg = worker_config(bs, topic_names)
     group = cfg["kafka"]["group_id"]
@@ -76,13 +77,15 @@ def test_5000_requests_exactly_once_each_and_offsets_committed(kafka, topic_name
     again = [v["id"] for v in decode(read_all(bs, topic_names["out"], timeout=30, idle=2))]
     assert len(again) == n + 4, f"restart reprocessed {len(again) - n - 4} records"
     assert set(again) == set(ids) | {f"after-restart-{p}" for p in range(4)}
-    print(f"[e2e] results={len(ids)} dlq={len(dlq)} committed==end for {len(ends)} partitions; restart added 0")
+    print(f"[e2e] results={len(ids)} dlq={len(dlq)} committed==end for {len(ends)} "
+          "partitions; restart added 0")
 
 
 def test_input_from_a_transactional_producer_is_committed_to_its_end(kafka, topic_names, tmp_path):
     """Each committed transaction leaves a marker after its records, an offset no consume returns. The worker
     commits the consumer's position past it once everything before it is done: committing "last record + 1"
-    left a lag of 1 per partition for good (KEDA never scaled to zero; the HPA read an idle replica as busy)."""
+    left a lag of 1 per partition for good (KEDA never scaled to zero; the HPA read an idle replica as
+    busy)."""
     from confluent_kafka import Producer
 
     bs = kafka.bootstrap

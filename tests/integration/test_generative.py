@@ -1,4 +1,5 @@
-"""A generative model on the real broker: continuous batching, finish reasons, deadlines, bad requests, commits.
+"""A generative model on the real broker: continuous batching, finish reasons, deadlines, bad requests,
+commits.
 
 Parametrised over the model name so that every built-in generative model runs the same checks.
 """
@@ -44,9 +45,16 @@ def test_generation_end_to_end(kafka, topic_names, tmp_path, model):
     create_topics(bs, {topic_names["in"]: 3, topic_names["out"]: 3, topic_names["dlq"]: 1})
     lengths = {f"g-{i}": 1 + (i * 37) % 48 for i in range(n)}
     for part in range(3):
-        produce_values(bs, topic_names["in"], [gen(rid, f"event {rid}", max_new_tokens=k, seed=i)
-                                               for i, (rid, k) in enumerate(lengths.items()) if i % 3 == part],
-                       partition=part)
+        produce_values(
+            bs,
+            topic_names["in"],
+            [
+                gen(rid, f"event {rid}", max_new_tokens=k, seed=i)
+                for i, (rid, k) in enumerate(lengths.items())
+                if i % 3 == part
+            ],
+            partition=part,
+        )
     produce_values(bs, topic_names["in"], [
         gen("too-many", "x", max_new_tokens=10_000),  # over model.generation.max_new_tokens
         gen("poison", "POISON here", max_new_tokens=5),  # the step raises: error result + dead letter
@@ -86,7 +94,9 @@ def test_generation_end_to_end(kafka, topic_names, tmp_path, model):
     late = by_id["late"]
     assert late["status"] == "expired", late
     if late.get("outputs") is not None:  # (a loaded machine may have read it past its deadline: no tokens)
-        assert late["outputs"]["finish_reason"] == "deadline" and 0 < late["outputs"]["generated_tokens"] < 400
+        assert (
+            late["outputs"]["finish_reason"] == "deadline" and 0 < late["outputs"]["generated_tokens"] < 400
+        )
     dlq = read_all(bs, topic_names["dlq"], want=3, timeout=30)
     stages = sorted(dict(m.headers())["x-error-stage"].decode() for m in dlq)
     assert stages == ["decode", "expired", "inference"], stages
@@ -133,7 +143,8 @@ def test_tiny_lm_through_the_worker_gives_what_generate_gives_alone(kafka, topic
     prompts = {f"t-{i}": (f"event {i} " * (1 + i % 4), 4 + (i * 7) % 29) for i in range(24)}
     for part in range(2):
         produce_values(bs, topic_names["in"], [gen(rid, p, max_new_tokens=k) for i, (rid, (p, k))
-                                               in enumerate(prompts.items()) if i % 2 == part], partition=part)
+                                               in enumerate(prompts.items()) if i % 2 == part],
+                       partition=part)
     cfg = worker_config(bs, topic_names, model={"name": "tiny-lm",
                                                 "generation": {"max_new_tokens": 64, "max_sequences": 8,
                                                                "max_batch_tokens": 1024}})

@@ -35,7 +35,8 @@ def test_generative_exactly_once_in_offset_order(kafka, topic_names, tmp_path, m
     produce_values(bs, topic_names["in"], items)
     # A small token budget: under grow admission sequences outgrow it and are preempted and recomputed.
     cfg = worker_config(bs, topic_names, model={"name": model, "options": {"a_ms": 1.0, "b_ms": 0.01},
-                                                "generation": {"admission": admission, "max_batch_tokens": 600}},
+                                                "generation": {"admission": admission,
+                                                               "max_batch_tokens": 600}},
                         delivery={"mode": "exactly_once", "transactional_id": f"tx-{topic_names['run']}"})
     w = WorkerProcess(cfg, tmp_path).start()
     try:

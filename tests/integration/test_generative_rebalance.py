@@ -28,11 +28,13 @@ def test_revoke_abandons_in_flight_sequences(kafka, topic_names, tmp_path):
     bs, n = kafka.bootstrap, 200
     create_topics(bs, {topic_names["in"]: 4, topic_names["out"]: 4, topic_names["dlq"]: 1})
     items = [(f"s-{i}".encode(), msgspec.json.encode(
-        {"id": f"s-{i}", "inputs": {"prompt": f"p{i}", "max_new_tokens": 200 + (i % 5) * 300}})) for i in range(n)]
+        {"id": f"s-{i}", "inputs": {"prompt": f"p{i}", "max_new_tokens": 200 + (i % 5) * 300}}))
+        for i in range(n)]
     produce_values(bs, topic_names["in"], items)
     # Every request runs at once (200 sequences, steps of >= 4 ms): the first finish after 200 steps, the
     # longest take 1,400, so when the second worker joins, sequences of every partition are running.
-    cfg = worker_config(bs, topic_names, model={"name": "synthetic-lm", "options": {"a_ms": 4.0, "b_ms": 0.05},
+    cfg = worker_config(bs, topic_names, model={"name": "synthetic-lm",
+                                                "options": {"a_ms": 4.0, "b_ms": 0.05},
                                                 "generation": {"max_sequences": 256, "max_new_tokens": 2000,
                                                                "max_batch_tokens": 1_000_000}},
                         delivery={"revoke_timeout_ms": 20000})

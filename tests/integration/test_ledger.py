@@ -24,11 +24,13 @@ from tests.support.kafka_io import (
 pytestmark = pytest.mark.integration
 
 
-def test_ledger_skips_ids_already_delivered_ok_and_reprocesses_failed_ones(kafka, local_redis, topic_names, tmp_path):
+def test_ledger_skips_ids_already_delivered_ok_and_reprocesses_failed_ones(kafka, local_redis, topic_names,
+                                                                           tmp_path):
     bs, n = kafka.bootstrap, 400
     create_topics(bs, {topic_names["in"]: 2, topic_names["out"]: 2, topic_names["dlq"]: 1})
     produce_values(bs, topic_names["in"], [request(i) for i in range(n)])
-    produce_values(bs, topic_names["in"], [(b"bad", b'{"id": "bad", "inputs": "not a list"}')])  # error result
+    # error result
+    produce_values(bs, topic_names["in"], [(b"bad", b'{"id": "bad", "inputs": "not a list"}')])
     redis = {"url": local_redis.url, "ledger": True, "key_prefix": f"kiw-ledger:{uuid.uuid4().hex[:8]}:"}
 
     def run(group: str, want: int) -> list[dict]:
@@ -50,4 +52,5 @@ def test_ledger_skips_ids_already_delivered_ok_and_reprocesses_failed_ones(kafka
     assert [r["status"] for r in first].count("ok") == n and [r["id"] for r in first].count("bad") == 1
     # The same n + 1 records again: every ok id is in the ledger, so only "bad" gets a (second) result.
     ids = [r["id"] for r in run(f"second-{topic_names['run']}", n + 2)]
-    assert len(ids) == n + 2 and ids.count("bad") == 2, f"{len(ids) - n - 1} new results, expected 1 (for 'bad')"
+    assert len(ids) == n + 2 and ids.count("bad") == 2, (f"{len(ids) - n - 1} new results, "
+                                                         "expected 1 (for 'bad')")

@@ -50,7 +50,8 @@ def test_metrics_move_and_health_endpoints(kafka, topic_names, tmp_path):
         feeder = threading.Thread(target=produce, args=(bs, topic_names["in"], requests(n, "synthetic")),
                                   kwargs={"rate": 1500})
         feeder.start()
-        wait_for(lambda: _value(_get(base + "/metrics")[1], "kiw_records_in_total") > 0, 60, what="records in")
+        wait_for(lambda: _value(_get(base + "/metrics")[1], "kiw_records_in_total") > 0, 60,
+                 what="records in")
         first = _get(base + "/metrics")[1]
         feeder.join(60)
         read_all(bs, topic_names["out"], want=n, timeout=120)
@@ -61,7 +62,8 @@ def test_metrics_move_and_health_endpoints(kafka, topic_names, tmp_path):
         assert w.stop() == 0
     finally:
         w.kill()
-    assert _value(second, "kiw_records_in_total", lane="default") > _value(first, "kiw_records_in_total", lane="default")
+    assert _value(second, "kiw_records_in_total", lane="default") > _value(first, "kiw_records_in_total",
+                                                                           lane="default")
     assert _value(second, "kiw_records_out_total", lane="default", status="ok") == n
     for hist in ("kiw_batch_size", "kiw_batch_fill_ratio", "kiw_queue_wait_seconds", "kiw_inference_seconds",
                  "kiw_end_to_end_seconds"):
@@ -71,4 +73,5 @@ def test_metrics_move_and_health_endpoints(kafka, topic_names, tmp_path):
     assert _value(second, "kiw_model_loaded") == 1
     assert status == 200, body
     print(f"\n[metrics] ok={_value(second, 'kiw_records_out_total', status='ok'):.0f} "
-          f"batches={_value(second, 'kiw_batch_size_count', lane='default'):.0f} readyz={json.loads(body) if body.startswith('{') else body}")
+          f"batches={_value(second, 'kiw_batch_size_count', lane='default'):.0f} "
+          f"readyz={json.loads(body) if body.startswith('{') else body}")

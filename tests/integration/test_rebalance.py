@@ -35,7 +35,8 @@ def test_three_workers_join_and_leave_during_run(kafka, topic_names, tmp_path, a
                         delivery={"revoke_timeout_ms": 5000})
     rate = n / 12.0  # the run lasts ~12 s; members join and leave meanwhile
     producer = threading.Thread(target=produce, args=(bs, topic_names["in"],
-                                                      requests(n, "identity", id_prefix="rb")), kwargs={"rate": rate})
+                                                      requests(n, "identity", id_prefix="rb")),
+                                kwargs={"rate": rate})
     workers = [WorkerProcess(cfg, tmp_path, name=f"{assignor}-w{i}") for i in range(3)]
     everyone = list(workers)
     try:
@@ -65,8 +66,8 @@ def test_three_workers_join_and_leave_during_run(kafka, topic_names, tmp_path, a
     missing = {f"rb-{i}" for i in range(n)} - set(ids)
     dupes = sum(c - 1 for c in ids.values())
     revokes = sum(w.log().count("partitions released") for w in everyone)
-    print(f"\n[rebalance:{assignor}] sent={n} results={len(results)} distinct={len(ids)} missing={len(missing)} "
-          f"duplicates={dupes} (records in flight at {revokes} revokes)")
+    print(f"\n[rebalance:{assignor}] sent={n} results={len(results)} distinct={len(ids)} "
+          f"missing={len(missing)} duplicates={dupes} (records in flight at {revokes} revokes)")
     assert not missing, f"{len(missing)} ids never got a result, e.g. {sorted(missing)[:5]}"
     # Two members left mid-run, each releasing its partitions: the run did rebalance.
     assert revokes >= 2, f"only {revokes} partition releases: the group did not rebalance as scripted"

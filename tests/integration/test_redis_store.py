@@ -1,4 +1,5 @@
-"""RedisStore against a real redis-server (REDIS_URL, testcontainers, or a LocalRedis; see tests/conftest_redis.py)."""
+"""RedisStore against a real redis-server (REDIS_URL, testcontainers, or a LocalRedis; see
+tests/conftest_redis.py)."""
 
 from __future__ import annotations
 
@@ -231,8 +232,8 @@ def test_hung_server_is_bounded_by_the_socket_timeout(local_redis: LocalRedis) -
         t0 = time.monotonic()
         assert store.get_cached("k") is None
         assert store.incr_attempts("k") == 0
-        # Two timeouts of 0.1 s. Not a performance figure: a bound on blocking (a hung server must not hold the
-        # loop thread), with 10x slack for a busy machine.
+        # Two timeouts of 0.1 s. Not a performance figure: a bound on blocking (a hung server must not hold
+        # the loop thread), with 10x slack for a busy machine.
         assert time.monotonic() - t0 < 2.0
         assert store.breaker.state == "open"
         reached = _count_client_use(store)
@@ -253,7 +254,8 @@ def _self_signed(tmp: Path) -> tuple[Path, Path]:
     return cert, key
 
 
-def test_tls_with_ca_file_and_password(local_redis_factory: Callable[..., LocalRedis], tmp_path: Path) -> None:
+def test_tls_with_ca_file_and_password(local_redis_factory: Callable[..., LocalRedis],
+                                       tmp_path: Path) -> None:
     needs.command("openssl")  # makes the test certificate (setup_env.sh installs it)
     cert, key = _self_signed(tmp_path)
     server = local_redis_factory(password="tls-pw", tls_cert_file=cert, tls_key_file=key)

@@ -58,7 +58,8 @@ def test_sigterm_mid_run_exits_0_loses_nothing_and_restart_resumes(kafka, topic_
         w2.kill()
     ids = collections.Counter(r["id"] for r in results)
     dupes = sum(c - 1 for c in ids.values())
-    print(f"\n[shutdown] before SIGTERM: {len(first)} results; after restart: {len(ids)} ids, duplicates={dupes}")
+    print(f"\n[shutdown] before SIGTERM: {len(first)} results; after restart: {len(ids)} ids, "
+          f"duplicates={dupes}")
     assert set(ids) == {f"s-{i}" for i in range(n)}
     assert dupes == 0, "a graceful shutdown finishes and commits in-flight work: no duplicates"
 

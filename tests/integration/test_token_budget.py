@@ -26,10 +26,12 @@ def test_batches_stay_within_the_token_budget(kafka, topic_names, tmp_path):
     create_topics(bs, {topic_names["in"]: 1, topic_names["out"]: 1, topic_names["dlq"]: 1})
     rnd = random.Random(3)
     sizes = [rnd.choice([1, 2, 5, 10, 30]) for _ in range(n)]
-    sizes[50], sizes[120], sizes[300] = 120, 200, 120  # over the budget (alone), over max_size (refused), alone
+    # over the budget (alone), over max_size (refused), alone
+    sizes[50], sizes[120], sizes[300] = 120, 200, 120
     enc = msgspec.json.encode
     produce_values(bs, topic_names["in"],
-                   [(f"r-{i}".encode(), enc({"id": f"r-{i}", "inputs": {"n": s}})) for i, s in enumerate(sizes)])
+                   [(f"r-{i}".encode(), enc({"id": f"r-{i}",
+                                             "inputs": {"n": s}})) for i, s in enumerate(sizes)])
     cfg = worker_config(bs, topic_names,
                         model={"name": "tests.support.sized_model:make"},
                         batching={"lanes": [{"name": "default", "max_batch_size": 64, "max_wait_ms": 200,

@@ -122,7 +122,8 @@ def member_with_partitions(bootstrap: str, group: str, topic: str, strategy: str
                            timeout: float = 60.0) -> Consumer:
     """Another member of ``group`` on ``topic`` (assignor ``strategy``), returned once it holds a partition;
     the caller polls it to stay and closes it to leave."""
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "partition.assignment.strategy": strategy,
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": group,
+                  "partition.assignment.strategy": strategy,
                   "enable.auto.commit": False, "session.timeout.ms": 10000, "log_level": 0})
     c.subscribe([topic])
     deadline = time.monotonic() + timeout
@@ -143,7 +144,8 @@ def wait_for(pred: Any, timeout: float, interval: float = 0.25, what: str = "con
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-def worker_config(bootstrap: str, names: dict[str, str], group: str | None = None, **sections: Any) -> dict[str, Any]:
+def worker_config(bootstrap: str, names: dict[str, str], group: str | None = None,
+                  **sections: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "kafka": {"bootstrap_servers": bootstrap, "group_id": group or f"g-{names['run']}",
                   "input_topics": [names["in"]], "output_topic": names["out"], "dlq_topic": names["dlq"],
@@ -170,7 +172,8 @@ def worker_config(bootstrap: str, names: dict[str, str], group: str | None = Non
 class WorkerProcess:
     """``python -m worker <command> --config F`` as a child process, logs to a file."""
 
-    def __init__(self, config: dict[str, Any], tmp: Path, command: str = "run", extra_args: list[str] | None = None,
+    def __init__(self, config: dict[str, Any], tmp: Path, command: str = "run",
+                 extra_args: list[str] | None = None,
                  env: dict[str, str] | None = None, name: str | None = None) -> None:
         self.name = name or f"worker-{uuid.uuid4().hex[:4]}"
         self.config_path = tmp / f"{self.name}.yaml"
@@ -193,9 +196,16 @@ class WorkerProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def wait_assigned(self, timeout: float = 90.0) -> None:
-        wait_for(lambda: "partitions assigned" in self.log() or (self.proc is not None and self.proc.poll() is not None),
-                 timeout, what=f"{self.name} to get partitions")
-        assert self.proc is not None and self.proc.poll() is None, f"{self.name} exited early:\n{self.log()[-4000:]}"
+        wait_for(
+            lambda: (
+                "partitions assigned" in self.log()
+                or (self.proc is not None and self.proc.poll() is not None)
+            ),
+            timeout,
+            what=f"{self.name} to get partitions",
+        )
+        assert self.proc is not None and self.proc.poll() is None, (f"{self.name} exited "
+                                                                    f"early:\n{self.log()[-4000:]}")
 
     def signal(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is not None and self.proc.poll() is None:

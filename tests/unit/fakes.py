@@ -29,11 +29,13 @@ _offsets = itertools.count()
 
 
 def rec(lane: str = "default", *, topic: str = "in", partition: int = 0, offset: int | None = None,
-        size: int = 1, deadline: float | None = None, received_at: float = 0.0, id: str | None = None) -> Record:
+        size: int = 1, deadline: float | None = None, received_at: float = 0.0,
+        id: str | None = None) -> Record:
     """A record with just the fields the core looks at."""
     off = next(_offsets) if offset is None else offset
     return Record(tp=TopicPartition(topic, partition), offset=off, value=b"{}", lane=lane, size=size,
-                  deadline=deadline, received_at=received_at, id=id if id is not None else f"{topic}-{partition}-{off}")
+                  deadline=deadline, received_at=received_at,
+                  id=id if id is not None else f"{topic}-{partition}-{off}")
 
 
 def recs(n: int, lane: str = "default", **kw: object) -> list[Record]:

@@ -193,14 +193,15 @@ class FakeConsumer:
         self.config = dict(config or {})
         self.logs: dict[TopicPartition, list[FakeMessage]] = defaultdict(list)
         self.positions: dict[TopicPartition, int] = {}
-        # librdkafka's application position: after the last message returned, unknown (OFFSET_INVALID) after an
-        # assign or a seek until a message is returned (what position() answers).
+        # librdkafka's application position: after the last message returned, unknown (OFFSET_INVALID) after
+        # an assign or a seek until a message is returned (what position() answers).
         self.app_positions: dict[TopicPartition, int] = {}
         self.markers: set[tuple[TopicPartition, int]] = set()  # (partition, offset) of transaction markers
         self.committed_offsets: dict[TopicPartition, int] = {}
         self.assignment_set: list[TopicPartition] = []
         self.paused: set[TopicPartition] = set()
-        # High watermarks as of the last fetch (get_watermark_offsets(cached=True)): a paused partition's go stale.
+        # High watermarks as of the last fetch (get_watermark_offsets(cached=True)): a paused partition's go
+        # stale.
         self.fetched_high: dict[TopicPartition, int] = {}
         self.watermark_queries: list[TopicPartition] = []  # cached=False calls (a broker round trip each)
         self.topics: list[str] = []
@@ -254,8 +255,8 @@ class FakeConsumer:
         return log[-1].offset() + 1 if log else 0
 
     def sibling(self) -> FakeConsumer:
-        """Another consumer of the same broker and group: the logs, markers and the group's commits are shared,
-        nothing else (no assignment, no callbacks)."""
+        """Another consumer of the same broker and group: the logs, markers and the group's commits are
+        shared, nothing else (no assignment, no callbacks)."""
         c = FakeConsumer(self.clock)
         c.logs, c.markers, c.committed_offsets = self.logs, self.markers, self.committed_offsets
         return c
@@ -313,7 +314,8 @@ class FakeConsumer:
             raise RuntimeError("Consumer closed")
 
     def subscribe(self, topics: list[str], on_assign: Callable[..., None] | None = None,
-                  on_revoke: Callable[..., None] | None = None, on_lost: Callable[..., None] | None = None) -> None:
+                  on_revoke: Callable[..., None] | None = None,
+                  on_lost: Callable[..., None] | None = None) -> None:
         self._check_open()
         self.topics = list(topics)
         self.callbacks = {"on_assign": on_assign, "on_revoke": on_revoke, "on_lost": on_lost}
@@ -342,8 +344,14 @@ class FakeConsumer:
                 if tp in self.paused:
                     continue
                 pos = self.positions.get(tp, 0)
-                nxt = next((m for m in self.logs.get(tp, ()) if m.offset() >= pos and (tp, m.offset()) not in self.markers),
-                           None)
+                nxt = next(
+                    (
+                        m
+                        for m in self.logs.get(tp, ())
+                        if m.offset() >= pos and (tp, m.offset()) not in self.markers
+                    ),
+                    None,
+                )
                 if nxt is None:
                     end = self._step_over_markers(tp, pos)
                     if end != pos:
@@ -421,11 +429,13 @@ class FakeConsumer:
 
     def committed(self, partitions: list[KTP], timeout: float | None = None) -> list[KTP]:
         self._check_open()
-        return [KTP(k.topic, k.partition, self.committed_offsets.get(tp_of(k), OFFSET_INVALID)) for k in partitions]
+        return [KTP(k.topic, k.partition,
+                    self.committed_offsets.get(tp_of(k), OFFSET_INVALID)) for k in partitions]
 
     def position(self, partitions: list[KTP]) -> list[KTP]:
         self._check_open()
-        return [KTP(k.topic, k.partition, self.app_positions.get(tp_of(k), OFFSET_INVALID)) for k in partitions]
+        return [KTP(k.topic, k.partition,
+                    self.app_positions.get(tp_of(k), OFFSET_INVALID)) for k in partitions]
 
     def seek(self, partition: KTP) -> None:
         self._check_open()
@@ -448,7 +458,9 @@ class FakeConsumer:
             parts[tp.topic].add(tp.partition)
         for t in self.topics:
             parts[t].add(0)
-        return _ClusterMeta({t: _TopicMeta(t, {p: _PartitionMeta(p) for p in sorted(ps)}) for t, ps in parts.items()})
+        return _ClusterMeta(
+            {t: _TopicMeta(t, {p: _PartitionMeta(p) for p in sorted(ps)}) for t, ps in parts.items()}
+        )
 
     def get_watermark_offsets(self, partition: KTP, timeout: float | None = None,
                               cached: bool = False) -> tuple[int, int]:
@@ -597,11 +609,13 @@ class FakeProducer:
     # ---- client API
     def produce(self, topic: str, value: bytes | None = None, key: bytes | None = None, partition: int = -1,
                 on_delivery: Callable[..., None] | None = None, timestamp: int = 0,
-                headers: list[tuple[str, bytes]] | None = None, callback: Callable[..., None] | None = None) -> None:
+                headers: list[tuple[str, bytes]] | None = None,
+                callback: Callable[..., None] | None = None) -> None:
         if self.fatal_error is not None:
             raise KafkaException(self.fatal_error)
         if topic in self.unknown_topics:  # librdkafka, once metadata says the topic does not exist
-            raise KafkaException(KafkaError(KafkaError._UNKNOWN_TOPIC, "Unable to produce message: Local: Unknown topic"))
+            raise KafkaException(KafkaError(KafkaError._UNKNOWN_TOPIC,
+                                            "Unable to produce message: Local: Unknown topic"))
         if len(self.pending) >= self.queue_limit:
             raise BufferError("Local: Queue full")
         # librdkafka's rule (rd_kafka_msg_max_wire_size): 36 bytes of record overhead + key + value + each
@@ -609,14 +623,23 @@ class FakeProducer:
         def varint(n: int) -> int:
             return max(1, ((n << 1).bit_length() + 6) // 7)
 
-        size = 36 + len(value or b"") + len(key or b"") + sum(
-            varint(len(k.encode())) + len(k.encode()) + varint(len(v or b"")) + len(v or b"") for k, v in headers or ())
+        size = (
+            36
+            + len(value or b"")
+            + len(key or b"")
+            + sum(
+                varint(len(k.encode())) + len(k.encode()) + varint(len(v or b"")) + len(v or b"")
+                for k, v in headers or ()
+            )
+        )
         if size > self.max_message_bytes:
-            raise KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, "Unable to produce message: Broker: Message size too large"))
+            raise KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE,
+                                            "Unable to produce message: Broker: Message size too large"))
         if self.transactional and not self.in_txn:
             raise KafkaException(KafkaError(KafkaError._STATE, "Operation not valid in state Ready"))
         if self.abortable:
-            raise KafkaException(KafkaError(KafkaError._STATE, "Unable to produce message: Local: Erroneous state"))
+            raise KafkaException(KafkaError(KafkaError._STATE,
+                                            "Unable to produce message: Local: Erroneous state"))
         p = Produced(topic, value, key, headers, partition=max(partition, 0),
                      txn=self.txn_index if self.transactional else None)
         self.produced.append(p)
@@ -701,7 +724,8 @@ class FakeProducer:
 
     def _conflict(self) -> None:
         if self.commit_in_progress:
-            raise KafkaException(KafkaError(KafkaError._CONFLICT, "Conflicting commit_transaction API call is "
+            raise KafkaException(KafkaError(KafkaError._CONFLICT,
+                                            "Conflicting commit_transaction API call is "
                                             "already in progress", retriable=True))
 
     def begin_transaction(self) -> None:
@@ -771,7 +795,8 @@ class FakeProducer:
         return self.visible("dlq")
 
 
-# ----------------------------------------------------------------------------------------------- model / device
+# ----------------------------------------------------------------------------------------------- model /
+# device
 class FakeModel:
     """A handler that echoes its inputs (``{"echo": x}``); an input equal to ``"poison"`` fails alone (as
     the engine's bisection isolates it); ``input_type`` is configurable to test validation."""
@@ -928,12 +953,13 @@ class Harness:
             c.config = dict(extra)
             self.consumers.append(c)
             self.consumer = c
-            # A wrapper the runner holds instead (a proxy that times every call, say); ``inner`` is the consumer.
+            # A wrapper the runner holds instead (a proxy that times every call, say); ``inner`` is the
+            # consumer.
             return c if wrap_consumer is None else wrap_consumer(c)
 
         def make_producer(cfg: Any, **extra: Any) -> FakeProducer:
-            # The first call makes the producer, a second one the spare (Harness(spare=True)); later ones replace
-            # a stalled producer (worker.emit), listed in ``replacements``.
+            # The first call makes the producer, a second one the spare (Harness(spare=True)); later ones
+            # replace a stalled producer (worker.emit), listed in ``replacements``.
             if not made:
                 p = self.producer
             elif len(made) == 1 and self.spare is not None:
@@ -950,7 +976,8 @@ class Harness:
         self.runner = wr.Runner(self.cfg, self.model, store=store, metrics=metrics, spare_producer=spare,
                                 clock=self.clock, new_consumer=make_consumer, new_producer=make_producer,
                                 load_devices=self._load_devices, **runner_kw)
-        self.devices = [FakeDevice(self.runner, self.model, name=f"fake-{i}", index=i) for i in range(devices)]
+        self.devices = [FakeDevice(self.runner, self.model,
+                                   name=f"fake-{i}", index=i) for i in range(devices)]
 
     @property
     def device(self) -> FakeDevice:

@@ -1,5 +1,5 @@
-"""worker backfill's assignment hook (backfill.on_assign), driven through backfill() on the fakes: the start offsets
-it chooses, and a partition added to an input topic while the backfill runs."""
+"""worker backfill's assignment hook (backfill.on_assign), driven through backfill() on the fakes: the start
+offsets it chooses, and a partition added to an input topic while the backfill runs."""
 from __future__ import annotations
 
 import pytest
@@ -52,8 +52,11 @@ def build(monkeypatch: pytest.MonkeyPatch) -> Harness:
         return h.runner
 
     monkeypatch.setattr(bf, "BackfillRunner", factory)
-    monkeypatch.setattr(bf.threading, "Thread", lambda *a, **k: type("T", (), {"start": lambda s: None,
-                                                                              "join": lambda s, t=None: None})())
+    monkeypatch.setattr(
+        bf.threading,
+        "Thread",
+        lambda *a, **k: type("T", (), {"start": lambda s: None, "join": lambda s, t=None: None})(),
+    )
     with pytest.raises(_Stop):
         bf.backfill(make_config())
     return holder["h"]
@@ -68,10 +71,12 @@ def read_to_end(h: Harness) -> None:
     assert h.committed() == 3 and IN0 in h.runner.reached and IN0 in h.c.paused  # read to its end: paused
 
 
-def test_a_partition_added_to_the_topic_during_the_backfill_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A partition the end snapshot does not know made on_assign raise KeyError, which Runner._on_assign logged:
-    the chosen start offsets were not applied, and the partitions were not resumed either, so one read to its end
-    (paused) before the rebalance stayed paused in the client, and the backfill never completed."""
+def test_a_partition_added_to_the_topic_during_the_backfill_is_left_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A partition the end snapshot does not know made on_assign raise KeyError, which Runner._on_assign
+    logged: the chosen start offsets were not applied, and the partitions were not resumed either, so one read
+    to its end (paused) before the rebalance stayed paused in the client, and the backfill never completed."""
     h = build(monkeypatch)
     read_to_end(h)
     h.c.revoke(("in", 0))

@@ -37,7 +37,8 @@ def test_paused_partitions_stay_paused_until_the_low_watermark() -> None:
     assert decide(51) == set()  # the bound was never reached: nothing to hold
     assert partitions_to_pause(in_flight=100, bound=100, resume_ratio=0.5, assigned=ALL).holding
     assert partitions_to_pause(in_flight=51, bound=100, resume_ratio=0.5, assigned=ALL, holding=True).holding
-    assert not partitions_to_pause(in_flight=50, bound=100, resume_ratio=0.5, assigned=ALL, holding=True).holding
+    assert not partitions_to_pause(in_flight=50, bound=100, resume_ratio=0.5, assigned=ALL,
+                                   holding=True).holding
 
 
 def test_a_pause_for_one_reason_is_not_held_by_another_reasons_low_watermark() -> None:
@@ -71,7 +72,8 @@ def test_every_reason_is_honoured_and_nothing_unassigned_is_paused(in_flight: in
                                                                    full: set[str]) -> None:
     assigned = frozenset({HI0, LO0, LO1})
     want = partitions_to_pause(in_flight=in_flight, bound=100, resume_ratio=0.5, assigned=assigned,
-                               holding=holding, reached=frozenset(reached), full_lanes=full, lane_of=lane_of).want
+                               holding=holding, reached=frozenset(reached), full_lanes=full,
+                               lane_of=lane_of).want
     assert want <= assigned
     assert reached & assigned <= want
     assert {tp for tp in assigned if lane_of(tp) in full} <= want

@@ -52,7 +52,8 @@ def test_the_ideal_batcher_serves_what_is_queued_when_free_lanes_unmixed() -> No
     # Those queued behind a busy server go together, up to the max batch (2 here).
     lat, _ = simulate([(0.0, "low"), (1.0, "low"), (2.0, "low"), (3.0, "low")], bs=2, order=("low",))
     two = A_MS + 2 * B_MS
-    assert lat["low"] == [a_plus_b, a_plus_b + two - 1.0, a_plus_b + two - 2.0, a_plus_b + two + a_plus_b - 3.0]
+    assert lat["low"] == [a_plus_b, a_plus_b + two - 1.0, a_plus_b + two - 2.0,
+                          a_plus_b + two + a_plus_b - 3.0]
     # Strict priority between lanes when both are queued.
     lat, _ = simulate([(0.0, "low"), (1.0, "low"), (2.0, "high")], bs=32, order=("high", "low"))
     assert lat["high"] == [a_plus_b - 2.0 + a_plus_b]
@@ -132,7 +133,8 @@ def test_thread_cpu_names_python_threads_and_counts_their_cpu() -> None:
 
     def spin() -> None:
         # Busy until the test has read its CPU (so the thread's own clock ticks; sleeping would not), whenever
-        # the loaded machine gets round to that: a fixed amount of spinning could end before the first reading.
+        # the loaded machine gets round to that: a fixed amount of spinning could end before the first
+        # reading.
         end = time.monotonic() + 10
         while not done.is_set() and time.monotonic() < end:
             pass
@@ -150,7 +152,8 @@ def test_thread_cpu_names_python_threads_and_counts_their_cpu() -> None:
     assert after["spinner"] - before["spinner"] >= 0.05
 
 
-def test_a_failed_scenario_keeps_a_row_and_fails_the_run(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_scenario_keeps_a_row_and_fails_the_run(tmp_path: Any,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.bench import run_all
 
     ok = row("7.5 scale-out", "f", 2.0, "b", 1.0, ">=", 1.8)

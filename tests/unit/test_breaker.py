@@ -101,7 +101,8 @@ def test_redis_store_is_lazy_and_hides_the_password() -> None:
 
 
 def test_tls_settings_reach_the_client() -> None:
-    s = RedisStore(RedisConfig(url="redis://cache:6380/1", tls=True, tls_ca_file="/etc/ca.pem", timeout_ms=80))
+    s = RedisStore(RedisConfig(url="redis://cache:6380/1", tls=True, tls_ca_file="/etc/ca.pem",
+                               timeout_ms=80))
     assert s.url.startswith("rediss://")
     kw = s._client().connection_pool.connection_kwargs  # made without connecting
     assert kw["ssl_ca_certs"] == "/etc/ca.pem"

@@ -100,7 +100,8 @@ def test_seeded_sampling_repeats_whatever_runs_beside_it() -> None:
     again = run(m, [(0, PROMPTS[2], 24)], {0: hot})[0]
     crowd = run(m, [(2, PROMPTS[0], 30), (0, PROMPTS[2], 24), (1, PROMPTS[5], 10)],
                 {0: GenParams(max_new_tokens=30, temperature=1.0, seed=1), 1: hot})[1]
-    other = run(m, [(0, PROMPTS[2], 24)], {0: GenParams(max_new_tokens=24, temperature=0.9, top_p=0.9, seed=8)})
+    other = run(m, [(0, PROMPTS[2], 24)], {0: GenParams(max_new_tokens=24, temperature=0.9,
+                                                        top_p=0.9, seed=8)})
     assert alone == again == crowd
     assert other[0] != alone  # another seed draws other tokens (24 draws from a spread-out distribution)
     assert alone != list(reference(PROMPTS[2], 24)[: len(alone)])  # it samples: not the greedy answer
@@ -117,7 +118,8 @@ def test_the_sequence_id_seeds_a_sequence_without_a_seed() -> None:
 @pytest.mark.parametrize("top_p", [1e-6, 0.0])
 def test_a_tiny_top_p_keeps_only_the_most_likely_token(top_p: float) -> None:
     greedy = list(reference(PROMPTS[4], 20))
-    got = run(tiny(), [(0, PROMPTS[4], 20)], {0: GenParams(max_new_tokens=20, temperature=2.0, top_p=top_p)})[0]
+    got = run(tiny(), [(0, PROMPTS[4], 20)], {0: GenParams(max_new_tokens=20,
+                                                           temperature=2.0, top_p=top_p)})[0]
     assert got == greedy
 
 
@@ -213,7 +215,8 @@ def _random_weights(model: Any) -> Any:
 def _architecture(kind: str) -> Any:
     import transformers as t
 
-    small: dict[str, Any] = {"vocab_size": 259, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    small: dict[str, Any] = {"vocab_size": 259, "hidden_size": 64, "intermediate_size": 128,
+                             "num_hidden_layers": 2,
                              "num_attention_heads": 4, "num_key_value_heads": 2}
     if kind == "gpt2":
         return t.GPT2LMHeadModel(t.GPT2Config(vocab_size=259, n_embd=64, n_layer=2, n_head=4, n_positions=256,
@@ -238,5 +241,6 @@ def test_other_full_attention_architectures_step_like_generate(kind: str) -> Non
 
 
 def test_a_sliding_window_model_is_refused_with_its_class_named() -> None:
-    with pytest.raises(ConfigError, match=r"MistralForCausalLM uses cache layers \['DynamicSlidingWindowLayer'\]"):
+    with pytest.raises(ConfigError, match=r"MistralForCausalLM uses cache layers "
+                                          r"\['DynamicSlidingWindowLayer'\]"):
         HFStepModel(_random_weights(_architecture("mistral-window")), tiny().tokenizer)

@@ -1,5 +1,5 @@
-"""``worker check-config`` as strict as ``worker run``: factory options, handler classes, every problem at once,
-suggestions for unknown keys, and secrets that exist only where the worker runs."""
+"""``worker check-config`` as strict as ``worker run``: factory options, handler classes, every problem at
+once, suggestions for unknown keys, and secrets that exist only where the worker runs."""
 
 from __future__ import annotations
 
@@ -81,13 +81,15 @@ def test_a_factory_option_typo_is_reported_with_the_name_it_takes(
                    "'out_feature' (it takes: in_features, out_features, bias); did you mean `out_features`?"]
 
 
-def test_a_required_factory_option_left_out_is_an_error(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_required_factory_option_left_out_is_an_error(models: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
     rc, err, _ = _check(models, """\
         kafka: {input_topics: [in]}
         model: {name: "byo_models:linear", options: {input_shape: [4]}}
         """, capsys)
     assert rc == 2
-    assert err == ["config error: $.model.options.in_features: required by factory 'byo_models:linear', not given"]
+    assert err == ["config error: $.model.options.in_features: required by factory "
+                   "'byo_models:linear', not given"]
 
 
 def test_a_module_class_is_checked_against_its_init(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -100,14 +102,15 @@ def test_a_module_class_is_checked_against_its_init(models: Path, capsys: pytest
         "config error: $.model.options.input_dtype: expected one of ['bfloat16', 'bool', 'float', 'float16', "
         "'float32', 'float64', 'int32', 'int64', 'long'], got 'float8'",
         "config error: $.model.options.input_shape: expected a list of positive ints, got [0]",
-        "config error: $.model.options.widht: factory 'byo_models:Mlp' takes no option 'widht' (it takes: width); "
-        "did you mean `width`?",
+        "config error: $.model.options.widht: factory 'byo_models:Mlp' takes no option 'widht' (it takes: "
+        "width); did you mean `width`?",
     ]
 
 
 def test_a_handler_class_with_none_of_the_five_stages_is_an_error(
         models: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc, err, _ = _check(models, "kafka: {input_topics: [in]}\nmodel: {name: 'byo_models:NotAHandler'}\n", capsys)
+    rc, err, _ = _check(models, "kafka: {input_topics: [in]}\nmodel: {name: 'byo_models:NotAHandler'}\n",
+                        capsys)
     assert rc == 2
     assert err == ["config error: $.model.name: 'byo_models:NotAHandler' is a class with none of the handler "
                    "stages: a handler defines setup, decode, collate, forward, split (or make the class a "
@@ -117,11 +120,13 @@ def test_a_handler_class_with_none_of_the_five_stages_is_an_error(
 def test_a_handler_class_missing_a_stage_names_it(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, err, _ = _check(models, "kafka: {input_topics: [in]}\nmodel: {name: 'byo_models:NoSplit'}\n", capsys)
     assert rc == 2
-    assert err[0].startswith("config error: $.model.name: 'byo_models:NoSplit' is a class with no split method")
+    assert err[0].startswith("config error: $.model.name: 'byo_models:NoSplit' is a class "
+                             "with no split method")
 
 
 def test_a_handler_classs_attributes_are_checked(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc, err, _ = _check(models, "kafka: {input_topics: [in]}\nmodel: {name: 'byo_models:BadAttributes'}\n", capsys)
+    rc, err, _ = _check(models, "kafka: {input_topics: [in]}\nmodel: {name: 'byo_models:BadAttributes'}\n",
+                        capsys)
     assert rc == 2
     assert len(err) == 2
     assert "'byo_models:BadAttributes'.input_type <object object at" in err[0]
@@ -131,13 +136,15 @@ def test_a_handler_classs_attributes_are_checked(models: Path, capsys: pytest.Ca
 
 def test_a_good_handler_class_and_factory_pass(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for name, options in (("byo_models:Good", "{scale: 2.0}"), ("byo_models:linear", "{in_features: 4}")):
-        rc, err, out = _check(models, f"kafka: {{input_topics: [in]}}\nmodel: {{name: '{name}', options: {options}}}\n",
+        rc, err, out = _check(models, f"kafka: {{input_topics: [in]}}\nmodel: {{name: '{name}', options: "
+                                      f"{options}}}\n",
                               capsys)
         assert (rc, err) == (0, [])
         assert "OK" in out and "factory, importable; called at start" in out
 
 
-def test_every_problem_is_reported_at_once_sorted_by_path(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_every_problem_is_reported_at_once_sorted_by_path(models: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
     rc, err, _ = _check(models, """\
         kafka: {input_topics: [in], output_topic: in, grup_id: g}
         model: {name: "byo_models:linear", options: {in_features: 4, out_feature: 3}}
@@ -159,7 +166,8 @@ def test_every_problem_is_reported_at_once_sorted_by_path(models: Path, capsys: 
         """, capsys)
     assert rc == 2
     assert [line.split(": ", 2)[1] for line in err] == [
-        "$.batching.lanes[0].max_wait_msx", "$.batching.lanes[1].max_batch_size", "$.batching.lanes[10].weigth",
+        "$.batching.lanes[0].max_wait_msx", "$.batching.lanes[1].max_batch_size",
+        "$.batching.lanes[10].weigth",
         "$.delivery.mode", "$.kafka.grup_id", "$.metrics.port", "$.model.options.out_feature"]
     assert "did you mean `max_wait_ms`?" in err[0]
     assert "did you mean `weight`?" in err[2]
@@ -181,7 +189,8 @@ def test_across_key_problems_are_all_reported(capsys: pytest.CaptureFixture[str]
     ("model: {name: tiny, devise: cpu}\n", "$.model.devise: unknown key; did you mean `device`?"),
     ("redis: {urll: 'redis://h'}\n", "$.redis.urll: unknown key; did you mean `url`?"),
     ("model: {name: tiny, options: {hiden: 3}}\n",
-     "$.model.options.hiden: unknown option for model 'tiny' (allowed: hidden, seed); did you mean `hidden`?"),
+     "$.model.options.hiden: unknown option for model 'tiny' (allowed: hidden, seed); "
+     "did you mean `hidden`?"),
     ("zzz: 1\n", "$.zzz: unknown key"),  # nothing close: no guess
 ])
 def test_unknown_keys_anywhere_get_the_closest_known_name(text: str, wanted: str, tmp_path: Path,
@@ -206,8 +215,8 @@ def test_secrets_not_here_are_notes_in_check_config(tmp_path: Path, capsys: pyte
     assert rc == 0, err
     assert "OK" in out
     assert err == [
-        "note: $.kafka.consumer.sasl.password: environment variable 'KIW_TEST_ABSENT_PW' is not set (not checked "
-        "here; `worker run` without it exits 2)",
+        "note: $.kafka.consumer.sasl.password: environment variable 'KIW_TEST_ABSENT_PW' is not set (not "
+        "checked here; `worker run` without it exits 2)",
         "note: $.redis.url: cannot read secret file '/nonexistent/redis-url': No such file or directory (not "
         "checked here; `worker run` without it exits 2)",
         "note: $.kafka.consumer.ssl.ca.location: /nonexistent/ca.pem is not on this machine (not checked; "
@@ -231,7 +240,8 @@ def test_secrets_not_here_are_errors_in_run(tmp_path: Path, capsys: pytest.Captu
     assert err == [
         "config error: $.kafka.consumer.sasl.password: environment variable 'KIW_TEST_ABSENT_PW' is not set",
         "config error: $.kafka.consumer.ssl.ca.location: no such file on this machine: /nonexistent/ca.pem",
-        "config error: $.redis.url: cannot read secret file '/nonexistent/redis-url': No such file or directory",
+        "config error: $.redis.url: cannot read secret file '/nonexistent/redis-url': No "
+        "such file or directory",
     ]
 
 

@@ -19,7 +19,8 @@ def _help(*command: str) -> str:
 
 @pytest.mark.parametrize("command, wanted", [
     ("load", ["--rate RATE records per second (default 1000", "(default tiny)",
-              "--deadline-ms MS give each request a deadline MS milliseconds after", "(default: no deadline)"]),
+              "--deadline-ms MS give each request a deadline MS milliseconds after",
+              "(default: no deadline)"]),
     ("profile", ["or a model file (default tiny)", "autocast dtype, as model.dtype (default fp32"]),
     ("demo", ["0 with --bootstrap or KAFKA_BOOTSTRAP_SERVERS"]),
     ("run", ["turns the endpoint on even where metrics.enabled is false"]),
@@ -35,7 +36,8 @@ def test_metrics_port_turns_the_metrics_endpoint_on(monkeypatch: pytest.MonkeyPa
     import worker.service
 
     seen: list[tuple[Any, int | None]] = []
-    monkeypatch.setattr(worker.service, "run_service", lambda cfg, metrics_port=None: seen.append((cfg, metrics_port)) or 0)
+    monkeypatch.setattr(worker.service, "run_service",
+                        lambda cfg, metrics_port=None: seen.append((cfg, metrics_port)) or 0)
     monkeypatch.setattr("worker.cli._setup_logging", lambda cfg, level=None: None)
     f = tmp_path / "c.yaml"
     f.write_text("kafka: {input_topics: [in]}\nmetrics: {enabled: false, port: 9400}\n")

@@ -42,12 +42,13 @@ def _config(tmp_path: Path, model: str = "{name: tiny, device: cpu}", extra: str
 
 def test_top_level_help_lists_the_exit_codes() -> None:
     text = " ".join(build_parser().format_help().split())
-    assert ("Exit codes: 0 ok, 1 runtime failure, 2 bad configuration or usage (the message names the bad key), "
-            "130 interrupted") in text
+    assert ("Exit codes: 0 ok, 1 runtime failure, 2 bad configuration or usage (the message names the bad "
+            "key), 130 interrupted") in text
 
 
 def test_the_fatal_error_log_line_names_the_cause(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                                   caplog: pytest.LogCaptureFixture, no_log_setup: None) -> None:
+                                                   caplog: pytest.LogCaptureFixture,
+                                                  no_log_setup: None) -> None:
     import worker.service
 
     def boom(cfg: object, metrics_port: int | None = None) -> int:
@@ -61,7 +62,8 @@ def test_the_fatal_error_log_line_names_the_cause(monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.parametrize("port", ["99999", "-1"])
-def test_metrics_port_out_of_range_is_a_usage_error(port: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_metrics_port_out_of_range_is_a_usage_error(port: str, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     import worker.service
 
@@ -80,17 +82,22 @@ def test_metrics_port_in_use_names_the_port_and_its_flag(tmp_path: Path, capsys:
         port = taken.getsockname()[1]
         assert main(["run", "--config", _config(tmp_path), "--metrics-port", str(port)]) == 1
     err = capsys.readouterr().err
-    assert f"error: cannot serve metrics on 0.0.0.0:{port} ($.metrics.host, --metrics-port): address already in use" \
+    assert (
+        f"error: cannot serve metrics on 0.0.0.0:{port} ($.metrics.host, --metrics-port): "
+        "address already in use"
         in err
+    )
     assert "Traceback" not in err
 
 
 def test_a_cuda_device_without_cuda_is_a_config_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                      monkeypatch: pytest.MonkeyPatch, no_log_setup: None) -> None:
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      no_log_setup: None) -> None:
     # A machine without CUDA, wherever the test runs (it skipped on one with CUDA).
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     # Refused before anything opens or connects (the metrics port, the runner's clients and model load).
-    monkeypatch.setattr("worker.adapters.health.HealthServer.start", lambda self: pytest.fail("metrics port opened"))
+    monkeypatch.setattr("worker.adapters.health.HealthServer.start",
+                        lambda self: pytest.fail("metrics port opened"))
     monkeypatch.setattr("worker.runner.Runner", lambda *a, **kw: pytest.fail("runner started"))
     cfg = _config(tmp_path, model="{name: tiny, device: cuda}", extra="metrics: {enabled: true, port: 0}\n")
     assert main(["run", "--config", cfg]) == 2
@@ -101,25 +108,27 @@ def test_a_cuda_device_without_cuda_is_a_config_error(tmp_path: Path, capsys: py
     assert "note: $.model.device: 'cuda' requested but CUDA is not available" in capsys.readouterr().err
 
 
-def test_a_property_librdkafka_refuses_stops_run_before_the_model_loads(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_property_librdkafka_refuses_stops_run_before_the_model_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """It used to exit 1 with a traceback when the consumer was made, after the model load."""
     monkeypatch.setattr("worker.service.run_service", lambda *a, **kw: pytest.fail("started"))
     monkeypatch.setenv("WORKER__KAFKA__CONSUMER__SESION_TIMEOUT_MS", "10000")
     assert main(["run", "--config", _config(tmp_path)]) == 2
     assert capsys.readouterr().err == (
-        'config error: $.kafka.consumer.sesion.timeout.ms: librdkafka refuses it: No such configuration property: '
-        '"sesion.timeout.ms" (set by WORKER__KAFKA__CONSUMER__SESION_TIMEOUT_MS)\n')
+        'config error: $.kafka.consumer.sesion.timeout.ms: librdkafka refuses it: No such configuration '
+        'property: "sesion.timeout.ms" (set by WORKER__KAFKA__CONSUMER__SESION_TIMEOUT_MS)\n')
 
 
 def test_a_missing_device_names_its_list_item_and_variable(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                          monkeypatch: pytest.MonkeyPatch, no_log_setup: None) -> None:
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                           no_log_setup: None) -> None:
     """It said $.model.device for every item of model.devices, and never which variable set it."""
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     monkeypatch.setenv("WORKER__MODEL__DEVICES", "[cpu, cuda:1]")
     assert main(["run", "--config", _config(tmp_path)]) == 2
-    assert capsys.readouterr().err == ("config error: $.model.devices[1]: 'cuda:1' requested but CUDA is not available "
-                                       "on this machine (set by WORKER__MODEL__DEVICES)\n")
+    assert capsys.readouterr().err == ("config error: $.model.devices[1]: 'cuda:1' requested but CUDA is not "
+                                       "available on this machine (set by WORKER__MODEL__DEVICES)\n")
     assert main(["check-config", "--config", _config(tmp_path)]) == 0
     assert "note: $.model.devices[1]: 'cuda:1' requested but CUDA is not available on this machine (set by " \
            "WORKER__MODEL__DEVICES) (`worker run` here would exit 2)" in capsys.readouterr().err
@@ -157,7 +166,8 @@ def test_dlq_replay_refuses_a_stage_no_dead_letter_has(stage: str, tmp_path: Pat
 
 
 def test_dlq_replay_reports_an_unreachable_broker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                  capsys: pytest.CaptureFixture[str], no_log_setup: None) -> None:
+                                                  capsys: pytest.CaptureFixture[str],
+                                                  no_log_setup: None) -> None:
     import worker.dlq
 
     monkeypatch.setattr(worker.dlq, "CONNECT_TIMEOUT_S", 1.0)
@@ -209,9 +219,9 @@ def test_a_second_ctrl_c_during_the_model_load_exits_130(tmp_path: Path, monkeyp
 def test_ctrl_c_after_the_model_load_is_a_graceful_stop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                        caplog: pytest.LogCaptureFixture,
                                                        no_log_setup: None) -> None:
-    """Between the model load and the loop (clients being created) the service still treated signals as 'during
-    the load': it logged 'finishing the model load first', and a second Ctrl-C raised KeyboardInterrupt inside
-    the runner's setup, leaving the clients it had created unclosed (exit 130)."""
+    """Between the model load and the loop (clients being created) the service still treated signals as
+    'during the load': it logged 'finishing the model load first', and a second Ctrl-C raised
+    KeyboardInterrupt inside the runner's setup, leaving the clients it had created unclosed (exit 130)."""
     from worker.pipeline.lag import LagReport
 
     def two_ctrl_c(self: object) -> None:  # the runner's first step once its clients are made
@@ -228,7 +238,8 @@ def test_ctrl_c_after_the_model_load_is_a_graceful_stop(tmp_path: Path, monkeypa
 
 def test_profile_refuses_an_unwritable_json_path_before_profiling(capsys: pytest.CaptureFixture[str],
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """The path is checked before the model is loaded or profiled (minutes on a real model), not at the end."""
+    """The path is checked before the model is loaded or profiled (minutes on a real model), not at the
+    end."""
     def too_late(*a: object, **kw: object) -> None:
         pytest.fail("profile loaded or profiled the model before refusing the unwritable --json path")
 
@@ -273,15 +284,21 @@ def test_a_ca_file_not_on_this_machine_fails_run_and_is_a_note_in_check_config(
     refused it and check-config exited 2 on a valid config (the chart's checks of the TLS examples)."""
     monkeypatch.setattr("worker.service.run_service", lambda *a, **kw: pytest.fail("started"))
     monkeypatch.setenv("WORKER__KAFKA__CONSUMER__SECURITY_PROTOCOL", "ssl")
-    monkeypatch.setenv("WORKER__KAFKA__CONSUMER__SSL_CA_LOCATION", str(tmp_path / "mounted-in-the-pod" / "ca.crt"))
+    monkeypatch.setenv("WORKER__KAFKA__CONSUMER__SSL_CA_LOCATION",
+                       str(tmp_path / "mounted-in-the-pod" / "ca.crt"))
     assert main(["check-config", "--config", _config(tmp_path)]) == 0
     err = capsys.readouterr().err
-    assert f"note: $.kafka.consumer.ssl.ca.location: {tmp_path}/mounted-in-the-pod/ca.crt is not on this machine " \
-           "(set by WORKER__KAFKA__CONSUMER__SSL_CA_LOCATION) (not checked; `worker run` here would exit 2)" in err
+    assert (
+        f"note: $.kafka.consumer.ssl.ca.location: {tmp_path}/mounted-in-the-pod/ca.crt is not on this "
+        "machine (set by WORKER__KAFKA__CONSUMER__SSL_CA_LOCATION) (not checked; `worker "
+        "run` here would exit 2)"
+        in err
+    )
     assert main(["run", "--config", _config(tmp_path)]) == 2
     assert capsys.readouterr().err == (
-        f"config error: $.kafka.consumer.ssl.ca.location: no such file on this machine: {tmp_path}/mounted-in-the-pod/"
-        "ca.crt (set by WORKER__KAFKA__CONSUMER__SSL_CA_LOCATION)\n")
-    monkeypatch.setenv("WORKER__KAFKA__CONSUMER__SSL_CA_LOCATION", "probe")  # librdkafka's own lookup: checked
+        "config error: $.kafka.consumer.ssl.ca.location: no such file on this machine: "
+        f"{tmp_path}/mounted-in-the-pod/ca.crt (set by WORKER__KAFKA__CONSUMER__SSL_CA_LOCATION)\n")
+    # librdkafka's own lookup: checked
+    monkeypatch.setenv("WORKER__KAFKA__CONSUMER__SSL_CA_LOCATION", "probe")
     assert main(["check-config", "--config", _config(tmp_path)]) == 0
     assert "note:" not in capsys.readouterr().err

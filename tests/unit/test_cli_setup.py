@@ -28,9 +28,11 @@ def _setup_env_venv(cache: Path) -> Path:
     script = (ROOT / "worker" / "local" / "setup_env.sh").read_text()
     extras = re.search(r'^extras="\$\{KIW_EXTRAS:-[a-z,]+\}"\n', script, re.M)
     key = re.search(r'^key="\$\(.*?^venv="\$cache/venv-py\$pyver-\$key"\n', script, re.M | re.S)
-    assert extras and key, "setup_env.sh no longer sets extras= / key= ... venv= as this test reads them: update it"
+    assert extras and key, ("setup_env.sh no longer sets extras= / key= ... venv= as this test "
+                            "reads them: update it")
     env = {k: v for k, v in os.environ.items() if k != "KIW_EXTRAS"}
-    p = subprocess.run(["bash", "-c", f'set -euo pipefail; root=$1; cache=$2; pyver=$3\n{extras[0]}{key[0]}echo "$venv"',
+    p = subprocess.run(["bash", "-c", 'set -euo pipefail; root=$1; cache=$2; '
+                                      f'pyver=$3\n{extras[0]}{key[0]}echo "$venv"',
                         "_", str(ROOT), str(cache), f"{sys.version_info[0]}.{sys.version_info[1]}"],
                        capture_output=True, text=True, env=env, timeout=30)
     assert p.returncode == 0 and p.stdout.strip(), p.stderr

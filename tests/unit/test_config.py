@@ -21,8 +21,10 @@ def test_defaults_are_valid():
 
 @pytest.mark.parametrize("data, path", [
     ({"kafka": {"input_topics": ["in"], "bogus": 1}}, "$.kafka.bogus: unknown key"),
-    ({**BASE, "batching": {"lanes": [{"name": "a", "max_wait_ms": -1}]}, }, "$.batching.lanes[0].max_wait_ms"),
-    ({**BASE, "batching": {"lanes": [{"name": "a", "max_batch_size": "x"}]}}, "$.batching.lanes[0].max_batch_size"),
+    ({**BASE, "batching": {"lanes": [{"name": "a", "max_wait_ms": -1}]}, },
+     "$.batching.lanes[0].max_wait_ms"),
+    ({**BASE, "batching": {"lanes": [{"name": "a", "max_batch_size": "x"}]}},
+     "$.batching.lanes[0].max_batch_size"),
     ({**BASE, "delivery": {"mode": "twice"}}, "$.delivery.mode"),
     ({**BASE, "metrics": {"port": 70000}}, "$.metrics.port"),
     ({**BASE, "topsecret": {}}, "$.topsecret: unknown key"),
@@ -47,7 +49,8 @@ def test_semantic_errors():
     with pytest.raises(ConfigError, match=r"enable.auto.commit"):
         from_dict({"kafka": {"input_topics": ["in"], "consumer": {"enable.auto.commit": True}}}, environ={})
     with pytest.raises(ConfigError, match=r"duplicate lane"):
-        from_dict({**BASE, "batching": {"lanes": [{"name": "a"}, {"name": "a"}], "default_lane": "a"}}, environ={})
+        from_dict({**BASE, "batching": {"lanes": [{"name": "a"}, {"name": "a"}], "default_lane": "a"}},
+                  environ={})
 
 
 @pytest.mark.parametrize("kafka, message", [
@@ -55,7 +58,8 @@ def test_semantic_errors():
     ({"dlq_topic": "hi-topic"}, r"\$.kafka.dlq_topic: must differ from the input topics"),
     ({"input_topics": ["in"], "dlq_topic": "out", "output_topic": "out"},
      r"\$.kafka.dlq_topic: must differ from kafka.output_topic"),
-    ({"input_topics": ["in"], "output_topic": "hi-topic"}, r"\$.kafka.output_topic: must differ from the input"),
+    ({"input_topics": ["in"], "output_topic": "hi-topic"},
+     r"\$.kafka.output_topic: must differ from the input"),
 ])
 def test_output_and_dead_letter_topics_must_not_feed_the_inputs(kafka, message):
     lanes = {"lanes": [{"name": "default"}, {"name": "hi", "topics": ["hi-topic"]}]}
@@ -85,13 +89,15 @@ def test_env_overrides_sections_lists_and_passthrough():
 
 
 def test_env_override_bad_value_names_path_and_variable():
-    with pytest.raises(ConfigError, match=r"^\$.delivery.max_attempts: .*\(set by WORKER__DELIVERY__MAX_ATTEMPTS\)$"):
+    with pytest.raises(ConfigError, match=r"^\$.delivery.max_attempts: .*\(set by "
+                                          r"WORKER__DELIVERY__MAX_ATTEMPTS\)$"):
         from_dict(BASE, environ={"WORKER__DELIVERY__MAX_ATTEMPTS": "many"})
-    with pytest.raises(ConfigError, match=r"^\$.kafka.groupid: unknown key; did you mean `group_id`\? \(set by WORKER__KAFKA__GROUPID\)$"):
+    with pytest.raises(ConfigError, match=r"^\$.kafka.groupid: unknown key; did you mean `group_id`\? \(set "
+                                          r"by WORKER__KAFKA__GROUPID\)$"):
         from_dict(BASE, environ={"WORKER__KAFKA__GROUPID": "g"})
     # Not YAML: a clear error naming the variable, never a traceback (the CLI exits 2 on ConfigError).
-    with pytest.raises(ConfigError, match=r"^\$.batching.lanes\[0\].topics \(from WORKER__BATCHING__LANES__0__TOPICS\): "
-                                          r"not a valid YAML value"):
+    with pytest.raises(ConfigError, match=r"^\$.batching.lanes\[0\].topics \(from "
+                                          r"WORKER__BATCHING__LANES__0__TOPICS\): not a valid YAML value"):
         from_dict(BASE, environ={"WORKER__BATCHING__LANES__0__TOPICS": "[a, b"})
 
 
@@ -109,7 +115,8 @@ def test_env_override_of_a_text_key_keeps_the_text_as_written():
 
 @pytest.mark.parametrize("raw", ["0123", "12:30", "1_000", "on", "0x1F", "1.50", "null", "[a]", "'q'"])
 def test_env_override_of_a_librdkafka_property_keeps_the_text_as_written(raw):
-    """Read as YAML, the password 0123 was 83, 12:30 was 750, on was true: librdkafka parses the text itself."""
+    """Read as YAML, the password 0123 was 83, 12:30 was 750, on was true: librdkafka parses the text
+    itself."""
     env = {"WORKER__KAFKA__CONSUMER__SASL_PASSWORD": raw, "WORKER__KAFKA__PRODUCER__SASL_PASSWORD": raw}
     cfg = from_dict(BASE, environ=env)
     assert cfg.kafka.consumer["sasl.password"] == cfg.kafka.producer["sasl.password"] == raw
@@ -139,7 +146,8 @@ def test_secret_references(tmp_path, monkeypatch):
     # ${env:...} reads the same environment as the WORKER__ overrides: the one passed in, not os.environ.
     monkeypatch.setenv("SASL_PW", "not-this-one")
     cfg = from_dict({"kafka": {"input_topics": ["in"], "consumer": {
-        "sasl.password": "${env:SASL_PW}", "ssl.key.password": f"${{file:{secret}}}"}}}, environ={"SASL_PW": "envpw"})
+        "sasl.password": "${env:SASL_PW}", "ssl.key.password": f"${{file:{secret}}}"}}},
+                    environ={"SASL_PW": "envpw"})
     assert cfg.kafka.consumer["sasl.password"] == "envpw"
     assert cfg.kafka.consumer["ssl.key.password"] == "s3cret"
     assert redact(dict(cfg.kafka.consumer))["sasl.password"] == "***"
@@ -157,20 +165,24 @@ def test_load_file_errors(tmp_path):
 
 
 def test_a_file_that_is_not_utf8_is_a_config_error(tmp_path):
-    """A UnicodeDecodeError escaped with a traceback (exit 1) for the config file and for a ${file:...} secret."""
+    """A UnicodeDecodeError escaped with a traceback (exit 1) for the config file and for a ${file:...}
+    secret."""
     f = tmp_path / "latin1.yaml"
     f.write_bytes("kafka:\n  group_id: café\n  input_topics: [in]\n".encode("latin-1"))
-    with pytest.raises(ConfigError, match=r"^cannot read config file '.*latin1.yaml': not UTF-8 \(line 2, byte offset 22\)"):
+    with pytest.raises(ConfigError, match=r"^cannot read config file '.*latin1.yaml': not UTF-8 \(line 2, "
+                                          r"byte offset 22\)"):
         load(f, environ={})
     secret = tmp_path / "pw"
     secret.write_bytes(b"\xffs3cret")
     with pytest.raises(ConfigError) as e:
         from_dict({**BASE, "redis": {"password": f"${{file:{secret}}}"}}, environ={})
-    assert str(e.value).startswith(f"$.redis.password: cannot read secret file '{secret}': not UTF-8 (line 1, byte")
+    assert str(e.value).startswith(f"$.redis.password: cannot read secret file '{secret}': "
+                                   "not UTF-8 (line 1, byte")
     assert "s3cret" not in str(e.value) and "xff" not in str(e.value)
     # A byte order mark (Windows editors write one) is no part of the secret.
     secret.write_bytes(b"\xef\xbb\xbfs3cret\n")
-    assert from_dict({**BASE, "redis": {"password": f"${{file:{secret}}}"}}, environ={}).redis.password == "s3cret"
+    assert from_dict({**BASE, "redis": {"password": f"${{file:{secret}}}"}},
+                     environ={}).redis.password == "s3cret"
     r = _cli("check-config", "--config", str(f))
     assert r.returncode == 2 and "not UTF-8" in r.stderr and "Traceback" not in r.stderr
 
@@ -188,7 +200,8 @@ def test_check_config_cli_exit_codes(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "OK" in r.stdout
     bad = tmp_path / "bad.yaml"
-    bad.write_text("kafka:\n  input_topics: [requests]\nbatching:\n  lanes:\n    - name: a\n      max_wait_ms: oops\n")
+    bad.write_text("kafka:\n  input_topics: [requests]\nbatching:\n  lanes:\n    - name: a\n      "
+                   "max_wait_ms: oops\n")
     r = _cli("check-config", "--config", str(bad))
     assert r.returncode == 2
     assert "$.batching.lanes[0].max_wait_ms" in r.stderr
@@ -197,10 +210,11 @@ def test_check_config_cli_exit_codes(tmp_path):
     r = _cli("check-config", "--config", str(good), env={"WORKER__KAFKA__INPUT_TOPICS": "[a"})
     assert r.returncode == 2 and "WORKER__KAFKA__INPUT_TOPICS" in r.stderr and "Traceback" not in r.stderr
     # librdkafka would refuse it when `worker run` makes its consumer, after the model load, with a traceback.
-    r = _cli("check-config", "--config", str(good), env={"WORKER__KAFKA__CONSUMER__SESION_TIMEOUT_MS": "10000"})
+    r = _cli("check-config", "--config", str(good),
+             env={"WORKER__KAFKA__CONSUMER__SESION_TIMEOUT_MS": "10000"})
     assert r.returncode == 2 and r.stderr.strip() == (
-        'config error: $.kafka.consumer.sesion.timeout.ms: librdkafka refuses it: No such configuration property: '
-        '"sesion.timeout.ms" (set by WORKER__KAFKA__CONSUMER__SESION_TIMEOUT_MS)'), r.stderr
+        'config error: $.kafka.consumer.sesion.timeout.ms: librdkafka refuses it: No such configuration '
+        'property: "sesion.timeout.ms" (set by WORKER__KAFKA__CONSUMER__SESION_TIMEOUT_MS)'), r.stderr
 
 
 @pytest.mark.parametrize("model, message", [
@@ -231,8 +245,10 @@ def test_cli_help_and_usage_errors():
 
 
 @pytest.mark.parametrize("env, message", [
-    ({"WORKER__KAFKAX__FOO": "1"}, r"^\$.kafkax: unknown key; did you mean `kafka`\? \(set by WORKER__KAFKAX__FOO\)$"),
-    ({"WORKER__MODEL__DEVICE": "gpu"}, r"^\$.model.device: expected .* got 'gpu' \(set by WORKER__MODEL__DEVICE\)$"),
+    ({"WORKER__KAFKAX__FOO": "1"}, r"^\$.kafkax: unknown key; did you mean `kafka`\? \(set by "
+                                   r"WORKER__KAFKAX__FOO\)$"),
+    ({"WORKER__MODEL__DEVICE": "gpu"}, r"^\$.model.device: expected .* got 'gpu' \(set by "
+                                       r"WORKER__MODEL__DEVICE\)$"),
     ({"WORKER__KAFKA__OUTPUT_TOPIC": "in"},
      r"^\$.kafka.output_topic: must differ .* \(set by WORKER__KAFKA__OUTPUT_TOPIC\)$"),
     ({"WORKER__BATCHING__LANES__1__NAME": "default"},  # a check on a section names what was set under it
@@ -263,7 +279,8 @@ def test_auto_commit_is_rejected_in_every_spelling_of_true(value):
 
 @pytest.mark.parametrize("value", [False, 0, "0", "f", "false", "FALSE"])
 def test_auto_commit_may_be_spelled_false(value):
-    cfg = from_dict({"kafka": {"input_topics": ["in"], "consumer": {"enable.auto.commit": value}}}, environ={})
+    cfg = from_dict({"kafka": {"input_topics": ["in"], "consumer": {"enable.auto.commit": value}}},
+                    environ={})
     assert cfg.kafka.consumer["enable.auto.commit"] == value
 
 
@@ -287,14 +304,16 @@ def test_redis_url_scheme_is_checked(url, ok):
     ("redis://redis:6379/0?socket_connect_timeout=abc",
      "invalid value for the query option 'socket_connect_timeout', got 'abc'"),
     ("unix:///run/redis.sock?db=one", "invalid value for the query option 'db', got 'one'"),
-    ("redis://redis:6379/zero", "the path after host:port must be a database number (/0, /1, ...), got '/zero'"),
+    ("redis://redis:6379/zero", "the path after host:port must be a database number (/0, "
+                                "/1, ...), got '/zero'"),
     ("redis://redis:6379/0?sockettimeout=1", "unknown query option 'sockettimeout'"),
-    ("redis://redis:6379/0?socket_timeout=30", "the query option 'socket_timeout' is set from redis.timeout_ms"),
+    ("redis://redis:6379/0?socket_timeout=30", "the query option 'socket_timeout' is set from "
+                                               "redis.timeout_ms"),
     ("redis://[::1:6379/0", "not a valid URL"),
 ])
 def test_a_redis_url_redis_py_would_reject_is_a_config_error(url, message):
-    """redis-py reads the URL only when the store first connects (the worker's first record), and its ValueError
-    named no key: check-config passed and the worker crashed."""
+    """redis-py reads the URL only when the store first connects (the worker's first record), and its
+    ValueError named no key: check-config passed and the worker crashed."""
     with pytest.raises(ConfigError) as e:
         from_dict({**BASE, "redis": {"url": url}}, environ={})
     assert str(e.value).startswith(f"$.redis.url: {message}")
@@ -305,7 +324,8 @@ def test_a_redis_url_redis_py_would_reject_is_a_config_error(url, message):
 
 
 @pytest.mark.parametrize("url", ["redis://:s3cr3t@redis:6379x/0", "redis://:s3cr3t/x@redis:6379/0",
-                                 "redis://user:s3cr3t@redis:6379/zero", "redis://redis/0?password=s3cr3t&db=x"])
+                                 "redis://user:s3cr3t@redis:6379/zero",
+                                 "redis://redis/0?password=s3cr3t&db=x"])
 def test_a_bad_redis_url_error_does_not_echo_its_password(url):
     with pytest.raises(ConfigError) as e:
         from_dict({**BASE, "redis": {"url": url}}, environ={})
@@ -313,30 +333,36 @@ def test_a_bad_redis_url_error_does_not_echo_its_password(url):
 
 
 @pytest.mark.parametrize("url", ["redis://redis:6379/0", "redis://redis", "redis://u:p@redis:6379/3?db=2",
-                                 "rediss://redis:6380/0?ssl_cert_reqs=required", "unix:///run/redis.sock?db=1"])
+                                 "rediss://redis:6380/0?ssl_cert_reqs=required",
+                                 "unix:///run/redis.sock?db=1"])
 def test_good_redis_urls_pass(url):
     assert from_dict({**BASE, "redis": {"url": url}}, environ={}).redis.url == url
 
 
 def test_a_tls_ca_file_without_tls_is_refused():
     """The store refused it when the worker started: run exited 1 with a traceback after the model load."""
-    with pytest.raises(ConfigError, match=r"^\$\.redis\.tls_ca_file: set but TLS is off: set redis\.tls: true"):
+    with pytest.raises(ConfigError,
+                       match=r"^\$\.redis\.tls_ca_file: set but TLS is off: set redis\.tls: true"):
         from_dict({**BASE, "redis": {"url": "redis://redis:6379/0", "tls_ca_file": "/ca.pem"}}, environ={})
     for redis in ({"url": "redis://redis:6379/0", "tls": True}, {"url": "rediss://redis:6380/0"}):
         assert from_dict({**BASE, "redis": {**redis, "tls_ca_file": "/ca.pem"}}, environ={}).redis.tls_ca_file
 
 
 def test_max_attempts_1_is_refused_with_redis():
-    """With the attempt counters on, 1 dead-letters every record that was on a device when a process stopped."""
+    """With the attempt counters on, 1 dead-letters every record that was on a device when a process
+    stopped."""
     with pytest.raises(ConfigError, match=r"^\$.delivery.max_attempts: must be >= 2 with redis.url set"):
-        from_dict({**BASE, "redis": {"url": "redis://redis:6379/0"}, "delivery": {"max_attempts": 1}}, environ={})
-    assert from_dict({**BASE, "delivery": {"max_attempts": 1}}, environ={}).delivery.max_attempts == 1  # no counters
+        from_dict({**BASE, "redis": {"url": "redis://redis:6379/0"}, "delivery": {"max_attempts": 1}},
+                  environ={})
+    # no counters
+    assert from_dict({**BASE, "delivery": {"max_attempts": 1}}, environ={}).delivery.max_attempts == 1
 
 
 def test_a_repeated_key_next_to_a_cyclic_alias_is_still_a_config_error(tmp_path):
     # Naming the key walked the node graph recursively: a self-referencing alias raised RecursionError.
     f = tmp_path / "cyc.yaml"
-    f.write_text("kafka:\n  input_topics: [in]\n  consumer: &x {self: *x}\nmodel:\n  name: tiny\n  name: tiny\n")
+    f.write_text("kafka:\n  input_topics: [in]\n  consumer: &x {self: *x}\nmodel:\n  name: tiny\n "
+                 " name: tiny\n")
     with pytest.raises(ConfigError, match=r"duplicate key \$.model.name"):
         load(f, environ={})
 
@@ -345,8 +371,8 @@ def test_a_repeated_key_is_named_by_its_path(tmp_path):
     f = tmp_path / "dup.yaml"
     f.write_text("kafka:\n  input_topics: [in]\nbatching:\n  lanes:\n    - name: a\n      max_wait_ms: 1\n"
                  "      max_wait_ms: 2\n  default_lane: a\n")
-    with pytest.raises(ConfigError, match=r"dup.yaml: line 7: duplicate key \$.batching.lanes\[0\].max_wait_ms "
-                                          r"\(first on line 6\)"):
+    with pytest.raises(ConfigError, match=r"dup.yaml: line 7: duplicate key "
+                                          r"\$.batching.lanes\[0\].max_wait_ms \(first on line 6\)"):
         load(f, environ={})
 
 
@@ -359,7 +385,8 @@ def test_a_yaml_syntax_error_names_the_file(tmp_path):
 
 
 def test_config_reprs_hide_secrets():
-    cfg = from_dict({"kafka": {"input_topics": ["in"], "consumer": {"sasl.password": "kpw", "sasl.username": "u"}},
+    cfg = from_dict({"kafka": {"input_topics": ["in"], "consumer": {"sasl.password": "kpw",
+                                                                    "sasl.username": "u"}},
                      "redis": {"url": "redis://:upw@h:6379/0", "password": "rpw"},
                      "model": {"options": {"api_token": "tpw"}}}, environ={})
     for text in (repr(cfg.redis), repr(cfg.kafka), repr(cfg)):
@@ -372,12 +399,15 @@ def test_config_reprs_hide_secrets():
 def test_redact_config_masks_secret_keys_at_any_depth_and_url_passwords():
     from worker.config import redact_config
 
-    data = {"kafka": {"consumer": {"sasl.password": "p", "ssl.key.password": "p", "sasl.mechanisms": "PLAIN"}},
+    data = {"kafka": {"consumer": {"sasl.password": "p", "ssl.key.password": "p",
+                                   "sasl.mechanisms": "PLAIN"}},
             "redis": {"url": "rediss://user:p@h:6380/0", "password": "p"}, "lanes": [{"client_secret": "p"}],
             "empty": {"password": ""}, "unset": {"password": None}}
     assert redact_config(data) == {
-        "kafka": {"consumer": {"sasl.password": "***", "ssl.key.password": "***", "sasl.mechanisms": "PLAIN"}},
-        "redis": {"url": "rediss://user:***@h:6380/0", "password": "***"}, "lanes": [{"client_secret": "***"}],
+        "kafka": {"consumer": {"sasl.password": "***", "ssl.key.password": "***",
+                               "sasl.mechanisms": "PLAIN"}},
+        "redis": {"url": "rediss://user:***@h:6380/0", "password": "***"},
+        "lanes": [{"client_secret": "***"}],
         "empty": {"password": ""}, "unset": {"password": None}}
     # Any separator, secrets in sasl.oauthbearer.config, and a password passed in a URL's query.
     tricky = {"kafka": {"consumer": {"sasl.oauthbearer.config": "clientId=a clientSecret=b"}},
@@ -401,8 +431,8 @@ def test_check_config_print_shows_no_resolved_secret(tmp_path):
 
 @pytest.mark.parametrize("lane_key", ["deadline_ms", "max_wait_ms", "weight"])
 def test_an_infinite_number_is_refused_with_its_path(lane_key: str) -> None:
-    """``.inf`` passed the "> 0" checks; a lane deadline of .inf then crashed the adaptive scheduler's fill (an
-    OverflowError at dispatch, exit 1 at every restart)."""
+    """``.inf`` passed the "> 0" checks; a lane deadline of .inf then crashed the adaptive scheduler's fill
+    (an OverflowError at dispatch, exit 1 at every restart)."""
     data = {"kafka": {"input_topics": ["t"]},
             "batching": {"lanes": [{"name": "default", lane_key: float("inf")}]}}
     with pytest.raises(ConfigError, match=rf"\$\.batching\.lanes\[0\]\.{lane_key}: must be a finite number"):
@@ -423,8 +453,10 @@ def test_rejoin_timeout_defaults_to_the_rebalance_timeout_plus_a_session_timeout
 
 
 @pytest.mark.parametrize("data, path", [
-    ({"kafka": {"input_topics": ["in"], "group_id": ""}}, "$.kafka.group_id"),  # librdkafka: C assertion, exit 134
-    ({"kafka": {"input_topics": ["in"], "bootstrap_servers": ""}}, "$.kafka.bootstrap_servers"),  # waits forever
+    # librdkafka: C assertion, exit 134
+    ({"kafka": {"input_topics": ["in"], "group_id": ""}}, "$.kafka.group_id"),
+    # waits forever
+    ({"kafka": {"input_topics": ["in"], "bootstrap_servers": ""}}, "$.kafka.bootstrap_servers"),
     ({"kafka": {"input_topics": ["in", ""]}}, r"$.kafka.input_topics[1]"),
     ({"kafka": {"input_topics": ["in"], "output_topic": ""}}, "$.kafka.output_topic"),
     ({"kafka": {"input_topics": ["in"], "dlq_topic": ""}}, "$.kafka.dlq_topic"),
@@ -438,7 +470,8 @@ def test_an_empty_kafka_name_is_refused(data, path):
 
 
 def test_an_empty_group_id_from_the_environment_names_the_variable():
-    with pytest.raises(ConfigError, match=r"^\$\.kafka\.group_id: must not be empty \(set by WORKER__KAFKA__GROUP_ID\)$"):
+    with pytest.raises(ConfigError, match=r"^\$\.kafka\.group_id: must not be empty \(set by "
+                                          r"WORKER__KAFKA__GROUP_ID\)$"):
         from_dict(BASE, environ={"WORKER__KAFKA__GROUP_ID": ""})
 
 
@@ -446,10 +479,13 @@ def test_an_empty_group_id_from_the_environment_names_the_variable():
     # run overrode it with kafka.group_id; backfill's snapshot used it, reading the live group's commits.
     ({"consumer": {"group.id": "live"}}, {}, r"^\$\.kafka\.consumer\.group\.id: set kafka\.group_id instead"),
     # A transactional producer refuses every record sent outside a transaction (every one in at_least_once).
-    ({"producer": {"transactional.id": "t"}}, {}, r"^\$\.kafka\.producer\.transactional\.id: set delivery\.transactional_id"),
-    ({"producer": {"transactional.id": "t"}}, {"mode": "exactly_once"}, r"^\$\.kafka\.producer\.transactional\.id"),
+    ({"producer": {"transactional.id": "t"}}, {}, r"^\$\.kafka\.producer\.transactional\.id: set "
+                                                  r"delivery\.transactional_id"),
+    ({"producer": {"transactional.id": "t"}}, {"mode": "exactly_once"},
+     r"^\$\.kafka\.producer\.transactional\.id"),
     ({"producer": {"acks": 0}}, {}, r"^\$\.kafka\.producer\.acks: must not be 0"),
-    ({"producer": {"request.required.acks": "0"}}, {}, r"^\$\.kafka\.producer\.request\.required\.acks: must not be 0"),
+    ({"producer": {"request.required.acks": "0"}}, {},
+     r"^\$\.kafka\.producer\.request\.required\.acks: must not be 0"),
     ({"consumer": {"isolation.level": "read_uncommitted"}}, {"mode": "exactly_once"},
      r"^\$\.kafka\.consumer\.isolation\.level: must stay read_committed with delivery\.mode exactly_once"),
 ])
@@ -459,7 +495,8 @@ def test_a_passthrough_property_that_breaks_the_guarantees_is_refused(kafka, del
 
 
 def test_passthrough_overrides_that_keep_the_guarantees_are_accepted():
-    # at_least_once may read uncommitted input, and trade idempotence for acks=1: duplicates, not loss of commits.
+    # at_least_once may read uncommitted input, and trade idempotence for acks=1: duplicates, not loss of
+    # commits.
     from_dict({"kafka": {"input_topics": ["in"], "consumer": {"isolation.level": "read_uncommitted"},
                          "producer": {"enable.idempotence": False, "acks": 1}}}, environ={})
 
@@ -478,7 +515,8 @@ def test_an_error_found_after_loading_names_the_variables_that_set_its_key():
         "(set by WORKER__KAFKA__CONSUMER__SASL_PASSWORD)")
     assert name_overrides("$.model.options: bad", env) == "$.model.options: bad"
     # from_dict's own naming stands.
-    assert name_overrides("$.model.name: x (set by WORKER__MODEL__NAME)", env) == "$.model.name: x (set by WORKER__MODEL__NAME)"
+    assert name_overrides("$.model.name: x (set by WORKER__MODEL__NAME)",
+                          env) == "$.model.name: x (set by WORKER__MODEL__NAME)"
 
 
 def test_poll_max_records_stays_within_what_consume_takes():
@@ -490,12 +528,14 @@ def test_poll_max_records_stays_within_what_consume_takes():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("kafka:\n  input_topics: [in]\n  1: x\n", "$.kafka: the key 1 is not text but int; in YAML, quote it: '1':"),
+    ("kafka:\n  input_topics: [in]\n  1: x\n", "$.kafka: the key 1 is not text but int; in "
+                                               "YAML, quote it: '1':"),
     ("kafka: {input_topics: [in]}\nmodel:\n  options: {2024-06-01: x}\n",
      "$.model.options: the key 2024-06-01 is not text but date"),
     # An alias to an anchor around it: a structure without end (RecursionError, exit 1).
     ("kafka: &k\n  input_topics: [in]\n  consumer: *k\n", "$.kafka.consumer: contains itself (a YAML alias"),
-    ("kafka: {input_topics: [in]}\nmodel:\n  options: &o\n    self: [*o]\n", "$.model.options.self[0]: contains itself"),
+    ("kafka: {input_topics: [in]}\nmodel:\n  options: &o\n    self: [*o]\n",
+     "$.model.options.self[0]: contains itself"),
 ])
 def test_a_key_that_is_not_text_or_a_section_that_contains_itself_is_named(tmp_path, text, message):
     f = tmp_path / "c.yaml"

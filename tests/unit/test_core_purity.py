@@ -15,7 +15,8 @@ BANNED = {
     "threading", "_thread", "multiprocessing", "concurrent", "asyncio",  # no threads or loops
     "time",  # no clocks and no sleeping: ``now`` is an argument
 }
-BANNED_CALLS = {"sleep", "monotonic", "perf_counter", "time_ns", "monotonic_ns", "__import__", "import_module"}
+BANNED_CALLS = {"sleep", "monotonic", "perf_counter", "time_ns", "monotonic_ns", "__import__",
+                "import_module"}
 
 
 def _modules() -> list[Path]:
@@ -64,7 +65,8 @@ def test_importing_core_pulls_in_no_heavy_dependency() -> None:
     code = (
         "import sys, importlib, pkgutil, worker.core as c\n"
         "for m in pkgutil.iter_modules(c.__path__): importlib.import_module('worker.core.' + m.name)\n"
-        "print(','.join(sorted(n for n in ('torch','confluent_kafka','redis','prometheus_client') if n in sys.modules)))\n"
+        "print(','.join(sorted(n for n in ('torch','confluent_kafka','redis','prometheus_client') if n in "
+        "sys.modules)))\n"
     )
     root = str(CORE.parents[1])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,

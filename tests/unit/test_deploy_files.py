@@ -65,7 +65,8 @@ def _worker_cfg() -> worker_config.Config:
 # ------------------------------------------------------------------------------------------ dashboard
 def test_the_registry_holds_the_metrics_contract() -> None:
     # A guard on _registered(): an empty or misread registry would make every check below pass vacuously.
-    assert {"kiw_records_in_total", "kiw_consumer_lag", "kiw_end_to_end_seconds", "kiw_rebalances_total"} <= METRICS
+    assert {"kiw_records_in_total", "kiw_consumer_lag", "kiw_end_to_end_seconds",
+            "kiw_rebalances_total"} <= METRICS
     assert {"kiw_batch_size", "kiw_end_to_end_seconds", "kiw_commit_seconds"} <= HISTOGRAMS
 
 
@@ -151,7 +152,9 @@ def test_prometheus_scrapes_the_worker() -> None:
 
 
 def test_grafana_provisioning_points_at_the_dashboard() -> None:
-    prov = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "dashboards" / "kafka-inference-worker.yml").read_text())
+    prov = yaml.safe_load(
+        (DEPLOY / "grafana" / "provisioning" / "dashboards" / "kafka-inference-worker.yml").read_text()
+    )
     path = prov["providers"][0]["options"]["path"]
     mounts = _compose()["services"]["grafana"]["volumes"]
     assert any(m.endswith(f":{path}:ro") and m.startswith("./grafana/dashboards") for m in mounts)

@@ -126,7 +126,9 @@ def test_no_progress_with_dead_letters_left_exits_1(capsys: pytest.CaptureFixtur
     assert worker.dlq.replay(make_config(), timeout_s=0.05, new_consumer=lambda cfg, **kw: SilentConsumer(),
                              new_producer=OkProducer) == 1
     out = capsys.readouterr().out
-    assert "nothing read for" in out and "dead letters left on partitions [0]" in out and "consume error" in out
+    assert (
+        "nothing read for" in out and "dead letters left on partitions [0]" in out and "consume error" in out
+    )
 
 
 @pytest.mark.parametrize("dry_run", [False, True])
@@ -181,8 +183,9 @@ def test_a_first_replay_starts_at_the_earliest_dead_letter_whatever_auto_offset_
 
 
 def test_a_slow_delivery_that_succeeds_is_progress(capsys: pytest.CaptureFixture[str]) -> None:
-    """The idle timer ran through a flush that took 35 s and succeeded: everything was delivered and committed,
-    and the replay still exited 1 with "nothing read for 30 s with dead letters left on partitions []"."""
+    """The idle timer ran through a flush that took 35 s and succeeded: everything was delivered and
+    committed, and the replay still exited 1 with "nothing read for 30 s with dead letters left on partitions
+    []"."""
     clock = FakeTime(1000.0)
 
     class SlowFlush(OkProducer):

@@ -93,7 +93,8 @@ def test_the_dockerfile_copies_the_module_onto_its_pythonpath(tmp_path: Path) ->
     workdir = tmp_path / "workdir"
     workdir.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    p = subprocess.run([str(ROOT / "bin" / "worker"), "check-config", "--config", str(tmp_path / "worker.yaml")],
+    p = subprocess.run([str(ROOT / "bin" / "worker"), "check-config", "--config",
+                        str(tmp_path / "worker.yaml")],
                        cwd=workdir, capture_output=True, text=True, timeout=300,
                        env={**env, "PYTHONPATH": str(models)})
     assert p.returncode == 0, p.stderr

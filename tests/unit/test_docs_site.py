@@ -117,9 +117,16 @@ def test_every_module_the_architecture_page_names_exists() -> None:
     named = set(re.findall(r"`((?:worker/)?(?:core|pipeline|adapters)/[a-z_]+\.py)`", text))
     named |= {f"worker/{m}" for m in re.findall(r"`([a-z_]+\.py)`", text) if (ROOT / "worker" / m).exists()}
     assert len(named) > 20
-    missing = sorted(n for n in named if not (ROOT / (n if n.startswith("worker/") else f"worker/{n}")).exists())
+    missing = sorted(
+        n for n in named if not (ROOT / (n if n.startswith("worker/") else f"worker/{n}")).exists()
+    )
     assert not missing, f"docs/architecture.md names modules that do not exist: {missing}"
-    listed = {p.relative_to(ROOT).as_posix() for d in ("core", "pipeline") for p in (ROOT / "worker" / d).glob("*.py")
-              if p.name != "__init__.py"}
+    listed = {
+        p.relative_to(ROOT).as_posix()
+        for d in ("core", "pipeline")
+        for p in (ROOT / "worker" / d).glob("*.py")
+        if p.name != "__init__.py"
+    }
     unnamed = sorted(m for m in listed if m.split("/", 1)[1] not in text and m.rsplit("/", 1)[1] not in text)
-    assert not unnamed, f"modules of worker/core and worker/pipeline the architecture page does not name: {unnamed}"
+    assert not unnamed, ("modules of worker/core and worker/pipeline the architecture page "
+                         f"does not name: {unnamed}")

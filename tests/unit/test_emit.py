@@ -41,7 +41,8 @@ def emitter(producer: FakeProducer, calls: Calls, fmt: str = "json", stale: set[
     return Emitter(producer, "out", "dlq", "m", "v1", fmt,
                    on_done=lambda r: calls.done.append(r.offset),
                    on_failed=lambda r, e: calls.failed.append((r.offset, e)),
-                   max_retries=max_retries, is_stale=lambda r: r.offset in (stale or set()), spare_producer=spare)
+                   max_retries=max_retries, is_stale=lambda r: r.offset in (stale or set()),
+                   spare_producer=spare)
 
 
 def rec(offset: int = 0, id: str | None = "r", **kw: Any) -> Record:
@@ -78,15 +79,19 @@ def test_msgpack_format(clock: FakeTime) -> None:
 
 def test_error_with_id_owes_a_result_and_a_dead_letter(clock: FakeTime) -> None:
     p, calls = FakeProducer(), Calls()
-    r = rec(7, headers=[("trace", b"x"), ("x-error", b"stale"), ("x-source-offset", b"99"), ("x-attempts", b"9")],
+    r = rec(7, headers=[("trace", b"x"), ("x-error", b"stale"), ("x-source-offset", b"99"),
+                        ("x-attempts", b"9")],
             attempts=2)
     em = emitter(p, calls)
     em.emit(Outcome(r, "error", error="boom", dlq_stage="inference"), 10.0, 0.0)
     res, dl = p.produced
     assert res.topic == "out" and res.json()["status"] == "error" and res.json()["error"] == "boom"
     assert (dl.topic, dl.value, dl.key) == ("dlq", b'{"raw": 1}', b"k")
-    assert dl.header("trace") == "x" and dl.header("x-source-offset") == "7" and dl.header("x-attempts") == "2"
-    assert DeadLetter.from_headers(dl.headers) == DeadLetter(error="boom", error_stage="inference", source_topic="in",
+    assert (
+        dl.header("trace") == "x" and dl.header("x-source-offset") == "7" and dl.header("x-attempts") == "2"
+    )
+    assert DeadLetter.from_headers(dl.headers) == DeadLetter(error="boom", error_stage="inference",
+                                                             source_topic="in",
                                                              source_partition=3, source_offset=7, attempts=2)
     p.deliver(lambda m: m.topic == "out")
     em.settle(10.0)
@@ -172,7 +177,9 @@ def test_the_batch_hot_path_writes_what_emit_writes_and_declines_what_it_cannot_
     for i in (0, 3):
         emitter(ref, ref_calls).emit(Outcome(recs[i], "ok", output=outs[i], batch_size=4,
                                              timings={"queue": 10.002 - 10.0, "infer": 0.01}), 10.5, 1_250.0)
-    assert [(m.topic, m.key, m.value) for m in p.produced] == [(m.topic, m.key, m.value) for m in ref.produced]
+    assert [(m.topic, m.key, m.value) for m in p.produced] == [
+        (m.topic, m.key, m.value) for m in ref.produced
+    ]
     assert em.produced == 2
     em.flush(1.0)
     assert sorted(calls.done) == [0, 3]
@@ -210,7 +217,9 @@ class Opaque:
     """A model output msgspec cannot encode (a numpy scalar, a tensor, a custom object...)."""
 
 
-def test_an_unencodable_output_becomes_an_output_error_and_does_not_block(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unencodable_output_becomes_an_output_error_and_does_not_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from tests.unit.fakes_kafka import FakeModel
 
     model = FakeModel(output=lambda x: Opaque() if x == 1 else {"echo": x})
@@ -226,7 +235,9 @@ def test_an_unencodable_output_becomes_an_output_error_and_does_not_block(monkey
     assert dead.header("x-error-stage") == "output" and dead.header("x-source-offset") == "1"
 
 
-def test_records_too_large_for_the_producer_do_not_block_the_partition(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_records_too_large_for_the_producer_do_not_block_the_partition(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The input topic accepts bigger records than the producer may write (librdkafka's message.max.bytes
     defaults to 1,000,000 < delivery.max_input_bytes' 1 MiB): an oversize input's dead letter, or a result
     bigger than the limit, must not stop the worker."""
@@ -347,8 +358,10 @@ def test_a_retry_that_fails_again_is_not_confirmed(clock: FakeTime) -> None:
 @example(ops=[("ok", 0, 1), ("fail", 1, 1), ("hold", 0, 1), ("retry", 0, 1), ("settle", 0, 1), ("ok", 0, 1),
               ("ok", 0, 1), ("deliver", 0, 1), ("deliver", 1, 1), ("hold", 1, 1), ("retry", 0, 1),
               ("settle", 0, 1)])
-@example(ops=[("ok", 0, 1), ("fail", 0, 1), ("deliver", 0, 1), ("fail", 0, 1), ("retry", 0, 2), ("settle", 0, 1)])
-@given(st.lists(st.tuples(st.sampled_from(["ok", "dlq", "deliver", "fail", "hold", "release", "settle", "retry"]),
+@example(ops=[("ok", 0, 1), ("fail", 0, 1), ("deliver", 0, 1), ("fail", 0, 1), ("retry", 0, 2),
+              ("settle", 0, 1)])
+@given(st.lists(st.tuples(st.sampled_from(["ok", "dlq", "deliver", "fail", "hold", "release",
+                                           "settle", "retry"]),
                           st.integers(0, 3), st.integers(1, 5)), max_size=60))
 def test_a_record_is_done_only_when_every_message_of_its_last_round_is_delivered(
         ops: list[tuple[str, int, int]]) -> None:
@@ -369,7 +382,8 @@ def test_a_record_is_done_only_when_every_message_of_its_last_round_is_delivered
         prods = [FakeProducer(config={"delivery.report.only.error": True}) for _ in range(2)]
         journal: list[Produced] = []  # every message of both producers, in the order it was sent
         for prod in prods:
-            def produce(*args: Any, _prod: FakeProducer = prod, _produce: Any = prod.produce, **kw: Any) -> None:
+            def produce(*args: Any, _prod: FakeProducer = prod, _produce: Any = prod.produce,
+                        **kw: Any) -> None:
                 _produce(*args, **kw)
                 journal.append(_prod.produced[-1])
             prod.produce = produce  # type: ignore[method-assign]
@@ -378,8 +392,16 @@ def test_a_record_is_done_only_when_every_message_of_its_last_round_is_delivered
         offset = 0
 
         def sent(off: int) -> list[Produced]:
-            return [m for m in journal
-                    if (int(m.header("x-source-offset") or -1) if m.topic == "dlq" else m.json()["source"]["offset"]) == off]
+            return [
+                m
+                for m in journal
+                if (
+                    int(m.header("x-source-offset") or -1)
+                    if m.topic == "dlq"
+                    else m.json()["source"]["offset"]
+                )
+                == off
+            ]
 
         def check() -> None:
             assert len(calls.done) == len(set(calls.done))
@@ -446,7 +468,8 @@ def test_the_size_check_agrees_with_librdkafka_at_the_boundary() -> None:
             return False
 
     # Header lengths of 1-, 2- and 3-byte varints.
-    for key, headers in [(None, None), (b"k" * 30, None), (b"k", [("x-error", b"e" * 200), ("x-source-topic", b"in")]),
+    for key, headers in [(None, None), (b"k" * 30, None), (b"k", [("x-error", b"e" * 200),
+                                                                  ("x-source-topic", b"in")]),
                          (b"k", [("h" * 70, b"v" * 9_000)]), (b"", DeadLetter(
                              error="e" * 500, error_stage="validate", source_topic="in", source_partition=1,
                              source_offset=2, attempts=1).headers())]:
@@ -464,8 +487,10 @@ def test_a_message_within_librdkafkas_record_overhead_does_not_stop_the_worker()
     em = Emitter(real, "out", "dlq", "m", "v1", "json", on_done=lambda r: calls.done.append(r.offset),
                  on_failed=lambda r, e: calls.failed.append((r.offset, e)), max_message_bytes=limit)
     r = rec(8, id="r")
-    out = "a" * (limit - 10 - len(em.results.encode(r, "ok", "", None, 1, 0.0, 0.0, 10.0, 0.0)) - len(r.key or b""))
-    assert em.emit_ok_many([r], [out], 1, 10.0, 0.0, 10.0, 0.0) == [0]  # declined: the general path handles it
+    out = "a" * (limit - 10 - len(em.results.encode(r, "ok", "", None, 1, 0.0,
+                                                    0.0, 10.0, 0.0)) - len(r.key or b""))
+    # declined: the general path handles it
+    assert em.emit_ok_many([r], [out], 1, 10.0, 0.0, 10.0, 0.0) == [0]
     em.emit(Outcome(r, "ok", output=out, batch_size=1), 10.0, 0.0)  # an error result and a dead letter
     big = Record(tp=TP, offset=9, value=b"x" * (limit - 10), key=None, received_at=10.0)
     em.emit(Outcome(big, "error", error="invalid request", dlq_stage="validate"), 10.0, 0.0)  # bytes dropped
@@ -473,7 +498,8 @@ def test_a_message_within_librdkafkas_record_overhead_does_not_stop_the_worker()
     real.purge()
 
 
-@pytest.mark.parametrize("case", ["big_key", "big_headers", "long_reason", "ok_result_with_a_big_key", "everything"])
+@pytest.mark.parametrize("case", ["big_key", "big_headers", "long_reason", "ok_result_with_a_big_key",
+                                  "everything"])
 def test_a_dead_letter_whose_key_headers_or_reason_do_not_fit_is_trimmed_until_it_does(case: str) -> None:
     # Only the original value used to be dropped: a key or headers over the producer's message.max.bytes (the
     # input topic took them) kept the dead letter too big, and produce() stopped the worker on every restart.
@@ -499,12 +525,16 @@ def test_a_dead_letter_whose_key_headers_or_reason_do_not_fit_is_trimmed_until_i
         em.emit(Outcome(r, "ok", output=1, batch_size=1), 10.0, 0.0)  # no result fits with that key
     [sent] = em.cur.sent
     assert isinstance(sent, Pending)
-    [(_, dl_key, value, dl_headers)] = [m for m in sent.messages if m[0] == "dlq"]  # librdkafka took it (or raises)
+    # librdkafka took it (or raises)
+    [(_, dl_key, value, dl_headers)] = [m for m in sent.messages if m[0] == "dlq"]
     assert value == b"" and (case not in ("big_key", "ok_result_with_a_big_key")
                              or not [m for m in sent.messages if m[0] == "out"])  # no result fits that key
     h = dict(dl_headers)
     reason = h["x-error"].decode()
-    assert reason.startswith("original value of 300 bytes") and " dropped (over message.max.bytes=1000): " in reason
+    assert (
+        reason.startswith("original value of 300 bytes")
+        and " dropped (over message.max.bytes=1000): " in reason
+    )
     if case == "big_key" or case == "ok_result_with_a_big_key":
         assert dl_key is None and ", its key (1200 bytes) dropped" in reason and h["trace"] == b"t1"
     if case == "big_headers":
@@ -528,8 +558,9 @@ TOO_LARGE = KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, "Broker: Message size too 
 
 
 def _refusing(h: Harness, topic: str, over: int) -> None:
-    """The broker refuses messages of ``topic`` whose value is over ``over`` bytes (the topic's max.message.bytes
-    below the producer's message.max.bytes), in the delivery report as librdkafka gives it."""
+    """The broker refuses messages of ``topic`` whose value is over ``over`` bytes (the topic's
+    max.message.bytes below the producer's message.max.bytes), in the delivery report as librdkafka gives
+    it."""
     h.p.fail_if = lambda p: TOO_LARGE if p.topic == topic and len(p.value or b"") > over else None
 
 
@@ -558,13 +589,15 @@ def test_a_result_the_broker_refuses_as_too_large_becomes_an_error_result_and_a_
     # It was re-sent as it was, refused 6 times, and the worker stopped, at every restart.
     h = _big_second_result(monkeypatch)
     assert h.runner.fatal is None and h.committed() == 3
-    assert sum(1 for p in h.p.produced if p.topic == "out" and len(p.value or b"") > 1500) == 1  # not retried as is
+    # not retried as is
+    assert sum(1 for p in h.p.produced if p.topic == "out" and len(p.value or b"") > 1500) == 1
     results = {r["source"]["offset"]: r for r in h.p.results()}
     assert results[1]["status"] == "error" and "refused by the broker" in results[1]["error"]
     assert results[0]["status"] == results[2]["status"] == "ok"
     [dead] = h.p.dead_letters()
     assert dead.header("x-error-stage") == "output" and dead.header("x-source-offset") == "1"
-    assert msgspec.json.decode(dead.value)["inputs"] == 1  # the request itself, to replay once the topic takes it
+    # the request itself, to replay once the topic takes it
+    assert msgspec.json.decode(dead.value)["inputs"] == 1
     assert h.runner.emitter.too_large == {}  # forgotten once delivered
 
 
@@ -574,7 +607,8 @@ def test_a_dead_letter_the_broker_refuses_as_too_large_goes_without_the_original
     _refusing(h, "dlq", 500)
     h.c.assign(("in", 0))
     h.send(1)
-    h.c.append("in", 0, request("bad", "x" * 800, deadline_ms="nope"))  # invalid, id readable: result + dead letter
+    # invalid, id readable: result + dead letter
+    h.c.append("in", 0, request("bad", "x" * 800, deadline_ms="nope"))
     h.send(1)
     h.process()
     _run_until_committed(h, 3)
@@ -603,8 +637,8 @@ def test_exactly_once_a_result_the_broker_refuses_as_too_large_is_redone_as_an_e
 
 
 def test_a_record_whose_dead_letter_was_refused_gets_none_when_it_no_longer_owes_one(clock: FakeTime) -> None:
-    # Exactly-once: a refused dead letter aborts the transaction and the record is processed again. Should it now
-    # come out ok (an inference error that does not come back), it owes no dead letter, and gets none.
+    # Exactly-once: a refused dead letter aborts the transaction and the record is processed again. Should it
+    # now come out ok (an inference error that does not come back), it owes no dead letter, and gets none.
     p, calls = FakeProducer(), Calls()
     em = emitter(p, calls)
     r = rec(5, id="r")
@@ -647,7 +681,9 @@ class Stalled:
         self.em.settle(clock.t)
 
 
-def test_a_producer_holding_results_past_the_stall_is_replaced_and_they_are_sent_again(clock: FakeTime) -> None:
+def test_a_producer_holding_results_past_the_stall_is_replaced_and_they_are_sent_again(
+    clock: FakeTime,
+) -> None:
     """librdkafka#5430: after a broker pause a producer may keep a partition's messages queued for good. Past
     delivery.producer_stall_s its records are purged and re-sent on the current producer, a new producer
     takes its slot, and the old one is never polled again."""
@@ -683,7 +719,9 @@ def src(m: Produced) -> int:
     return int(m.json()["source"]["offset"])
 
 
-def test_what_a_stalled_producer_delivered_before_the_purge_is_confirmed_not_sent_again(clock: FakeTime) -> None:
+def test_what_a_stalled_producer_delivered_before_the_purge_is_confirmed_not_sent_again(
+    clock: FakeTime,
+) -> None:
     s = Stalled(spare=False)
     s.a.hold = True
     ok(s.em, [0, 1], clock.t)
@@ -694,7 +732,9 @@ def test_what_a_stalled_producer_delivered_before_the_purge_is_confirmed_not_sen
     assert s.calls.done == [0, 1] and [src(m) for m in s.made[0].produced] == [1]
 
 
-def test_replacements_with_nothing_delivered_between_them_wait_twice_as_long_each_time(clock: FakeTime) -> None:
+def test_replacements_with_nothing_delivered_between_them_wait_twice_as_long_each_time(
+    clock: FakeTime,
+) -> None:
     """A broker that is down holds every producer's messages: replacing them every stall_s would only churn
     connections. The wait doubles up to 8 x stall_s, and the first delivery brings it back to stall_s."""
     s = Stalled(spare=False, new_held=True, max_retries=20)
@@ -703,7 +743,8 @@ def test_replacements_with_nothing_delivered_between_them_wait_twice_as_long_eac
     at: list[float] = []
     start = clock.t
     while len(at) < 6:
-        s.turn(clock, 1.0)  # the purged record is re-sent a moment later on the new producer, and stalls again
+        # the purged record is re-sent a moment later on the new producer, and stalls again
+        s.turn(clock, 1.0)
         if s.replaced > len(at):
             at.append(clock.t)
     gaps = [round(b - a) for a, b in zip([start, *at], at, strict=False)]
@@ -728,7 +769,8 @@ def test_each_purge_is_one_delivery_attempt(clock: FakeTime) -> None:
         if s.calls.failed:
             break
     assert s.replaced == 2 and [o for o, _ in s.calls.failed] == [0]  # attempt 1 retried, attempt 2 gives up
-    assert s.calls.failed[0][1] == "purged from a producer replaced after holding it for delivery.producer_stall_s"
+    assert s.calls.failed[0][1] == ("purged from a producer replaced after holding it for "
+                                    "delivery.producer_stall_s")
 
 
 def test_no_replacement_without_a_factory_or_with_the_stall_off(clock: FakeTime) -> None:
@@ -745,7 +787,8 @@ def test_no_replacement_without_a_factory_or_with_the_stall_off(clock: FakeTime)
 
 
 def test_once_the_broker_is_back_a_held_producer_gets_the_stall_time_from_then(clock: FakeTime) -> None:
-    """After replacements that delivered nothing (a broker down), the first delivery says the broker is back: a
+    """After replacements that delivered nothing (a broker down), the first delivery says the broker is back:
+    a
     producer held since before then is given stall_s from then to reconnect and deliver, not replaced at once
     for the time it was held while the broker was down."""
     s = Stalled()
@@ -756,7 +799,8 @@ def test_once_the_broker_is_back_a_held_producer_gets_the_stall_time_from_then(c
     ok(s.em, [1], clock.t)  # on b
     while s.replaced == 0:
         s.turn(clock, 1.0)
-    assert round(clock.t - t0) == 30 and s.em.slots[0].producer is s.made[0]  # a replaced; the wait is 60 s now
+    # a replaced; the wait is 60 s now
+    assert round(clock.t - t0) == 30 and s.em.slots[0].producer is s.made[0]
     s.turn(clock, 1.0)  # 0 is re-sent on the new producer (sending moved to its empty slot)...
     s.turn(clock, 0.01)  # ... which delivers it: the broker is back
     assert s.calls.done == [0]

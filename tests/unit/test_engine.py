@@ -33,7 +33,8 @@ def synthetic(**options: Any) -> Any:
 
 def make_batch(items: Sequence[Any], lane: str = "default", offset: int = 0) -> Batch:
     recs = [Record(TopicPartition("t", 0), offset + i, b"", item=it, lane=lane) for i, it in enumerate(items)]
-    return Batch(lane=lane, records=recs, opened_at=0.0, closed_at=0.0, reason="count", max_batch_size=len(recs))
+    return Batch(lane=lane, records=recs, opened_at=0.0, closed_at=0.0, reason="count",
+                 max_batch_size=len(recs))
 
 
 # ------------------------------------------------------------------------------------------ devices/dtype
@@ -59,7 +60,8 @@ def test_resolve_dtype_on_cpu() -> None:
 
 def test_bf16_on_a_gpu_older_than_ampere_falls_back_to_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
     """is_bf16_supported() counts emulation (True on a pre-Ampere GPU) and asks about the current device, not
-    the engine's: the documented fp32 fallback never happened. The engine's own device's capability decides."""
+    the engine's: the documented fp32 fallback never happened. The engine's own device's capability
+    decides."""
     caps = {"cuda:0": (7, 5), "cuda:1": (8, 0)}
     asked: list[object] = []
 
@@ -159,7 +161,9 @@ def test_limit_is_lifted_to_the_configured_lane_max() -> None:
     assert eng.effective_max("a") is None and limits[-1] == ("a", 64)
 
 
-def test_a_failing_on_limit_callback_is_logged_and_the_limit_still_changes(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_failing_on_limit_callback_is_logged_and_the_limit_still_changes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     m = synthetic(oom_above=4)
     calls: list[int] = []
 
@@ -181,8 +185,8 @@ def test_oom_with_a_record_that_does_not_fit_alone() -> None:
     eng.setup()
     out = eng.infer([m.decode(x) for x in (1, 2, 3)])
     assert all(is_oom(e) for e in out)
-    # Every record runs out of memory alone, each after 2 retries: no batch size would help, so the lane's limit
-    # is not left lowered (it used to stay at 1).
+    # Every record runs out of memory alone, each after 2 retries: no batch size would help, so the lane's
+    # limit is not left lowered (it used to stay at 1).
     assert eng.effective_max("default") is None
 
 
@@ -306,7 +310,11 @@ def test_device_worker_overlaps_collate_with_forward() -> None:
 
 def test_device_worker_swaps_a_prefetched_batch_just_before_starting_it() -> None:
     model = Fake(forward_s=0.05)
-    first, low, high = make_batch([1], offset=0), make_batch([2], "lo", offset=10), make_batch([3], "hi", offset=20)
+    first, low, high = (
+        make_batch([1], offset=0),
+        make_batch([2], "lo", offset=10),
+        make_batch([3], "hi", offset=20),
+    )
     feeder = Feeder([first, low])
     feeder.expected = 3
     offered: list[Batch] = []
@@ -325,7 +333,11 @@ def test_device_worker_swaps_a_prefetched_batch_just_before_starting_it() -> Non
     assert feeder.all_done.wait(30)
     assert w.stop(5)
     # ``low`` was prefetched while ``first`` ran; just before it started, ``high`` took its place.
-    forwards = [first_item for stage, first_item, _s, _e in sorted(model.log, key=lambda x: x[2]) if stage == "forward"]
+    forwards = [
+        first_item
+        for stage, first_item, _s, _e in sorted(model.log, key=lambda x: x[2])
+        if stage == "forward"
+    ]
     assert forwards == [1, 3, 2]
     assert feeder.results[20][1] == [30] and feeder.results[10][1] == [20]
     assert offered[0] is first and offered[1] is low
@@ -336,7 +348,8 @@ def test_device_worker_isolates_poison_and_oom_and_reports_mismatch() -> None:
     eng = Engine(m, "cpu", warmup=False)
     inputs: list[Any] = [f"r{i}" for i in range(10)]
     inputs[3] = "BAD"
-    feeder = Feeder([make_batch([m.decode(x) for x in inputs], lane="lo"), make_batch([m.decode("x")], offset=100)])
+    feeder = Feeder([make_batch([m.decode(x) for x in inputs], lane="lo"),
+                     make_batch([m.decode("x")], offset=100)])
     w = DeviceWorker(eng, feeder.take, feeder.done, poll_s=0.01)
     w.start()
     assert feeder.all_done.wait(30)
@@ -373,7 +386,8 @@ def test_device_worker_stop_finishes_held_batches() -> None:
 def test_several_workers_share_one_take() -> None:
     models = [Fake(forward_s=0.01), Fake(forward_s=0.01)]
     feeder = Feeder([make_batch([i], offset=i) for i in range(12)])
-    workers = [DeviceWorker(Engine(m, "cpu", warmup=False), feeder.take, feeder.done, poll_s=0.01, name=f"w{i}")
+    workers = [DeviceWorker(Engine(m, "cpu", warmup=False), feeder.take, feeder.done, poll_s=0.01,
+                            name=f"w{i}")
                for i, m in enumerate(models)]
     for w in workers:
         w.start()
@@ -464,9 +478,12 @@ class NegativeIsPoison:
         return out.tolist()
 
 
-def test_a_poison_record_in_the_first_compiled_batch_does_not_switch_compile_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without example inputs the first batch verifies the compiled forward; a record that fails eager too made
-    it fall back to eager for good. Only a batch that eager runs and the compiled forward does not does."""
+def test_a_poison_record_in_the_first_compiled_batch_does_not_switch_compile_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without example inputs the first batch verifies the compiled forward; a record that fails eager too
+    made it fall back to eager for good. Only a batch that eager runs and the compiled forward does not
+    does."""
     calls: list[str] = []
 
     def fake_compile(fn: Any, **kw: Any) -> Any:
@@ -554,7 +571,8 @@ class Exits(Fake):
         return super().forward(batch)
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread dies: intended
+# the thread dies: intended
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_pipeline_thread_that_dies_is_reported_in_error() -> None:
     # The runner reads .error every loop turn and stops the worker (tests/unit/test_runner_loop.py): the
     # batches the dead thread held would never reach done().
@@ -580,9 +598,9 @@ def _error_of(w: DeviceWorker) -> BaseException | None:
 
 
 def test_a_take_done_or_swap_that_raises_is_reported_in_error() -> None:
-    # Each may lose a batch that already left the scheduler (its records then stay in flight for good; swap may
-    # also have put one back that then runs twice): the runner must stop (exit 1), not go on with a partition
-    # that never commits again. They were only logged.
+    # Each may lose a batch that already left the scheduler (its records then stay in flight for good; swap
+    # may also have put one back that then runs twice): the runner must stop (exit 1), not go on with a
+    # partition that never commits again. They were only logged.
     def bad_take(timeout: float) -> Batch | None:
         raise RuntimeError("store said no")
 
@@ -678,7 +696,8 @@ def test_an_out_of_memory_error_from_another_runtime_splits_instead_of_bisecting
 
 
 class CPUAllocatorOOM(Fake):
-    """Runs out of host memory, for real, above 2 records (torch's CPU allocator raises a plain RuntimeError)."""
+    """Runs out of host memory, for real, above 2 records (torch's CPU allocator raises a plain
+    RuntimeError)."""
 
     def forward(self, batch: list[Any]) -> list[Any]:
         if len(batch) > 2:
@@ -820,11 +839,14 @@ class Sticky(Fake):
 def test_is_device_error_tells_device_errors_from_oom_and_input_errors() -> None:
     from worker.adapters.torch_engine import is_device_error
 
-    for text in ("CUDA error: device-side assert triggered", "CUDA error: an illegal memory access was encountered",
-                 "CUDA error: uncorrectable ECC error encountered",
-                 "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm( handle)`",
-                 "cuDNN error: CUDNN_STATUS_EXECUTION_FAILED",
-                 "[ONNXRuntimeError] : 1 : FAIL : CUDA failure 700: an illegal memory access was encountered"):
+    for text in (
+        "CUDA error: device-side assert triggered",
+        "CUDA error: an illegal memory access was encountered",
+        "CUDA error: uncorrectable ECC error encountered",
+        "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm( handle)`",
+        "cuDNN error: CUDNN_STATUS_EXECUTION_FAILED",
+        "[ONNXRuntimeError] : 1 : FAIL : CUDA failure 700: an illegal memory access was encountered",
+    ):
         assert is_device_error(RuntimeError(text)), text
     assert not is_device_error(RuntimeError("CUDA error: out of memory"))  # an OOM: split, not fatal
     assert not is_device_error(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
@@ -844,7 +866,9 @@ def _broken_cuda(monkeypatch: pytest.MonkeyPatch, eng: Engine) -> Engine:
     return eng
 
 
-def test_a_sticky_device_error_raises_instead_of_dead_lettering_every_record(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_sticky_device_error_raises_instead_of_dead_lettering_every_record(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from worker.adapters.torch_engine import DeviceError
 
     m = Sticky()
@@ -856,7 +880,8 @@ def test_a_sticky_device_error_raises_instead_of_dead_lettering_every_record(mon
         eng.infer([4, 5])  # a later batch too: never an exception per record
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread dies: intended
+# the thread dies: intended
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_sticky_device_error_stops_the_device_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     """It used to bisect every later batch to single records and hand each an exception: every record
     dead-lettered and committed, /healthz green. Now the thread dies with DeviceError in ``error`` (the runner
@@ -923,10 +948,12 @@ def test_a_record_that_runs_out_of_memory_for_a_moment_is_retried_not_dead_lette
 
 def test_a_record_too_big_even_alone_does_not_collapse_the_lane_limit() -> None:
     """One oversized record drove its lane's limit to 1, and the lane then took ~400 batches of 64 arrivals
-    (1,777 small forwards) to climb back. The OOM was the record's, not the batch size's: the limit goes back."""
+    (1,777 small forwards) to climb back. The OOM was the record's, not the batch size's: the limit goes
+    back."""
     m = Squeezed()
     limits: list[int] = []
-    eng = Engine(m, "cpu", warmup=False, max_batch_sizes={"default": 64}, on_limit=lambda lane, n: limits.append(n))
+    eng = Engine(m, "cpu", warmup=False, max_batch_sizes={"default": 64},
+                 on_limit=lambda lane, n: limits.append(n))
     batch = [f"r{i}" for i in range(64)]
     batch[40] = "HUGE"
     out = eng.infer(batch)
@@ -1017,7 +1044,9 @@ def test_a_split_that_returns_no_list_says_what_it_returned(kind: str, name: str
         eng.infer([1.0, 2.0, 3.0])
 
 
-def test_a_handler_exception_is_logged_with_its_traceback_once_per_site(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_handler_exception_is_logged_with_its_traceback_once_per_site(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     class Buggy(Fake):
         def _lookup(self, x: int) -> int:
             return [1, 2][x]
@@ -1110,9 +1139,10 @@ def test_off_cuda_an_error_that_reads_like_a_cuda_one_is_the_records() -> None:
 
 
 def test_a_prefetched_batch_over_its_lowered_limit_is_not_one_observation_of_the_latency_model() -> None:
-    """A batch taken before an OOM lowered its lane's limit runs in chunks on the device thread. Its timings had
-    no "recovered" mark, and "infer" ran from when it was taken (its wait behind the previous batch included):
-    the runner fed 2 forwards and a wait to the adaptive policy's latency model as one clean batch of 4."""
+    """A batch taken before an OOM lowered its lane's limit runs in chunks on the device thread. Its timings
+    had no "recovered" mark, and "infer" ran from when it was taken (its wait behind the previous batch
+    included): the runner fed 2 forwards and a wait to the adaptive policy's latency model as one clean batch
+    of 4."""
 
     class Slow:
         name = "slow"

@@ -30,7 +30,8 @@ def model(**options: Any) -> GenerativeModel:
 
 def rec(m: GenerativeModel, offset: int, tp: TopicPartition = TP0, deadline: float | None = None,
         **inputs: Any) -> Record:
-    r = Record(tp, offset, b"", received_at=time.monotonic(), id=f"r{tp.partition}-{offset}", deadline=deadline)
+    r = Record(tp, offset, b"", received_at=time.monotonic(), id=f"r{tp.partition}-{offset}",
+               deadline=deadline)
     r.item = m.decode(msgspec.convert({"prompt": "hello", **inputs}, GenerateInput))
     return r
 

@@ -17,7 +17,8 @@ needs.module("transformers")
 
 def test_the_feed_and_pipeline_checks_run_on_the_cpu(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "gpu_check.py"), "--device", "cpu",
-                           "--quick", "--only", "feed,pipeline_ratio,minilm_vs_cpu,generate", "--out", str(tmp_path)],
+                           "--quick", "--only", "feed,pipeline_ratio,minilm_vs_cpu,generate",
+                           "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT,
                           env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
     report = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -26,7 +27,8 @@ def test_the_feed_and_pipeline_checks_run_on_the_cpu(tmp_path: Path) -> None:
     assert {"bare_forward[bf16]", "minilm_vs_cpu[fp32]", "pipeline_ratio[bs=16]"} <= set(rows), proc.stdout
     assert any(n.startswith("null_ceiling/bare[bf16,") for n in rows), rows
     assert any(n.startswith("pipeline_ratio[bf16,") for n in rows), rows
-    assert rows["greedy_match fp32"]["status"] == "PASS", rows["greedy_match fp32"]  # the generative step path
+    # The generative step path:
+    assert rows["greedy_match fp32"]["status"] == "PASS", rows["greedy_match fp32"]
     # A check that raised is a FAIL row with the exception: none may (ratios on a CPU may miss their target).
     crashed = [r for r in rows.values() if r["value"] == "-" and r["status"] == "FAIL"]
     assert not crashed, crashed

@@ -1,6 +1,7 @@
 """Host work off the loop thread: a handler's ``decode_batch`` on the host pool
-(``worker.adapters.host_pool``), in the engine's collate stage, its per-record failures as dead letters at stage ``decode``, and the intake
-that leaves decoding to the device (the record carries its inputs, sized by ``estimate_size``)."""
+(``worker.adapters.host_pool``), in the engine's collate stage, its per-record failures as dead letters at
+stage ``decode``, and the intake that leaves decoding to the device (the record carries its inputs, sized by
+``estimate_size``)."""
 
 from __future__ import annotations
 

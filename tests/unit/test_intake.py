@@ -49,13 +49,15 @@ def record(value: bytes | None, topic: str = "in", headers: list[tuple[str, byte
 def test_a_valid_request_is_routed_and_decoded(clock: FakeTime) -> None:
     rec = record(request("r1", {"x": 1.5}, meta={"trace": "t"}))
     assert intake().admit(rec, clock.t) is None
-    assert (rec.id, rec.item, rec.lane, rec.meta, rec.deadline) == ("r1", Point(1.5), "default", {"trace": "t"}, None)
+    assert (rec.id, rec.item, rec.lane, rec.meta, rec.deadline) == ("r1", Point(1.5), "default",
+                                                                    {"trace": "t"}, None)
 
 
 def test_size_limit(clock: FakeTime) -> None:
     it = intake(delivery={"max_input_bytes": 64})
     ok = request("r", {"x": 1})
-    assert intake(delivery={"max_input_bytes": len(ok)}).admit(record(ok), clock.t) is None  # at the limit: fine
+    # at the limit: fine
+    assert intake(delivery={"max_input_bytes": len(ok)}).admit(record(ok), clock.t) is None
     rec = record(request("big", {"x": 1}, meta={"pad": "x" * 100}))
     o = it.admit(rec, clock.t)
     assert o is not None and (o.status, o.dlq_stage) == ("error", "size")
@@ -82,7 +84,8 @@ def test_tombstone(clock: FakeTime) -> None:
 
 @pytest.mark.parametrize(("inputs", "path"), [({"x": -1}, "$.inputs.x"), ({"x": "one"}, "$.inputs.x"),
                                               ({"y": 1}, "$.inputs"), (3, "$.inputs")])
-def test_invalid_request_names_the_field_path_and_keeps_the_id(clock: FakeTime, inputs: Any, path: str) -> None:
+def test_invalid_request_names_the_field_path_and_keeps_the_id(clock: FakeTime, inputs: Any,
+                                                               path: str) -> None:
     rec = record(request("r9", inputs))
     o = intake().admit(rec, clock.t)
     assert o is not None and (o.status, o.dlq_stage) == ("error", "validate")
@@ -104,7 +107,8 @@ def test_lane_routing_by_topic_header_and_field(clock: FakeTime) -> None:
     cases = [
         (record(request("a", {"x": 1}), topic="in-hi"), "hi"),  # topic -> lane
         (record(request("b", {"x": 1}, priority="bulk")), "bulk"),  # request field
-        (record(request("c", {"x": 1}, priority="bulk"), headers=[(H_PRIORITY, b"hi")]), "hi"),  # header first
+        # header first
+        (record(request("c", {"x": 1}, priority="bulk"), headers=[(H_PRIORITY, b"hi")]), "hi"),
         (record(request("d", {"x": 1})), "default"),
     ]
     for rec, lane in cases:
@@ -151,7 +155,8 @@ def test_model_decode_failure_is_a_decode_error(clock: FakeTime) -> None:
 
 
 def test_cache_key_is_canonical_and_only_with_the_cache_on(clock: FakeTime) -> None:
-    a, b, c = (record(request("a", {"p": 1, "q": [1, 2]})), record(b'{"inputs": {"q": [1, 2], "p": 1}, "id": "b"}'),
+    a, b, c = (record(request("a", {"p": 1, "q": [1, 2]})),
+               record(b'{"inputs": {"q": [1, 2], "p": 1}, "id": "b"}'),
                record(request("c", {"p": 2, "q": [1, 2]})))
     on = intake(FakeModel(), redis={"cache": True})
     for r in (a, b, c):
@@ -164,7 +169,8 @@ def test_cache_key_is_canonical_and_only_with_the_cache_on(clock: FakeTime) -> N
     assert intake(FakeModel()).admit(off, clock.t) is None and off.cache_key is None
 
 
-# ------------------------------------------------------------------------------------------ through the runner
+# ------------------------------------------------------------------------------------------ through the
+# runner
 def test_rejected_records_go_to_the_dlq_with_their_bytes_and_never_block_the_partition(
         monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = make_config(delivery={"max_input_bytes": 200}, batching=LANES)
@@ -224,7 +230,9 @@ def test_an_invalid_request_that_nests_too_deep_after_the_bad_field_is_a_validat
     # value and hit the depth limit (RecursionError), which escaped admit() and stopped the worker on every
     # restart.
     if fmt == "json":
-        deep = b'{"inputs": 1, "deadline_ms": "x", "id": "a", "meta": {"k": ' + b"[" * 5000 + b"]" * 5000 + b"}}"
+        deep = (
+            b'{"inputs": 1, "deadline_ms": "x", "id": "a", "meta": {"k": ' + b"[" * 5000 + b"]" * 5000 + b"}}"
+        )
     else:
         # msgspec cannot write this deep either: the msgpack bytes by hand (fixarray of 1 element = 0x91).
         deep = (b"\x84\xa6inputs\x01\xabdeadline_ms\xa1x\xa2id\xa1a\xa4meta\x81\xa1k"
@@ -245,7 +253,8 @@ def test_a_record_rejected_before_routing_is_counted_under_a_lane_that_exists(cl
     that need not exist (results and kiw_records_out_total{lane="default"} under a lane nobody configured)."""
     it = intake(batching={"lanes": [{"name": "hi", "priority": 1, "topics": ["in-hi"]}, {"name": "bulk"}],
                           "default_lane": "bulk"})
-    for topic, value, lane in (("in", b"{bad", "bulk"), ("in-hi", b"{bad", "hi"), ("in", b'{"id": "a"}', "bulk")):
+    for topic, value, lane in (("in", b"{bad", "bulk"), ("in-hi", b"{bad", "hi"),
+                               ("in", b'{"id": "a"}', "bulk")):
         o = it.admit(record(value, topic=topic), clock.t)
         assert o is not None and o.record.lane == lane, (topic, value, o.record.lane)
 
@@ -263,7 +272,8 @@ def test_unknown_lanes_are_exported_and_logged_per_report_not_per_record(
     it = intake()
     for i in range(3):
         assert it.admit(record(request(f"a{i}", {"x": 1}, priority="nope")), clock.t) is None
-    assert it.admit(record(request("b", {"x": 1}), topic="in-hi", headers=[(H_PRIORITY, b" gone ")]), clock.t) is None
+    assert it.admit(record(request("b", {"x": 1}), topic="in-hi", headers=[(H_PRIORITY, b" gone ")]),
+                    clock.t) is None
     assert it.admit(record(request("c", {"x": 1}, priority="bulk")), clock.t) is None  # a known lane
     m = _Events()
     with caplog.at_level("WARNING", logger="worker.intake"):
@@ -288,7 +298,9 @@ def test_unknown_lanes_reach_the_metrics_at_the_lag_report(monkeypatch: pytest.M
     assert m.registry.get_sample_value("kiw_unknown_lane_total", {"topic": "in"}) == 1
 
 
-def test_unknown_lanes_since_the_last_report_are_reported_at_shutdown(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unknown_lanes_since_the_last_report_are_reported_at_shutdown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from worker.adapters.metrics import PrometheusMetrics
 
     m = PrometheusMetrics()
@@ -306,15 +318,19 @@ def test_unknown_lanes_since_the_last_report_are_reported_at_shutdown(monkeypatc
 def test_a_deadline_beyond_any_clock_is_a_validation_error(clock: FakeTime, deadline: str) -> None:
     """A 309-digit deadline_ms decoded as a Python int and raised OverflowError in admit (float arithmetic):
     the loop ended, at every restart, for whichever worker took the partition."""
-    out = intake().admit(record(b'{"id": "d", "inputs": {"x": 1}, "deadline_ms": ' + deadline.encode() + b"}"), 1000.0)
+    out = intake().admit(
+        record(b'{"id": "d", "inputs": {"x": 1}, "deadline_ms": ' + deadline.encode() + b"}"), 1000.0
+    )
     assert out is not None and out.dlq_stage == "validate" and "deadline_ms" in (out.error or "")
     assert out.record.id == "d"  # its sender still gets an error result
 
 
-def test_meta_nested_as_deep_as_the_decoder_allows_gets_an_error_result(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Admitted (within the decoder's limit), but the result echoes meta one level deeper and cannot be encoded;
-    the error result that replaces it echoed the same meta and raised out of the loop. The deepest meta the
-    worker's decoder takes depends on the call stack: found by trying, from too deep downwards."""
+def test_meta_nested_as_deep_as_the_decoder_allows_gets_an_error_result(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Admitted (within the decoder's limit), but the result echoes meta one level deeper and cannot be
+    encoded; the error result that replaces it echoed the same meta and raised out of the loop. The deepest
+    meta the worker's decoder takes depends on the call stack: found by trying, from too deep downwards."""
     for depth in range(1100, 700, -2):
         h = Harness(monkeypatch).start()
         h.c.assign(("in", 0))

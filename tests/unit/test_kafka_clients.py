@@ -71,8 +71,10 @@ def test_the_librdkafka_check_connects_to_nothing(capfd: pytest.CaptureFixture[s
     port = oidc.getsockname()[1]
     security = {"security.protocol": "SASL_SSL", "sasl.mechanisms": "OAUTHBEARER",
                 "sasl.oauthbearer.method": "oidc", "sasl.oauthbearer.client.id": "id",
-                "sasl.oauthbearer.client.secret": "s", "sasl.oauthbearer.token.endpoint.url": f"http://127.0.0.1:{port}/t"}
-    cfg = from_dict({"kafka": {"input_topics": ["in"], "bootstrap_servers": f"127.0.0.1:{broker.getsockname()[1]}",
+                "sasl.oauthbearer.client.secret": "s",
+                "sasl.oauthbearer.token.endpoint.url": f"http://127.0.0.1:{port}/t"}
+    cfg = from_dict({"kafka": {"input_topics": ["in"],
+                               "bootstrap_servers": f"127.0.0.1:{broker.getsockname()[1]}",
                                "consumer": security, "producer": security}}, environ={})
     assert config_problem(cfg) is None
     assert _accepted(broker) == 0 and _accepted(oidc) == 0
@@ -80,9 +82,11 @@ def test_the_librdkafka_check_connects_to_nothing(capfd: pytest.CaptureFixture[s
 
 
 @pytest.mark.parametrize("kafka, path, text", [
-    ({"consumer": {"sesion.timeout.ms": 10000}}, "$.kafka.consumer.sesion.timeout.ms", "No such configuration property"),
+    ({"consumer": {"sesion.timeout.ms": 10000}}, "$.kafka.consumer.sesion.timeout.ms",
+     "No such configuration property"),
     ({"producer": {"linger.ms": "soon"}}, "$.kafka.producer.linger.ms", "Invalid value"),  # an alias
-    ({"consumer": {"max.poll.interval.ms": 1000}}, "$.kafka.consumer.max.poll.interval.ms", "session.timeout.ms"),
+    ({"consumer": {"max.poll.interval.ms": 1000}}, "$.kafka.consumer.max.poll.interval.ms",
+     "session.timeout.ms"),
     ({"consumer": {"security.protocol": "SASL_SSL", "sasl.mechanisms": "PLAIN"}}, "$.kafka.consumer",
      "sasl.username and sasl.password must be set"),
 ])
@@ -93,7 +97,8 @@ def test_what_librdkafka_refuses_is_named_by_its_path(kafka: dict[str, Any], pat
 
 
 def test_exactly_once_is_checked_with_a_transactional_producer() -> None:
-    """librdkafka refuses message.timeout.ms above transaction.timeout.ms only for a transactional producer."""
+    """librdkafka refuses message.timeout.ms above transaction.timeout.ms only for a transactional
+    producer."""
     kafka = msgspec.structs.replace(BASE_CFG.kafka, producer={"message.timeout.ms": 120000})
     assert config_problem(msgspec.structs.replace(BASE_CFG, kafka=kafka)) is None
     eos = msgspec.structs.replace(BASE_CFG, kafka=kafka, delivery=msgspec.structs.replace(BASE_CFG.delivery,

@@ -55,7 +55,9 @@ def test_demo_cli_usage_errors_exit_2_before_starting_anything(capsys):
     assert main(["demo", "--records", "-1"]) == 2
     assert main(["demo", "--warm-up-s", "-1"]) == 2
     err = capsys.readouterr().err
-    assert "--rate must be > 0" in err and "--records must be > 0" in err and "--warm-up-s must be >= 0" in err
+    assert (
+        "--rate must be > 0" in err and "--records must be > 0" in err and "--warm-up-s must be >= 0" in err
+    )
 
 
 def test_load_reports_an_unreachable_broker_and_exits_1(capsys, monkeypatch):
@@ -69,7 +71,8 @@ def test_load_reports_an_unreachable_broker_and_exits_1(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("argv", [
-    ["demo", "--rate", "nan"], ["demo", "--rate", "inf"], ["demo", "--warm-up-s", "inf"], ["demo", "--warm-up-s", "nan"],
+    ["demo", "--rate", "nan"], ["demo", "--rate", "inf"], ["demo", "--warm-up-s", "inf"],
+    ["demo", "--warm-up-s", "nan"],
     ["load", "--topic", "t", "--rate", "nan"], ["load", "--topic", "t", "--rate", "inf"],
 ])
 def test_a_non_finite_number_is_a_usage_error(argv, capsys, monkeypatch):

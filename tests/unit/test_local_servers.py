@@ -22,7 +22,8 @@ import worker.local.redis_server as rs
 from tests.support import needs
 from worker.local.process import die_with_parent, free_ports
 
-linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux")
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="prctl(PR_SET_PDEATHSIG) is Linux")
 
 
 def alive(pid: int) -> bool:
@@ -120,7 +121,8 @@ def test_redis_that_never_answers_is_killed_and_its_dir_removed(fake_redis: Path
     assert not server.workdir.exists()
 
 
-def test_redis_start_interrupted_by_ctrl_c_cleans_up(fake_redis: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_redis_start_interrupted_by_ctrl_c_cleans_up(fake_redis: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     pids: list[int] = []
 
     def interrupted(self: rs.LocalRedis, timeout: float) -> None:
@@ -182,7 +184,8 @@ def test_broker_start_interrupted_by_ctrl_c_cleans_up(fake_kafka: list[int]) -> 
     assert wait_dead(fake_kafka[0], 5)
 
 
-def test_broker_restart_failure_keeps_its_data(fake_kafka: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_broker_restart_failure_keeps_its_data(fake_kafka: list[int],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     broker = kb.LocalKafka()
     try:
         broker._was_ready = True  # as after a first start that succeeded
@@ -241,7 +244,8 @@ def fake_maven(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_jars_are_fetched_once_into_place(fake_maven: Path) -> None:
     libs = kb.ensure_jars()
     assert libs == kb.jar_dir() / "libs"
-    assert sorted(p.name for p in libs.iterdir()) == [".complete", "kafka_2.13-4.1.1.jar", "slf4j-api-1.7.36.jar"]
+    assert sorted(p.name for p in libs.iterdir()) == [".complete", "kafka_2.13-4.1.1.jar",
+                                                      "slf4j-api-1.7.36.jar"]
     assert kb.ensure_jars() == libs
     assert (fake_maven / "runs").read_text().count("run") == 1
     assert [p.name for p in libs.parent.iterdir() if p.name.startswith("libs.tmp")] == []
@@ -287,7 +291,9 @@ def test_the_cached_jars_bind_slf4j_to_log4j() -> None:
     api = [n for n in names if n.startswith("slf4j-api-")]
     assert len(api) == 1, api
     binding = "log4j-slf4j-impl-" if api[0].startswith("slf4j-api-1.") else "log4j-slf4j2-impl-"
-    assert [n for n in names if n.startswith("log4j-slf4j")] == [n for n in names if n.startswith(binding)] != []
+    assert (
+        [n for n in names if n.startswith("log4j-slf4j")] == [n for n in names if n.startswith(binding)] != []
+    )
 
 
 def test_kafka_writes_its_log_file(tmp_path: Path) -> None:

@@ -81,7 +81,8 @@ def test_secrets_in_exceptions_and_odd_places_are_redacted(capture: tuple[io.Str
     buf, log = capture
     setup_logging("INFO", fmt, stream=buf)
     err = ConnectError("cannot connect redis://:hunter2@cache:6379/0")
-    log.warning("failed: %s", err, extra={"err": err, "deep": {"a": {"b": {"c": {"d": {"e": {"password": "x1"}}}}}}})
+    log.warning("failed: %s", err, extra={"err": err,
+                                          "deep": {"a": {"b": {"c": {"d": {"e": {"password": "x1"}}}}}}})
     try:
         raise err
     except ConnectError:

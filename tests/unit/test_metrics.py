@@ -297,8 +297,8 @@ def test_readme_metrics_table_matches_what_is_exported() -> None:
 
 
 def test_the_health_server_binds_ipv6_and_serves_ipv4_too_on_the_any_address() -> None:
-    # metrics.host "::" (what the chart accepts for dual-stack and IPv6 clusters) made the worker exit at start:
-    # the server was IPv4 only ("address family for hostname not supported").
+    # metrics.host "::" (what the chart accepts for dual-stack and IPv6 clusters) made the worker exit at
+    # start: the server was IPv4 only ("address family for hostname not supported").
     try:
         with socket.socket(socket.AF_INET6) as s:
             s.bind(("::1", 0))

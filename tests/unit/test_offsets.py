@@ -314,7 +314,8 @@ test_loss_state_machine = LossMachine.TestCase
 @settings(max_examples=examples(200), deadline=None)
 @given(st.lists(st.integers(0, 40), min_size=1, max_size=30, unique=True).map(sorted),
        st.lists(st.lists(st.integers(0, 45), max_size=12), max_size=6))
-def test_ack_many_leaves_the_state_acking_one_by_one_leaves(tracked: list[int], runs: list[list[int]]) -> None:
+def test_ack_many_leaves_the_state_acking_one_by_one_leaves(tracked: list[int],
+                                                            runs: list[list[int]]) -> None:
     """A delivered batch's run acked at once: the same done prefix, in-flight count and return
     count as its acks one by one, whatever the run holds (untracked, done already, repeated offsets)."""
     one, many = OffsetTracker(), OffsetTracker()

@@ -1,7 +1,7 @@
 """The scheduler under 2x overload, replayed without Kafka (``tests.bench.overload_sim``): the real
 PriorityScheduler driven by the runner's dispatch rules, on the latency bench's two lanes. The bench measured
-0.44-0.46 of capacity served with a 10 ms high-lane window and 0.80-0.81 with 30 ms (README, design note 11); the
-replay gives 0.49 and 0.81. These tests pin what README tells operators about that window. If a scheduler
+0.44-0.46 of capacity served with a 10 ms high-lane window and 0.80-0.81 with 30 ms (README, design note 11);
+the replay gives 0.49 and 0.81. These tests pin what README tells operators about that window. If a scheduler
 change makes them fail, the README's advice and figures need the same change."""
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ def test_fill_with_lower_runs_full_batches_under_overload_without_a_longer_windo
 @pytest.mark.parametrize("wait_ms", [30.0, 50.0])
 def test_fill_with_lower_runs_full_batches_with_a_long_high_lane_window(wait_ms: float) -> None:
     """With a long window the high lane's partial batches are taken ahead (the lane is owed the device) rather
-    than swapped in by preempt: they are filled when the device starts them (PriorityScheduler.top_up). Without
+    than swapped in by preempt: they are filled when the device starts them (PriorityScheduler.top_up).
+    Without
     that they ran unfilled: 0.94 of capacity at 30 ms, 0.84 at 50 ms."""
     filled = simulate(wait_ms, load=2.0, seconds=20.0, seed=3, fill=True)
     assert filled.capacity_fraction > 0.97

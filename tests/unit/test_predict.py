@@ -1,4 +1,5 @@
-"""``worker predict``: requests through the configured model without Kafka, results as ``worker run`` writes."""
+"""``worker predict``: requests through the configured model without Kafka, results as ``worker run``
+writes."""
 
 from __future__ import annotations
 
@@ -26,13 +27,15 @@ def _results(out: str) -> list[Result]:
     return [msgspec.json.decode(line, type=Result) for line in out.splitlines()]
 
 
-def test_a_request_through_tiny_gets_the_result_envelope(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_request_through_tiny_gets_the_result_envelope(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
     cfg = _config(tmp_path, "kafka: {input_topics: [requests]}\nmodel: {name: tiny}\n")
     req = json.dumps({"id": "r1", "inputs": TINY, "meta": {"trace": "t-1"}})
     assert main(["predict", "--config", cfg, "--input", req]) == 0
     out, err = capsys.readouterr()
     (res,) = _results(out)
-    assert (res.id, res.status, res.model, res.lane, res.batch_size, res.meta) == ("r1", "ok", "tiny", "default", 1,
+    assert (res.id, res.status, res.model, res.lane, res.batch_size, res.meta) == ("r1", "ok", "tiny",
+                                                                                   "default", 1,
                                                                                    {"trace": "t-1"})
     assert res.source.topic == "requests" and res.source.offset == 0
     assert res.model_version == "1-h64-s0"
@@ -76,10 +79,12 @@ def test_topic_picks_the_lane(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert (res.lane, res.source.topic) == ("high", "urgent")
 
 
-def test_a_bad_request_gets_its_error_result_and_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_bad_request_gets_its_error_result_and_exit_1(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
     cfg = _config(tmp_path, "model: {name: tiny}\nkafka: {input_topics: [requests]}\n")
     f = tmp_path / "requests.jsonl"
-    f.write_text(json.dumps({"id": "ok", "inputs": TINY}) + "\n" + json.dumps({"id": "short", "inputs": [1.0]})
+    f.write_text(json.dumps({"id": "ok", "inputs": TINY}) + "\n" + json.dumps({"id": "short",
+                                                                               "inputs": [1.0]})
                  + "\n" + json.dumps({"inputs": "no id"}) + "\n")
     assert main(["predict", "-c", cfg, "-f", str(f)]) == 1
     out, err = capsys.readouterr()
@@ -161,7 +166,8 @@ def test_the_engines_and_the_emitters_failure_handling_apply(
     (tmp_path / "picky_model.py").write_text(HANDLER)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "picky_model", raising=False)
-    cfg = _config(tmp_path, "model: {name: 'picky_model:Picky', warmup: false}\nkafka: {input_topics: [requests]}\n")
+    cfg = _config(tmp_path, "model: {name: 'picky_model:Picky', warmup: false}\nkafka: {input_topics: "
+                            "[requests]}\n")
     f = tmp_path / "requests.jsonl"
     f.write_text("".join(json.dumps({"id": f"r{x}", "inputs": x}) + "\n" for x in (1, -1, 13, 4)))
     assert main(["predict", "-c", cfg, "-f", str(f)]) == 1

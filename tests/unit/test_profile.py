@@ -24,11 +24,13 @@ def args(**kw: object) -> argparse.Namespace:
     return ns
 
 
-def test_profile_synthetic_prints_table_recommends_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_profile_synthetic_prints_table_recommends_plots(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
     # synthetic costs 2 + 1*n ms: 3, 4, 6, 10, 18 ms for 1..16; throughput grows with n.
     png, js = tmp_path / "curve.png", tmp_path / "rows.json"
     rc = profile.run(args(model="synthetic", option=["a_ms=2", "b_ms=1"], batch_sizes="1,2,4,8,16",
-                          device="cpu", latency_budget_ms=14.0, iters=3, warmup=1, plot=str(png), json=str(js)))
+                          device="cpu", latency_budget_ms=14.0, iters=3, warmup=1, plot=str(png),
+                          json=str(js)))
     out = capsys.readouterr().out
     assert rc == 0
     assert "batch" in out and "p99 ms" in out and "items/s" in out and "peak MB" in out
@@ -42,7 +44,10 @@ def test_profile_synthetic_prints_table_recommends_plots(tmp_path: Path, capsys:
     assert fitting and 16 not in [r["batch_size"] for r in fitting]
     best = max(fitting, key=lambda r: (r["throughput"], -r["batch_size"]))
     assert data["recommended"] == best["batch_size"], (data["recommended"], rows)
-    assert f"recommended max_batch_size: {best['batch_size']} (p99 {best['p99_ms']:.2f} ms <= 14 ms budget" in out
+    assert (
+        f"recommended max_batch_size: {best['batch_size']} (p99 {best['p99_ms']:.2f} ms <= 14 ms budget"
+        in out
+    )
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert rows[-1]["throughput"] > rows[0]["throughput"]
     assert all(r["peak_mem_mb"] > 0 for r in rows)
@@ -54,7 +59,8 @@ def test_profile_tiny_without_budget(capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_profile_stops_at_oom_and_reports_no_fit(capsys: pytest.CaptureFixture[str]) -> None:
-    rc = profile.run(args(model="synthetic", option=["a_ms=0", "b_ms=0", "oom_above=2"], batch_sizes="1,2,4,8",
+    rc = profile.run(args(model="synthetic", option=["a_ms=0", "b_ms=0", "oom_above=2"],
+                          batch_sizes="1,2,4,8",
                           device="cpu", latency_budget_ms=0.0001, iters=2, warmup=0))
     out = capsys.readouterr().out
     assert rc == 0
@@ -82,7 +88,8 @@ def test_profile_with_no_size_that_runs_and_no_budget_still_writes_its_json(
         ({"device": "tpu"}, "$.model.device"),
     ],
 )
-def test_profile_usage_errors_exit_2(kw: dict[str, object], msg: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_profile_usage_errors_exit_2(kw: dict[str, object], msg: str,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
     assert profile.run(args(**kw)) == 2
     assert msg in capsys.readouterr().err
 
@@ -97,9 +104,10 @@ def test_recommend_and_percentile() -> None:
     assert profile.percentile([1, 2, 3, 4], 0.5) == 2.5
 
 
-def test_the_gpu_check_of_the_profile_curve_fails_when_no_size_ran(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """tests/gpu/gpu_check.py passed profile_curve whenever `worker profile` exited 0, which it does when every
-    batch size failed too (recommending none)."""
+def test_the_gpu_check_of_the_profile_curve_fails_when_no_size_ran(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/gpu/gpu_check.py passed profile_curve whenever `worker profile` exited 0, which it does when
+    every batch size failed too (recommending none)."""
     from tests.gpu import gpu_check
 
     def fake_run(rows: list[dict[str, object]], recommended: int | None) -> None:
@@ -114,12 +122,15 @@ def test_the_gpu_check_of_the_profile_curve_fails_when_no_size_ran(tmp_path: Pat
         return {"batch_size": bs, "p99_ms": p99, "status": "ok"}
 
     cases: list[tuple[list[dict[str, object]], int | None, str | None]] = [
-        ([{"batch_size": 1, "p99_ms": None, "status": "error: RuntimeError('boom')"}], None, "batch 1: error"),
+        ([{"batch_size": 1, "p99_ms": None, "status": "error: RuntimeError('boom')"}], None,
+         "batch 1: error"),
         ([ok(1), ok(4), ok(16, 80.0)], None, "recommended None"),
-        ([ok(1), ok(4), {"batch_size": 16, "p99_ms": None, "status": "error: ValueError('x')"}], 4, "batch 16"),
+        ([ok(1), ok(4), {"batch_size": 16, "p99_ms": None, "status": "error: ValueError('x')"}],
+         4, "batch 16"),
         ([ok(1), ok(4, 70.0)], 4, "p99 70.0 ms over 50"),
         ([], None, "no rows"),
-        ([ok(1), ok(4), {"batch_size": 16, "p99_ms": None, "status": "oom"}], 4, None),  # a small device's largest
+        # a small device's largest
+        ([ok(1), ok(4), {"batch_size": 16, "p99_ms": None, "status": "oom"}], 4, None),
     ]
     for rows, rec, wrong in cases:
         fake_run(rows, rec)
@@ -135,7 +146,8 @@ def test_the_gpu_check_of_a_real_oom_compares_rows_with_the_uncapped_run() -> No
     torch.manual_seed(0)
     ref = torch.nn.functional.normalize(torch.randn(8, 4), dim=1)
     assert gpu_check.same_rows(ref + 1e-5, ref) is None
-    assert "rows nearer to another record's" in str(gpu_check.same_rows(ref[[1, 0, 2, 3, 4, 5, 6, 7]], ref, atol=10))
+    assert "rows nearer to another record's" in str(gpu_check.same_rows(ref[[1, 0, 2, 3, 4, 5, 6, 7]],
+                                                                        ref, atol=10))
     assert "max |got - ref|" in str(gpu_check.same_rows(torch.zeros_like(ref), ref))
     assert "shape (7, 4)" in str(gpu_check.same_rows(ref[:7], ref))
     (skip,) = gpu_check.check_real_oom("cpu", quick=True)

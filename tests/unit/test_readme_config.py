@@ -43,7 +43,9 @@ def test_the_reference_example_lists_every_key_with_its_default() -> None:
     default_flat = {k: v for k, v in default_flat.items() if not k.startswith("redis.") or k == "redis.url"}
     assert sorted(set(shown_flat) - set(default_flat)) == [], "README shows keys the worker rejects"
     assert sorted(set(default_flat) - set(shown_flat)) == [], "keys missing from README's reference"
-    wrong = {k: (shown_flat[k], v) for k, v in default_flat.items() if k not in EXAMPLES and shown_flat[k] != v}
+    wrong = {
+        k: (shown_flat[k], v) for k, v in default_flat.items() if k not in EXAMPLES and shown_flat[k] != v
+    }
     assert wrong == {}, "README default (left) differs from the code's (right)"
     assert lanes_shown == lanes_default
 

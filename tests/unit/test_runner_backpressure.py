@@ -25,7 +25,8 @@ def finish_records(h: Harness, n: int) -> None:
 
 
 def fourteen_on_in0_bound_10(monkeypatch: pytest.MonkeyPatch) -> Harness:
-    """in/0 and in/1 assigned, 14 requests on in/0; max_in_flight 10, resume at 5, batches of 2, reads of 4."""
+    """in/0 and in/1 assigned, 14 requests on in/0; max_in_flight 10, resume at 5, batches of 2, reads of
+    4."""
     cfg = make_config(kafka={"poll_max_records": 4},
                       batching={"max_in_flight": 10, "resume_ratio": 0.5,
                                 "lanes": [{"name": "default", "max_batch_size": 2, "max_wait_ms": 60_000}]})
@@ -137,4 +138,5 @@ def test_a_resumed_partition_is_sought_to_its_own_position_to_wake_the_fetcher(
         h.device.run_all()
     h.iterate()
     ids = h.result_ids()
-    assert sorted(ids) == sorted(f"in-0-{i}" for i in range(14))  # each once: nothing skipped, nothing re-read
+    # each once: nothing skipped, nothing re-read
+    assert sorted(ids) == sorted(f"in-0-{i}" for i in range(14))

@@ -37,7 +37,9 @@ def turns_until(h: Harness, done: Callable[[], bool], max_turns: int = 200) -> i
     raise AssertionError(f"not done after {max_turns} loop turns")
 
 
-def test_lanes_finishing_out_of_order_commit_only_the_delivered_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lanes_finishing_out_of_order_commit_only_the_delivered_prefix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     h = Harness(monkeypatch, make_config(batching=LANES), devices=2).start()
     h.c.assign(("in", 0))
     lanes = ["lo", "lo", "hi", "hi", "lo", "hi"]
@@ -387,8 +389,9 @@ def test_stale_delivery_failures_are_not_retried(monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.parametrize("mode", ["at_least_once", "exactly_once"])
-def test_results_that_cannot_be_written_are_counted_as_errors_and_dead_letters(monkeypatch: pytest.MonkeyPatch,
-                                                                             mode: str) -> None:
+def test_results_that_cannot_be_written_are_counted_as_errors_and_dead_letters(
+    monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
     """An ok output the encoder cannot write goes out as an error result with an output dead letter; it was
     counted as ok, and never in kiw_dlq_total, so the alert on dead letters never fired however broken the
     model's outputs were."""
@@ -411,9 +414,9 @@ def test_results_that_cannot_be_written_are_counted_as_errors_and_dead_letters(m
 
 
 def test_records_at_offsets_the_position_moved_back_to_are_processed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """librdkafka may move the position back without a rebalance (log truncation after an unclean leader election,
-    a topic deleted and recreated): the records at those offsets are new data. A guard meant for exactly-once
-    rewinds skipped them in at-least-once mode too, and the commit passed them."""
+    """librdkafka may move the position back without a rebalance (log truncation after an unclean leader
+    election, a topic deleted and recreated): the records at those offsets are new data. A guard meant for
+    exactly-once rewinds skipped them in at-least-once mode too, and the commit passed them."""
     h = Harness(monkeypatch).start()
     h.c.assign(("in", 0))
     h.send(5)

@@ -27,7 +27,8 @@ def eos(monkeypatch: pytest.MonkeyPatch, devices: int = 1, **sections: dict[str,
 
 
 def abortable(msg: str = "transaction failed") -> KafkaException:
-    """A commit error that requires an abort (a retriable one without that is retried: test_runner_txn_errors)."""
+    """A commit error that requires an abort (a retriable one without that is retried:
+    test_runner_txn_errors)."""
     return KafkaException(KafkaError(KafkaError._INCONSISTENT, msg, txn_requires_abort=True))
 
 
@@ -138,7 +139,9 @@ def test_aborted_transaction_rewinds_to_the_committed_offsets_and_ignores_stale_
     check_transactions(h)
 
 
-def test_an_injected_commit_failure_aborts_and_the_records_are_redone(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_injected_commit_failure_aborts_and_the_records_are_redone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     h = eos(monkeypatch)
     h.c.assign(("in", 0))
     h.send(3)
@@ -301,10 +304,13 @@ def test_a_checkpoint_whose_results_are_not_all_delivered_aborts(monkeypatch: py
     check_transactions(h)
 
 
-# ------------------------------------------------------------------ a delivery that fails inside a transaction
-def test_a_failed_delivery_aborts_the_transaction_and_the_records_are_redone(monkeypatch: pytest.MonkeyPatch) -> None:
-    """librdkafka puts a transaction with a failed delivery in an abortable state: a retry inside it is refused
-    (the worker used to exit 1 on it). It aborts and reads again from the last commit instead."""
+# ------------------------------------------------------------------ a delivery that fails inside a
+# transaction
+def test_a_failed_delivery_aborts_the_transaction_and_the_records_are_redone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """librdkafka puts a transaction with a failed delivery in an abortable state: a retry inside it is
+    refused (the worker used to exit 1 on it). It aborts and reads again from the last commit instead."""
     h = eos(monkeypatch)
     h.c.assign(("in", 0))
     h.send(3)
@@ -318,7 +324,9 @@ def test_a_failed_delivery_aborts_the_transaction_and_the_records_are_redone(mon
     check_transactions(h)
 
 
-def test_a_delivery_that_fails_every_time_ends_the_worker_after_a_few_aborts(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_delivery_that_fails_every_time_ends_the_worker_after_a_few_aborts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from worker.runner import DELIVERY_ABORTS_MAX
 
     h = eos(monkeypatch)
@@ -336,7 +344,8 @@ def test_a_delivery_that_fails_every_time_ends_the_worker_after_a_few_aborts(mon
     assert all(src(p) < (0, 1) for p in h.p.visible("out")) and (h.committed() or 0) <= 1
 
 
-# ------------------------------------------------------------------ revoke under load, rewind failure (review)
+# ------------------------------------------------------------------ revoke under load, rewind failure
+# (review)
 def _steady_load(h: Harness) -> None:
     """Other partitions' results keep arriving: every poll produces one more message and the broker
     acknowledges all but the newest, so the producer never drains; a flush (nothing new meanwhile) does."""
@@ -399,7 +408,9 @@ def test_a_revoke_under_steady_load_does_not_wait_out_revoke_timeout(monkeypatch
     assert took < 1.0
 
 
-def test_a_rewind_that_cannot_seek_stops_the_worker_and_commits_nothing_more(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_rewind_that_cannot_seek_stops_the_worker_and_commits_nothing_more(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # A checkpoint fails during a graceful revoke, the abort's rewind cannot read the committed offsets. The
     # error used to be swallowed by the rebalance callback: the kept partition went on from its fetch position
     # with nothing tracked before it, and the next checkpoint committed past results the abort discarded.
@@ -443,5 +454,6 @@ def test_a_refused_dead_letter_aborts_the_open_transaction(monkeypatch: pytest.M
     assert h.run() == 1
     assert "dlq" in (h.runner.fatal or "")
     assert h.p.aborted_txns and not h.p.committed_txns
-    assert h.p.visible("out") == [] and h.committed() is None  # all of it is processed again after the restart
+    # all of it is processed again after the restart
+    assert h.p.visible("out") == [] and h.committed() is None
     check_transactions(h)

@@ -1,6 +1,7 @@
-"""Runner, exactly-once recovery (worker/transactions.py): what an abort rewinds to and forgets, a rewind served
-inside consume(), librdkafka's abortable state (produce refused with _STATE after a timed-out message), and a
-commit_transaction that times out (abort and begin refused with _CONFLICT until the commit is called again)."""
+"""Runner, exactly-once recovery (worker/transactions.py): what an abort rewinds to and forgets, a rewind
+served inside consume(), librdkafka's abortable state (produce refused with _STATE after a timed-out message),
+and a commit_transaction that times out (abort and begin refused with _CONFLICT until the commit is called
+again)."""
 
 from __future__ import annotations
 
@@ -104,10 +105,13 @@ def test_a_record_read_again_while_tracked_is_not_processed_twice(monkeypatch: p
 
 
 # ------------------------------------------------------------------ rewind of a partition without a commit
-def test_a_rewind_without_a_commit_goes_back_to_the_first_record_read(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_rewind_without_a_commit_goes_back_to_the_first_record_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """With auto.offset.reset=latest, one abort before the first commit sought to OFFSET_BEGINNING: the whole
     retained history was processed."""
-    h = Harness(monkeypatch, make_config(delivery=EOS, kafka={"consumer": {"auto.offset.reset": "latest"}})).start()
+    h = Harness(monkeypatch, make_config(delivery=EOS,
+                                         kafka={"consumer": {"auto.offset.reset": "latest"}})).start()
     h.send(100)  # history from before the worker ever ran
     h.c.assign(("in", 0), ("in", 1))
     h.c.positions[IN0] = h.c.high_watermark(IN0)  # what auto.offset.reset=latest does without a commit
@@ -184,8 +188,8 @@ def test_a_commit_that_times_out_is_called_again(monkeypatch: pytest.MonkeyPatch
 
 
 def test_a_commit_that_keeps_timing_out_stops_the_worker_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
-    """abort_transaction and begin_transaction are refused (_CONFLICT) while the commit goes on: the abort only
-    logged, and the begin's KafkaException escaped the loop turn (a traceback crash)."""
+    """abort_transaction and begin_transaction are refused (_CONFLICT) while the commit goes on: the abort
+    only logged, and the begin's KafkaException escaped the loop turn (a traceback crash)."""
     h = Harness(monkeypatch, make_config(delivery=EOS)).start()
     h.c.assign(("in", 0))
     h.send(3)
@@ -212,7 +216,9 @@ def test_a_begin_that_fails_stops_the_worker(monkeypatch: pytest.MonkeyPatch) ->
 
 
 
-def test_past_the_shutdown_deadline_a_commit_that_times_out_is_not_called_again(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_past_the_shutdown_deadline_a_commit_that_times_out_is_not_called_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """While the worker stops, each transactional call waits at most what is left of shutdown_timeout_s, and a
     timed-out commit is not called again past it: 3 calls of 30 s each outlived the pod's grace period."""
     h = Harness(monkeypatch, make_config(delivery=EOS)).start()
@@ -234,4 +240,5 @@ def test_past_the_shutdown_deadline_a_commit_that_times_out_is_not_called_again(
     h.runner.mode.stopping(Deadline(4.0, h.clock))  # what the shutdown drain sets
     h.commit()
     assert timeouts == [4.0]  # not 30, and not called again once past the deadline
-    assert "could not be aborted" in (h.runner.fatal or "")  # exit 1: the next process starts from the commits
+    # exit 1: the next process starts from the commits
+    assert "could not be aborted" in (h.runner.fatal or "")

@@ -1,5 +1,6 @@
 """A lane with ``fill_with_lower``: its partial batches carry lower-lane records, and the runner reports every
-record under its own lane (results, metrics), commits them all, and counts the batch under the leading lane."""
+record under its own lane (results, metrics), commits them all, and counts the batch under the leading
+lane."""
 
 from __future__ import annotations
 

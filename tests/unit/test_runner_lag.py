@@ -19,7 +19,8 @@ def sample(m: PrometheusMetrics, name: str, **labels: str) -> float | None:
 
 def lag_harness(monkeypatch: pytest.MonkeyPatch, **cfg: object) -> tuple[Harness, PrometheusMetrics]:
     m = PrometheusMetrics()
-    h = Harness(monkeypatch, make_config(metrics={"enabled": False, "lag_interval_s": 5}, **cfg), metrics=m).start()
+    h = Harness(monkeypatch, make_config(metrics={"enabled": False, "lag_interval_s": 5}, **cfg),
+                metrics=m).start()
     h.c.assign(("in", 0))
     return h, m
 
@@ -60,7 +61,8 @@ def test_no_step_over_while_a_record_of_the_partition_is_unfinished(monkeypatch:
     h.iterate()
     assert h.result_ids() == ["in-0-0", "in-0-1", "in-0-2"]
     h.runner.mode.commit(sync=False)
-    assert h.committed() == 4  # up to the unfinished record (the marker before it is a gap), not the position 5
+    # up to the unfinished record (the marker before it is a gap), not the position 5
+    assert h.committed() == 4
     h.device.run_all()
     h.iterate()
     h.runner.mode.commit(sync=False)
@@ -68,8 +70,8 @@ def test_no_step_over_while_a_record_of_the_partition_is_unfinished(monkeypatch:
 
 
 def test_drain_seconds_is_not_the_cap_for_a_burst_after_idle(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The cap (86400 s) sent an HPA to maxReplicas: it came for any lag reported while nothing had completed in
-    the last 60 s, i.e. for the first report of every burst after a quiet minute."""
+    """The cap (86400 s) sent an HPA to maxReplicas: it came for any lag reported while nothing had completed
+    in the last 60 s, i.e. for the first report of every burst after a quiet minute."""
     h, m = lag_harness(monkeypatch)
     h.send(10)
     h.process()
@@ -110,7 +112,8 @@ def test_a_group_whose_commit_sits_on_a_marker_steps_over_it(monkeypatch: pytest
     h.c.revoke(("in", 0))
     h.c.committed_offsets[TopicPartition("in", 0)] = 3  # committed by an earlier version: on the marker
     h.c.assign(("in", 0))
-    h.runner.mode.commit(sync=False)  # nothing served since the assign: the position is unknown, nothing to step
+    # nothing served since the assign: the position is unknown, nothing to step
+    h.runner.mode.commit(sync=False)
     assert h.c.commit_calls == []
     h.iterate()
     h.runner.mode.commit(sync=False)

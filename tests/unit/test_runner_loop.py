@@ -43,7 +43,8 @@ def test_the_loop_polls_in_short_steps_while_anything_is_in_flight(monkeypatch: 
 def test_a_batch_whose_records_expired_before_its_device_started_it_is_not_run(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The device takes its next batch while it still runs the current one (prefetch) and checks it just
-    before starting (Dispatch.swap): records past their deadline by then get expired results, not inference."""
+    before starting (Dispatch.swap): records past their deadline by then get expired results, not
+    inference."""
     cfg = make_config(batching={"lanes": [{"name": "default", "max_batch_size": 4, "deadline_ms": 50}]})
     h = Harness(monkeypatch, cfg).start()
     h.c.assign(("in", 0))
@@ -63,9 +64,9 @@ def test_a_batch_whose_records_expired_before_its_device_started_it_is_not_run(
 
 def test_a_batch_taken_ahead_that_lost_records_to_their_deadline_is_topped_up_when_its_device_starts_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Dispatch.swap -> PriorityScheduler.top_up: the batch taken ahead lost two records to their deadline by the
-    time the device could start it, and its lane received two more meanwhile. It runs with them (one batch of
-    four instead of a batch of two and another of two), and every record gets one result."""
+    """Dispatch.swap -> PriorityScheduler.top_up: the batch taken ahead lost two records to their deadline by
+    the time the device could start it, and its lane received two more meanwhile. It runs with them (one batch
+    of four instead of a batch of two and another of two), and every record gets one result."""
     cfg = make_config(batching={"lanes": [{"name": "default", "max_batch_size": 4, "max_wait_ms": 10,
                                            "deadline_ms": 50}]})
     h = Harness(monkeypatch, cfg).start()
@@ -129,7 +130,9 @@ def test_readiness_follows_the_broker(monkeypatch: pytest.MonkeyPatch) -> None:
     assert health.broker_reachable is True
 
 
-def test_the_loop_is_alive_while_it_waits_for_room_in_a_full_producer_queue(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_loop_is_alive_while_it_waits_for_room_in_a_full_producer_queue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """produce() into a full local queue waits for the messages ahead to be delivered or time out (up to
     message.timeout.ms, 120 s): the liveness heartbeat is kept fresh meanwhile. It went stale after 30 s, and
     the kubelet restarted a worker that was only waiting for a slow broker."""
@@ -186,8 +189,9 @@ def test_a_busy_device_leaves_an_open_window_to_a_free_one(monkeypatch: pytest.M
 
 
 def test_no_busy_wait_while_a_suspect_runs_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    """While a suspect runs alone no batch is taken, so no window is closed: the scheduler's next wake-up stayed
-    overdue, and the collate stage waited 0.2 ms at a time on the lock for as long as the suspect ran."""
+    """While a suspect runs alone no batch is taken, so no window is closed: the scheduler's next wake-up
+    stayed overdue, and the collate stage waited 0.2 ms at a time on the lock for as long as the suspect
+    ran."""
     h = Harness(monkeypatch, make_config(batching={"lanes": [{"name": "default", "max_wait_ms": 5}]})).start()
     h.c.assign(("in", 0))
     h.send(1)

@@ -1,6 +1,7 @@
-"""A producer that keeps results undelivered (librdkafka#5430: a partition left without a leader after a broker
-pause) is replaced by the runner's emitter: what it held is sent again on a new producer, the records commit
-once that delivers, the replacement is counted, and the shutdown flushes the producers the emitter uses now."""
+"""A producer that keeps results undelivered (librdkafka#5430: a partition left without a leader after a
+broker pause) is replaced by the runner's emitter: what it held is sent again on a new producer, the records
+commit once that delivers, the replacement is counted, and the shutdown flushes the producers the emitter uses
+now."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ def src(m: Produced) -> int:
 def test_a_stalled_producer_is_replaced_and_its_records_commit_once_sent_again(
         monkeypatch: pytest.MonkeyPatch) -> None:
     metrics = PrometheusMetrics()
-    h = Harness(monkeypatch, make_config(delivery={"producer_stall_s": 20}), spare=True, metrics=metrics).start()
+    h = Harness(monkeypatch, make_config(delivery={"producer_stall_s": 20}), spare=True,
+                metrics=metrics).start()
     assert h.spare is not None
     h.c.assign(("in", 0))
     h.p.hold = True  # the first producer never delivers what it gets

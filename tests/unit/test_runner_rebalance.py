@@ -176,7 +176,8 @@ def test_close_revokes_like_the_real_client(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 # ------------------------------------------------------------------------------ exceptions in callbacks
-def test_on_assign_errors_never_escape(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_on_assign_errors_never_escape(monkeypatch: pytest.MonkeyPatch,
+                                       caplog: pytest.LogCaptureFixture) -> None:
     def broken(consumer: object, partitions: object) -> None:
         raise RuntimeError("user on_assign_offsets bug")
 
@@ -253,7 +254,8 @@ def test_a_released_partitions_lag_series_is_removed(monkeypatch: pytest.MonkeyP
     m = PrometheusMetrics()
 
     def lag_series() -> set[tuple[str, str]]:
-        return {(s.labels["topic"], s.labels["partition"]) for f in text_string_to_metric_families(m.render().decode())
+        return {(s.labels["topic"],
+                 s.labels["partition"]) for f in text_string_to_metric_families(m.render().decode())
                 if f.name == "kiw_consumer_lag" for s in f.samples}
 
     h = Harness(monkeypatch, metrics=m).start()
@@ -269,8 +271,8 @@ def test_a_released_partitions_lag_series_is_removed(monkeypatch: pytest.MonkeyP
 
 
 def test_a_refused_message_inside_a_revoke_stops_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Serving results inside the revoke callback can raise FatalDeliveryError (the producer refuses a message);
-    # the callback logged it and the worker went on, where a loop turn would have stopped it.
+    # Serving results inside the revoke callback can raise FatalDeliveryError (the producer refuses a
+    # message); the callback logged it and the worker went on, where a loop turn would have stopped it.
     from worker.emit import FatalDeliveryError
 
     h = Harness(monkeypatch).start()
@@ -281,7 +283,8 @@ def test_a_refused_message_inside_a_revoke_stops_the_worker(monkeypatch: pytest.
     def release(tps: Any, graceful: bool) -> None:
         calls.append(graceful)
         if graceful:
-            raise FatalDeliveryError("cannot produce to 'out' (kafka.output_topic): Broker: Message size too large")
+            raise FatalDeliveryError("cannot produce to 'out' (kafka.output_topic): Broker: "
+                                     "Message size too large")
         real(tps, graceful)
 
     monkeypatch.setattr(h.runner.membership, "release", release)
@@ -299,10 +302,12 @@ def process_all(h: Harness, turns: int = 6) -> None:
     h.commit()
 
 
-def test_a_partition_paused_when_revoked_is_read_again_when_assigned_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    """librdkafka keeps a partition's pause through a revoke and a new assign. Paused under backpressure when a
-    rebalance took it, the partition came back paused, while the runner had forgotten that pause: this worker
-    never read it again (scale-out under load, then scale-in)."""
+def test_a_partition_paused_when_revoked_is_read_again_when_assigned_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """librdkafka keeps a partition's pause through a revoke and a new assign. Paused under backpressure when
+    a rebalance took it, the partition came back paused, while the runner had forgotten that pause: this
+    worker never read it again (scale-out under load, then scale-in)."""
     h = Harness(monkeypatch, make_config(batching={"max_in_flight": 4, "resume_ratio": 0.5})).start()
     h.c.assign(("in", 0))
     h.send(6)
@@ -332,9 +337,12 @@ def test_backfill_partition_read_to_its_end_then_revoked_is_read_again_from_its_
     assert h.runner.loop.backfill_complete()
 
 
-def test_an_assign_hook_that_raises_still_leaves_the_partitions_resumed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The start-offsets hook (backfill's) raised once for a partition it did not know; the pause or resume that
-    follows it was skipped, and a partition paused when it was revoked stayed paused in the client for good."""
+def test_an_assign_hook_that_raises_still_leaves_the_partitions_resumed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The start-offsets hook (backfill's) raised once for a partition it did not know; the pause or resume
+    that follows it was skipped, and a partition paused when it was revoked stayed paused in the client for
+    good."""
     def hook(consumer: object, partitions: list[object]) -> None:
         raise KeyError("in[1]")
 
@@ -353,8 +361,10 @@ def test_an_assign_hook_that_raises_still_leaves_the_partitions_resumed(monkeypa
 
 # ---------------------------------------------------------------------------- a lost partition comes back
 def lose_delivered(h: Harness, delivered: int, held: int = 0) -> None:
-    """in/0: record 0 processed and committed; then ``delivered`` more processed and delivered (not committed),
-    then ``held`` more processed whose results the broker has not acknowledged yet; then the partition is lost."""
+    """in/0: record 0 processed and committed; then ``delivered`` more processed and delivered (not
+    committed), then ``held`` more processed whose results the broker has not acknowledged yet; then the
+    partition is
+    lost."""
     h.c.assign(("in", 0))
     h.send(1)
     h.process()
@@ -372,7 +382,9 @@ def lose_delivered(h: Harness, delivered: int, held: int = 0) -> None:
     h.c.commit_calls.clear()
 
 
-def test_a_lost_partition_that_comes_back_goes_on_after_what_was_delivered(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_lost_partition_that_comes_back_goes_on_after_what_was_delivered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     metrics = PrometheusMetrics()
     h = Harness(monkeypatch, metrics=metrics).start()
     lose_delivered(h, 4)
@@ -397,7 +409,9 @@ def test_results_delivered_after_the_loss_count_too(monkeypatch: pytest.MonkeyPa
     assert offsets_out(h) == [0, 1, 2, 3, 4, 5]
 
 
-def test_lost_before_the_first_commit_it_goes_on_after_what_was_delivered(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lost_before_the_first_commit_it_goes_on_after_what_was_delivered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     h = Harness(monkeypatch).start()
     h.c.assign(("in", 0))
     h.send(3)

@@ -1,6 +1,7 @@
-"""A consumer out of its group longer than ``kafka.rejoin_timeout_ms`` is replaced (worker/core/membership.py):
-a new consumer subscribes, the old one closes on a thread of its own and nothing it serves while closing
-reaches the runner, and the new member goes on from the group's commits with nothing lost."""
+"""A consumer out of its group longer than ``kafka.rejoin_timeout_ms`` is replaced
+(worker/core/membership.py): a new consumer subscribes, the old one closes on a thread of its own and nothing
+it serves while closing reaches the runner, and the new member goes on from the group's commits with nothing
+lost."""
 
 from __future__ import annotations
 
@@ -73,7 +74,9 @@ def test_no_first_assignment_after_subscribing_is_replaced_too(monkeypatch: pyte
     assert h.consumers[0].closed and h.runner.consumer is h.consumers[1]
 
 
-def test_an_empty_assignment_is_membership_an_idle_replica_is_never_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_empty_assignment_is_membership_an_idle_replica_is_never_replaced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     h = harness(monkeypatch)
     h.c.assign()  # more members than partitions: the group says so with an empty assignment
     for _ in range(5):
@@ -163,7 +166,9 @@ def test_exactly_once_commits_through_the_new_consumer(monkeypatch: pytest.Monke
     join_closers(h)
 
 
-def test_callbacks_reach_a_runner_that_holds_a_wrapper_of_its_consumer(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_callbacks_reach_a_runner_that_holds_a_wrapper_of_its_consumer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """librdkafka passes a rebalance callback the consumer itself, not the wrapper the runner may hold
     (tests/bench/profile_worker.py times every call through one): what is current is decided by the latter."""
 

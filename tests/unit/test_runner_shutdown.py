@@ -19,7 +19,9 @@ IN0, IN1 = TopicPartition("in", 0), TopicPartition("in", 1)
 OPEN_WINDOWS = {"lanes": [{"name": "default", "max_batch_size": 100, "max_wait_ms": 60_000}]}
 
 
-def test_stop_pauses_flushes_windows_finishes_in_flight_work_and_commits(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stop_pauses_flushes_windows_finishes_in_flight_work_and_commits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     h = Harness(monkeypatch, make_config(batching=OPEN_WINDOWS))
     h.send(3)
     h.c.schedule(lambda: h.c.assign(("in", 0), ("in", 1)))
@@ -59,7 +61,8 @@ def test_stop_pauses_flushes_windows_finishes_in_flight_work_and_commits(monkeyp
 
 
 class GaugeMetrics:
-    """Metrics that keep the last value of each gauge (name, sorted labels) in ``gauges`` and ignore the rest."""
+    """Metrics that keep the last value of each gauge (name, sorted labels) in ``gauges`` and ignore the
+    rest."""
 
     def __init__(self, gauges: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> None:
         self.gauges = gauges
@@ -74,7 +77,8 @@ class GaugeMetrics:
 def _stuck(monkeypatch: pytest.MonkeyPatch, **cfg: Any) -> Harness:
     """Four records in in[0], batches of 2, partition assigned at the first poll: what the tests below start
     from before one batch gets stuck on the device (``_one_done_one_stuck``)."""
-    h = Harness(monkeypatch, make_config(batching={"lanes": [{"name": "default", "max_batch_size": 2}]}, **cfg))
+    h = Harness(monkeypatch, make_config(batching={"lanes": [{"name": "default",
+                                                              "max_batch_size": 2}]}, **cfg))
     h.send(4)
     h.c.schedule(lambda: h.c.assign(("in", 0)))
     return h
@@ -123,7 +127,8 @@ def test_a_fatal_consumer_error_stops_with_exit_1(monkeypatch: pytest.MonkeyPatc
     h.device.auto = True
     h.c.hooks.append(h.device.hook)
 
-    h.on_polls({3: lambda: h.c.inject_error(KafkaError(KafkaError._FATAL, "fatal: fenced consumer", fatal=True))})
+    h.on_polls({3: lambda: h.c.inject_error(KafkaError(KafkaError._FATAL,
+                                                       "fatal: fenced consumer", fatal=True))})
     assert h.run() == 1
     assert "fatal consumer error" in (h.runner.fatal or "")
     assert h.committed() == 2  # work done before the error is still committed on the way out
@@ -208,7 +213,8 @@ def test_a_sigterm_before_run_is_a_graceful_stop(monkeypatch: pytest.MonkeyPatch
 def test_a_dead_device_thread_stops_the_worker_with_exit_1(monkeypatch: pytest.MonkeyPatch) -> None:
     """A pipeline thread that dies (a handler raising SystemExit) never hands back the batch it held. The loop
     used to keep its heartbeat and wait for it forever, reading up to max_in_flight and then nothing. Now
-    it stops with exit 1 at once (no shutdown_timeout_s wait), commits what was done, and not the held batch."""
+    it stops with exit 1 at once (no shutdown_timeout_s wait), commits what was done, and not the held
+    batch."""
     h = _stuck(monkeypatch, delivery={"shutdown_timeout_s": 30})
 
     def die() -> None:
@@ -223,7 +229,9 @@ def test_a_dead_device_thread_stops_the_worker_with_exit_1(monkeypatch: pytest.M
     assert h.committed() == 2
 
 
-def test_a_batch_that_never_comes_back_from_the_device_stops_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_batch_that_never_comes_back_from_the_device_stops_the_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A forward that never returns (a hung kernel or driver): the threads live, the heartbeat is fresh, and
     the partitions were held forever. Past model.batch_timeout_s the worker exits 1 (restarted), committing
     what was done and not the hung batch."""
@@ -246,8 +254,8 @@ def test_a_batch_that_never_comes_back_from_the_device_stops_the_worker(monkeypa
                                               ("exactly_once", True)])
 def test_a_graceful_stop_is_bounded_by_shutdown_timeout(monkeypatch: pytest.MonkeyPatch, mode: str,
                                                         slow_broker: bool) -> None:
-    # Records stuck on a device: the shutdown waits shutdown_timeout_s (3 s). consumer.close() then revoked the
-    # partitions gracefully, which waited revoke_timeout_ms (5 s) again for the same records, and a
+    # Records stuck on a device: the shutdown waits shutdown_timeout_s (3 s). consumer.close() then revoked
+    # the partitions gracefully, which waited revoke_timeout_ms (5 s) again for the same records, and a
     # checkpoint could add a flush of 30 s: the pod outlived its grace period and was killed.
     h = _stuck(monkeypatch, delivery={"shutdown_timeout_s": 3, "revoke_timeout_ms": 5000, "mode": mode,
                                       "transactional_id": "t"})
@@ -306,7 +314,8 @@ def test_results_confirmed_by_the_last_flush_reach_the_ledger(monkeypatch: pytes
     real = store.mark_delivered
     monkeypatch.setattr(store, "mark_delivered", lambda ids: (recorded.extend(ids), real(ids)))
     h = Harness(monkeypatch, make_config(batching={"lanes": [{"name": "default", "max_batch_size": 2}]},
-                                         redis={"ledger": True}, delivery={"shutdown_timeout_s": 2}), store=store)
+                                         redis={"ledger": True}, delivery={"shutdown_timeout_s": 2}),
+                store=store)
     h.send(4)
     h.c.schedule(lambda: h.c.assign(("in", 0)))
 
@@ -325,12 +334,13 @@ def test_results_confirmed_by_the_last_flush_reach_the_ledger(monkeypatch: pytes
     assert h.run() == 0
     assert [r["source"]["offset"] for r in h.p.results()] == [2, 3]
     assert h.committed() is None  # behind the stuck record: no commit can cover them...
-    assert len(recorded) == 2 and all(i.endswith(("in-0-2", "in-0-3")) for i in recorded)  # ...the ledger does
+    # ...the ledger does
+    assert len(recorded) == 2 and all(i.endswith(("in-0-2", "in-0-3")) for i in recorded)
 
 
 def _drain_with(monkeypatch: pytest.MonkeyPatch, mode: str, during_drain: Any) -> Harness:
-    """in[0] holds a batch on a slow device, so the worker drains for a while after stop(); ``during_drain(h)``
-    runs at the drain's second poll. in[1] has 4 records nobody has committed."""
+    """in[0] holds a batch on a slow device, so the worker drains for a while after stop();
+    ``during_drain(h)`` runs at the drain's second poll. in[1] has 4 records nobody has committed."""
     cfg = make_config(kafka={"commit_interval_ms": 5}, delivery={"mode": mode, "transactional_id": "t"})
     h = Harness(monkeypatch, cfg)
     h.send(3, partition=0)
@@ -372,7 +382,9 @@ def test_a_partition_assigned_while_draining_is_paused_and_not_committed_past(
 
     def assign(h: Harness) -> None:
         h.c.assign(("in", 1))
-        h.c.schedule(lambda: seen.setdefault("paused", IN1 in h.c.paused and IN1 in h.runner.partitions.paused))
+        h.c.schedule(
+            lambda: seen.setdefault("paused", IN1 in h.c.paused and IN1 in h.runner.partitions.paused)
+        )
 
     h = _drain_with(monkeypatch, mode, assign)
     assert seen == {"paused": True}
@@ -394,9 +406,9 @@ def test_a_record_a_drain_turn_polls_anyway_is_not_committed_past(monkeypatch: p
 
 def test_a_record_whose_headers_the_client_cannot_decode_is_processed_without_them(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """confluent-kafka decodes header names as UTF-8 and does not check the result: a name another client wrote
-    in another encoding makes Message.headers() raise (SystemError: "returned a result with an exception set").
-    Raised in the loop, it stopped the worker at every restart."""
+    """confluent-kafka decodes header names as UTF-8 and does not check the result: a name another client
+    wrote in another encoding makes Message.headers() raise (SystemError: "returned a result with an exception
+    set"). Raised in the loop, it stopped the worker at every restart."""
     class Undecodable(FakeMessage):
         __slots__ = ()
 
@@ -416,13 +428,16 @@ def test_a_record_whose_headers_the_client_cannot_decode_is_processed_without_th
     assert [r["id"] for r in h.p.results()] == ["in-0-0", "odd", "in-0-2"]
 
 
-def test_an_exactly_once_checkpoint_while_draining_ends_by_the_shutdown_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_exactly_once_checkpoint_while_draining_ends_by_the_shutdown_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The drain's periodic checkpoint flushed for 30 s and commit_transaction waited 30 s per call (3 calls),
     whatever was left of shutdown_timeout_s: a batch that finished 29 s into a 30 s drain, just as the broker
-    stopped acknowledging, made the stop take 60 s and more, past the pod's grace period (SIGKILL in the middle
-    of a transaction). Now every wait ends by the deadline; the transaction is aborted and the records are
-    read again after the restart."""
-    h = _stuck(monkeypatch, delivery={"shutdown_timeout_s": 30, "mode": "exactly_once", "transactional_id": "t"},
+    stopped acknowledging, made the stop take 60 s and more, past the pod's grace period (SIGKILL in the
+    middle of a transaction). Now every wait ends by the deadline; the transaction is aborted and the records
+    are read again after the restart."""
+    h = _stuck(monkeypatch, delivery={"shutdown_timeout_s": 30, "mode": "exactly_once",
+                                      "transactional_id": "t"},
                kafka={"commit_interval_ms": 1000})
     t: dict[str, Any] = {}
 

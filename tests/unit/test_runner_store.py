@@ -48,7 +48,9 @@ def test_ledger_is_off_in_exactly_once_mode(monkeypatch: pytest.MonkeyPatch) -> 
     assert h.result_ids() == ["in-0-0"] and h.runner.stats.ledger_skips == 0
 
 
-def test_deployments_sharing_a_store_keep_their_own_ledger_and_attempts(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_deployments_sharing_a_store_keep_their_own_ledger_and_attempts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Two deployments (their own group and output topic) reading the same input share one Redis and
     key_prefix. B must answer on its own topic the ids A answered on A's, and must not quarantine a record
     that crashed A's model; a second group writing to A's output topic skips what A delivered there."""
@@ -95,7 +97,8 @@ class _IncrReplyLost(MemoryStore):
         return [0] * len(list(attempt_keys))
 
 
-# With the reply lost, the count used to stay until attempts_ttl_s: a later crash counted one attempt too many.
+# With the reply lost, the count used to stay until attempts_ttl_s: a later crash counted one attempt too
+# many.
 @pytest.mark.parametrize("store_type", [MemoryStore, _IncrReplyLost])
 def test_attempts_are_counted_at_dispatch_and_cleared_after_delivery(monkeypatch: pytest.MonkeyPatch,
                                                                      store_type: type[MemoryStore]) -> None:
@@ -165,7 +168,9 @@ def test_two_records_that_each_kill_the_process_are_both_quarantined(monkeypatch
     assert sorted(int(p.header("x-source-offset") or -1) for p in h.p.dead_letters()) == [1, 2]
 
 
-def test_suspects_are_isolated_and_clear_their_count_when_they_come_back(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_suspects_are_isolated_and_clear_their_count_when_they_come_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A record with a count (it was on the device when a process died) goes to the device alone, once no
     other batch is in flight, so only a record that kills the process on its own keeps counting."""
     store = MemoryStore()
@@ -178,7 +183,9 @@ def test_suspects_are_isolated_and_clear_their_count_when_they_come_back(monkeyp
     h.iterate()
     for offset in (1, 2):
         alone = h.device.take()
-        assert alone is not None and alone.reason == "isolate" and [r.offset for r in alone.records] == [offset]
+        assert (
+            alone is not None and alone.reason == "isolate" and [r.offset for r in alone.records] == [offset]
+        )
         assert store.get_attempts_many([f"g:in:0:{offset}"]) == [2]  # this dispatch counts too
         h.device.finish(alone)
         assert store.get_attempts_many([f"g:in:0:{offset}"]) == [0]  # it came back: cleared at once
@@ -235,7 +242,8 @@ def test_only_the_record_that_kills_the_process_is_quarantined(monkeypatch: pyte
     h.iterate()
     h.commit()
     assert [int(p.header("x-source-offset") or -1) for p in h.p.dead_letters()] == [1]
-    assert {r["id"]: r["status"] for r in h.p.results()} == {"in-0-0": "ok", "in-0-1": "error", "in-0-2": "ok"}
+    assert {r["id"]: r["status"] for r in h.p.results()} == {"in-0-0": "ok", "in-0-1": "error",
+                                                             "in-0-2": "ok"}
     assert h.committed() == 3
 
 
@@ -251,7 +259,9 @@ def test_attempts_need_a_redis_url(monkeypatch: pytest.MonkeyPatch) -> None:
     assert h.p.dead_letters() == [] and h.result_ids() == ["in-0-0"]
 
 
-def test_a_delivered_record_redelivered_after_crashes_is_never_quarantined(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_delivered_record_redelivered_after_crashes_is_never_quarantined(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Crash loop elsewhere (e.g. a poison record further on): the delivered record is redelivered to each
     new process, skipped by the ledger every time, and must never end up in the DLQ (it did while attempts
     were counted at fetch and ledger skips never cleared them)."""
@@ -286,7 +296,9 @@ def test_cache_hits_skip_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
     assert h.runner.stats.cache_hits == 1 and h.committed() == 3
 
 
-def test_models_with_the_same_name_and_version_do_not_share_cached_results(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_models_with_the_same_name_and_version_do_not_share_cached_results(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Two weight sets reporting the same name and version (minilm versioned by its folder's name, factory
     models all version "0"): the configured options and dtype are part of the cache key."""
     store = MemoryStore(ledger=False)
@@ -299,8 +311,10 @@ def test_models_with_the_same_name_and_version_do_not_share_cached_results(monke
         return h
 
     assert run(options={"path": "/models/team-a/current"}).model.calls == 1
-    assert run(options={"path": "/models/team-a/current"}).runner.stats.cache_hits == 1  # the same model: a hit
-    for model in ({"options": {"path": "/models/team-b/current"}}, {"options": {"path": "/models/team-a/current"},
+    # the same model: a hit
+    assert run(options={"path": "/models/team-a/current"}).runner.stats.cache_hits == 1
+    for model in ({"options": {"path": "/models/team-b/current"}},
+                  {"options": {"path": "/models/team-a/current"},
                                                                     "dtype": "fp16"}):
         h = run(**model)
         assert h.runner.stats.cache_hits == 0 and h.model.calls == 1, model
@@ -311,7 +325,11 @@ def test_the_model_fingerprint_ignores_key_order_and_takes_any_yaml_keys() -> No
 
     a = ModelConfig(options={"labels": {0: "neg", 1: "pos"}, "max_tokens": 128})  # int keys: valid YAML
     b = ModelConfig(options={"max_tokens": 128, "labels": {1: "pos", 0: "neg"}})
-    assert model_fingerprint(a) == model_fingerprint(b) != model_fingerprint(ModelConfig(options={"max_tokens": 128}))
+    assert (
+        model_fingerprint(a)
+        == model_fingerprint(b)
+        != model_fingerprint(ModelConfig(options={"max_tokens": 128}))
+    )
 
 
 def test_a_corrupt_cache_entry_is_a_miss(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -345,7 +363,9 @@ def test_errors_are_not_cached(monkeypatch: pytest.MonkeyPatch) -> None:
     assert h.model.calls == 2 and [r["status"] for r in h.p.results()] == ["error", "error"]
 
 
-def test_a_preempted_batch_goes_back_and_its_records_are_not_counted_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_preempted_batch_goes_back_and_its_records_are_not_counted_twice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     cfg = make_config(kafka={"input_topics": []}, redis={"url": REDIS_URL},
                       batching={"lanes": [{"name": "hi", "topics": ["in-hi"], "priority": 1,
                                            "max_batch_size": 2, "fill_with_lower": False},
@@ -363,7 +383,8 @@ def test_a_preempted_batch_goes_back_and_its_records_are_not_counted_twice(monke
     assert store.get_attempts_many(lo_keys) == [1, 1]
     h.send(1, topic="in-hi")
     h.iterate()
-    assert h.runner.dispatch.swap(prefetched) is None  # its window is still open: it goes after the prefetched batch
+    # its window is still open: it goes after the prefetched batch
+    assert h.runner.dispatch.swap(prefetched) is None
     h.clock.advance(1.0)  # past max_wait: the high lane's batch is closed
     # Just before the device starts the prefetched batch, the high lane's batch goes first.
     urgent = h.runner.dispatch.swap(prefetched)
@@ -396,7 +417,9 @@ def test_an_output_the_cache_cannot_hold_is_still_delivered(monkeypatch: pytest.
     assert h.committed() == 2
 
 
-def test_ledger_holds_ok_results_only_so_a_failed_request_may_be_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ledger_holds_ok_results_only_so_a_failed_request_may_be_retried(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     store = MemoryStore(cache=False)
     h = Harness(monkeypatch, make_config(redis={"ledger": True}), store=store).start()
     h.c.assign(("in", 0))
@@ -405,7 +428,8 @@ def test_ledger_holds_ok_results_only_so_a_failed_request_may_be_retried(monkeyp
     h.c.append("in", 0, request("broken", "poison"))
     h.process()
     h.commit()
-    assert {r["id"]: r["status"] for r in h.p.results()} == {"fine": "ok", "late": "expired", "broken": "error"}
+    assert {r["id"]: r["status"] for r in h.p.results()} == {"fine": "ok", "late": "expired",
+                                                             "broken": "error"}
     assert store.delivered_many(["out:fine", "out:late", "out:broken"]) == {"out:fine"}
     # The senders retry under the same ids: the failed ones are processed again, the ok one is not.
     for rid in ("fine", "late", "broken"):

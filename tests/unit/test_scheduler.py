@@ -154,7 +154,8 @@ def test_higher_weight_gets_proportionally_more(lo_first: bool) -> None:
     assert first.count("hi") == 30 and first.count("lo") == 10
 
 
-@pytest.mark.parametrize(("w_hi", "w_lo", "b_hi", "b_lo"), [(1, 1, 8, 8), (9, 1, 8, 8), (1, 4, 16, 4), (5, 2, 3, 32)])
+@pytest.mark.parametrize(("w_hi", "w_lo", "b_hi", "b_lo"), [(1, 1, 8, 8), (9, 1, 8, 8), (1, 4, 16, 4),
+                                                            (5, 2, 3, 32)])
 def test_low_lane_keeps_its_weighted_share_under_sustained_overload(w_hi: float, w_lo: float, b_hi: int,
                                                                       b_lo: int) -> None:
     cfg = lanes({"name": "hi", "priority": 10, "weight": w_hi, "max_batch_size": b_hi},
@@ -461,10 +462,13 @@ def test_adaptive_gap_filler_must_end_before_the_hold() -> None:
 # ---------------------------------------------------------------- invariants under random operations
 
 LANES = ["hi", "lo", "default"]
-_add = st.tuples(st.just("add"), st.integers(0, 2), st.integers(0, 3), st.sampled_from([None, 0.001, 0.01, 0.023, 0.05]))
+_add = st.tuples(st.just("add"), st.integers(0, 2), st.integers(0, 3),
+                 st.sampled_from([None, 0.001, 0.01, 0.023, 0.05]))
 _next = st.tuples(st.just("next"), st.booleans(), st.just(0), st.just(None))
-_ahead = st.tuples(st.just("ahead"), st.just(0), st.just(0), st.just(None))  # take a batch ahead (device busy)
-_start = st.tuples(st.just("start"), st.just(0), st.just(0), st.just(None))  # the device starts it (Runner._swap)
+# take a batch ahead (device busy)
+_ahead = st.tuples(st.just("ahead"), st.just(0), st.just(0), st.just(None))
+# the device starts it (Runner._swap)
+_start = st.tuples(st.just("start"), st.just(0), st.just(0), st.just(None))
 op_st = st.one_of(
     _add, _add, _add, _next, _next,
     st.tuples(st.just("tick"), st.integers(1, 20), st.just(0), st.just(None)),
@@ -504,7 +508,8 @@ def test_every_record_comes_out_exactly_once(ops: list[tuple[str, object, int, f
         if b is None:
             return
         assert b.records, "empty batch"
-        # (size_ok: a batch taken ahead before its lane's max was lowered keeps its size; the engine splits it)
+        # (size_ok: a batch taken ahead before its lane's max was lowered keeps its size; the engine splits
+        # it)
         assert len(b) <= max(s.max_batch_size(b.lane), size_ok)
         own = [r for r in b.records if r.lane == b.lane]
         assert own and b.records[:len(own)] == own, "the batch's own lane first"
@@ -614,7 +619,9 @@ def test_the_device_pipeline_with_top_ups_runs_every_record_exactly_once(
         assert b.records and len(b) <= max(s.max_batch_size(b.lane), size_ok)
         own = [r for r in b.records if r.lane == b.lane]
         assert b.records[:len(own)] == own, "the batch's own lane first"
-        assert all(PRIORITY[r.lane] < PRIORITY[b.lane] for r in b.records[len(own):]), "filled only from lower lanes"
+        assert all(PRIORITY[r.lane] < PRIORITY[b.lane] for r in b.records[len(own) :]), (
+            "filled only from lower lanes"
+        )
         assert all(r.deadline is None or r.deadline > now for r in b.records), "expired record dispatched"
         if bucket:
             assert len({r.size // bucket for r in b.records}) == 1
@@ -788,7 +795,8 @@ def test_preempted_records_keep_their_deadlines() -> None:
 
 def filling_lanes(batch: int = 4, wait_ms: float = 10.0, **kw: object) -> PriorityScheduler:
     """``hi`` fills its partial batches from lower lanes; ``mid`` (priority 5) and ``lo`` (0) do not."""
-    cfg = lanes({"name": "hi", "priority": 10, "max_batch_size": batch, "max_wait_ms": wait_ms, "fill_with_lower": True},
+    cfg = lanes({"name": "hi", "priority": 10, "max_batch_size": batch, "max_wait_ms": wait_ms,
+                 "fill_with_lower": True},
                 {"name": "mid", "priority": 5, "max_batch_size": batch, "max_wait_ms": wait_ms},
                 {"name": "lo", "priority": 0, "max_batch_size": batch, "max_wait_ms": wait_ms})
     return PriorityScheduler(cfg, "lo", **kw)  # type: ignore[arg-type]
@@ -887,7 +895,8 @@ def test_with_size_buckets_a_partial_batch_is_topped_up_past_other_buckets() -> 
     # Each bucket's window closes by time on its own, so the ready FIFO interleaves buckets: a partial batch
     # of short records, a full one of long records, then more short ones. The partial batch takes the later
     # short records along instead of running half empty (and leaving them another partial batch).
-    s = PriorityScheduler(lanes({"name": "default", "max_batch_size": 4, "max_wait_ms": 10}), "default", "fixed",
+    s = PriorityScheduler(lanes({"name": "default", "max_batch_size": 4, "max_wait_ms": 10}), "default",
+                          "fixed",
                           bucket_width=8)
     short_early, long, short_late = recs(2, size=3), recs(4, size=20), recs(3, size=5)
     feed(s, short_early, now=0.0)
@@ -895,17 +904,20 @@ def test_with_size_buckets_a_partial_batch_is_topped_up_past_other_buckets() -> 
     feed(s, long, now=0.012)  # a full batch of another bucket
     feed(s, short_late, now=0.013)  # closes by time at 0.023
     got = drain(s, now=0.030)
-    assert [ids(b.records) for b in got] == [ids(short_early + short_late[:2]), ids(long), ids(short_late[2:])]
+    assert [ids(b.records) for b in got] == [ids(short_early + short_late[:2]), ids(long),
+                                             ids(short_late[2:])]
     assert len(s) == 0 and s.stats()["default"]["ready_batches"] == 0
 
 
 @pytest.mark.parametrize(("scan", "topped_up"), [(2, False), (3, True)])
-def test_the_bucket_top_up_looks_only_so_far_down_the_ready_batches(monkeypatch: pytest.MonkeyPatch, scan: int,
+def test_the_bucket_top_up_looks_only_so_far_down_the_ready_batches(monkeypatch: pytest.MonkeyPatch,
+                                                                    scan: int,
                                                                       topped_up: bool) -> None:
     # The later record of the short batch's bucket is the third ready batch behind it: found when the scan
     # reaches that far, left for its own batch when not (the scan is bounded: a lane can hold thousands).
     monkeypatch.setattr(lane_module, "TOP_UP_SCAN", scan)
-    s = PriorityScheduler(lanes({"name": "default", "max_batch_size": 4, "max_wait_ms": 10}), "default", "fixed",
+    s = PriorityScheduler(lanes({"name": "default", "max_batch_size": 4, "max_wait_ms": 10}), "default",
+                          "fixed",
                           bucket_width=8)
     early, mid, far, late = recs(1, size=3), recs(4, size=20), recs(4, size=40), recs(1, size=3)
     feed(s, early, now=0.0)
@@ -948,7 +960,12 @@ def test_adaptive_fill_leaves_alone_a_lane_whose_deadline_the_filled_batch_would
     # Not taken, so not expired on the filled batch's account: still queued, and their own batch is next.
     assert s.expire(1.0) == [] and s.queued("lo") == 3
     own = s.next_batch(1.0, idle=True)  # (two of the three fit: 10 + 2 ms; the adaptive rule keeps those)
-    assert own is not None and own.lane == "lo" and len(own.records) == 2 and set(ids(own.records)) < set(ids(tight))
+    assert (
+        own is not None
+        and own.lane == "lo"
+        and len(own.records) == 2
+        and set(ids(own.records)) < set(ids(tight))
+    )
 
 
 def test_adaptive_preempt_fills_from_the_displaced_batch_only_where_its_deadlines_hold() -> None:
@@ -961,7 +978,8 @@ def test_adaptive_preempt_fills_from_the_displaced_batch_only_where_its_deadline
     assert pre is not None and len(pre.records) == 8
     feed(s, recs(2, "hi"), now=1.0)
     b = s.preempt(pre, now=1.2)  # the high window closed by time (100 ms)
-    assert b is not None and ids(b.records[2:]) == ids(low[:6])  # 8 slots: 2 high + 6 from the displaced batch
+    # 8 slots: 2 high + 6 from the displaced batch
+    assert b is not None and ids(b.records[2:]) == ids(low[:6])
     s = trained_filling(a=0.010, b=0.001, batch=8)
     low = recs(8, "lo")
     for r in low:
@@ -981,8 +999,8 @@ def test_adaptive_preempt_fills_from_the_displaced_batch_only_where_its_deadline
 def _run_overloaded(s: PriorityScheduler, steps: int, arrivals: dict[int, dict[str, int]],
                     every: dict[str, int]) -> list[tuple[int, str, int]]:
     """The runner's pattern with one device under overload: the device always holds a batch taken ahead
-    (``next_batch(idle=False, full_only=True)``) and runs it after ``start`` and ``preempt``. Returns (step, lane, size) per
-    batch run."""
+    (``next_batch(idle=False, full_only=True)``) and runs it after ``start`` and ``preempt``. Returns (step,
+    lane, size) per batch run."""
     now, pref, served = 0.0, None, []
     for i in range(steps):
         now += 0.05  # one batch time
@@ -1030,7 +1048,11 @@ def test_records_of_a_batch_taken_ahead_that_expire_before_it_starts_are_not_run
     assert pref is not None and len(pref.records) == 4
     assert s.drop_expired(pref, 0.02) is None  # nothing late yet: run it as taken
     trimmed = s.drop_expired(pref, 0.05)
-    assert trimmed is not None and len(trimmed.records) == 2 and not set(map(id, late)) & set(map(id, trimmed.records))
+    assert (
+        trimmed is not None
+        and len(trimmed.records) == 2
+        and not set(map(id, late)) & set(map(id, trimmed.records))
+    )
     assert ids(s.expire(0.05)) == ids(late)
     st = s.stats()["lo"]
     assert (st["expired"], st["served_records"]) == (2, 2)  # not charged for what it did not run
@@ -1061,7 +1083,8 @@ def test_adaptive_fill_leaves_a_lower_lane_alone_if_its_own_model_says_it_would_
         s.observe("hi", n, 0.001 + 0.0001 * n)  # fast
         s.observe("lo", n, 0.001 + 0.01 * n)  # slow per record
     now = 10.0
-    low = rec("lo", offset=1, deadline=now + 0.03)  # fits alone (11 ms), not behind 3 more (41 ms by lo's model)
+    # fits alone (11 ms), not behind 3 more (41 ms by lo's model)
+    low = rec("lo", offset=1, deadline=now + 0.03)
     s.add(low, now)
     for i in range(3):
         s.add(rec("hi", offset=100 + i), now)
@@ -1075,10 +1098,11 @@ def test_adaptive_fill_leaves_a_lower_lane_alone_if_its_own_model_says_it_would_
 @pytest.mark.parametrize("lo_batch", [32, 128])
 def test_a_trickling_low_lane_runs_within_a_few_batches_under_overload(lo_batch: int) -> None:
     """A deep high-lane backlog, one low-lane record per high batch, the runner's pipeline: take ahead while
-    the device is busy (full_only), then ``start`` and ``preempt`` when it is free. The low lane's batch is owed
-    the device after a batch or two; it used to lose its lag at every arrival (all its records were in the batch
-    taken ahead, so the new one made it "become backlogged" at the others' service) and be preempted again at
-    every start until the batch was full: 31 high batches (1.7 s) at max batch 32, 127 (6.9 s) at 128."""
+    the device is busy (full_only), then ``start`` and ``preempt`` when it is free. The low lane's batch is
+    owed the device after a batch or two; it used to lose its lag at every arrival (all its records were in
+    the batch taken ahead, so the new one made it "become backlogged" at the others' service) and be preempted
+    again at every start until the batch was full: 31 high batches (1.7 s) at max batch 32, 127 (6.9 s) at
+    128."""
     cfg = lanes({"name": "hi", "priority": 10, "weight": 1, "max_batch_size": 32, "max_wait_ms": 10},
                 {"name": "lo", "priority": 0, "weight": 1, "max_batch_size": lo_batch, "max_wait_ms": 10})
     s = PriorityScheduler(cfg, "hi", "fixed")
@@ -1108,8 +1132,8 @@ def test_a_trickling_low_lane_runs_within_a_few_batches_under_overload(lo_batch:
 
 
 def _ahead_then_trimmed(s: PriorityScheduler, lane: str) -> Batch:
-    """A full batch of ``lane`` taken ahead at 0 whose first two records (deadline 50 ms) expired by its start at
-    60 ms: what the device starts is a partial batch."""
+    """A full batch of ``lane`` taken ahead at 0 whose first two records (deadline 50 ms) expired by its start
+    at 60 ms: what the device starts is a partial batch."""
     feed(s, [rec(lane, deadline=0.050), rec(lane, deadline=0.050), rec(lane), rec(lane)], now=0.0)
     ahead = s.next_batch(0.0, idle=False, full_only=True)
     assert ahead is not None and len(ahead.records) == 4
@@ -1136,9 +1160,12 @@ def test_a_partial_batch_taken_ahead_takes_its_lanes_later_records_when_it_start
 
 
 def test_a_fill_lane_partial_batch_taken_ahead_is_filled_when_it_starts_its_own_records_first() -> None:
-    """``fill_with_lower`` used to fill only the batches a free device took: under 2x overload a 50 ms high-lane
-    window's batches were taken ahead and ran unfilled (``overload_sim``: 0.84 of capacity instead of 1.00)."""
-    cfg = lanes({"name": "hi", "priority": 10, "max_batch_size": 4, "max_wait_ms": 10, "fill_with_lower": True},
+    """``fill_with_lower`` used to fill only the batches a free device took: under 2x overload a 50 ms
+    high-lane window's batches were taken ahead and ran unfilled (``overload_sim``: 0.84 of capacity instead
+    of
+    1.00)."""
+    cfg = lanes({"name": "hi", "priority": 10, "max_batch_size": 4, "max_wait_ms": 10,
+                 "fill_with_lower": True},
                 {"name": "lo", "max_batch_size": 4, "max_wait_ms": 10})
     s = PriorityScheduler(cfg, "lo", "fixed")
     trimmed = _ahead_then_trimmed(s, "hi")
@@ -1175,8 +1202,8 @@ def test_start_says_whether_the_batch_was_taken_ahead() -> None:
 
 
 def test_the_adaptive_fill_takes_a_record_without_a_finite_deadline() -> None:
-    """The fill's room is computed from the batch's earliest deadline: an infinite one (a lane set up outside the
-    config's checks) raised OverflowError at dispatch."""
+    """The fill's room is computed from the batch's earliest deadline: an infinite one (a lane set up outside
+    the config's checks) raised OverflowError at dispatch."""
     cfg = lanes({"name": "default", "fill_with_lower": True}, {"name": "bulk", "priority": -1})
     s = PriorityScheduler(cfg, "default", "adaptive")
     for n in (1, 3, 5):
@@ -1188,8 +1215,9 @@ def test_the_adaptive_fill_takes_a_record_without_a_finite_deadline() -> None:
 
 
 def test_a_full_lane_stays_full_until_its_low_watermark() -> None:
-    """A lane at its queue_bound paused its partitions and resumed them one record below it: at every loop turn
-    a pause, a resume and a fetcher wake-up. Held lanes now stay full until queue_bound * resume_ratio."""
+    """A lane at its queue_bound paused its partitions and resumed them one record below it: at every loop
+    turn a pause, a resume and a fetcher wake-up. Held lanes now stay full until queue_bound *
+    resume_ratio."""
     cfg = lanes({"name": "default", "max_batch_size": 4, "queue_bound": 10, "max_wait_ms": 60_000})
     s = PriorityScheduler(cfg, "default", "fixed")
     for i in range(10):
@@ -1252,7 +1280,8 @@ def test_a_lane_config_converts_to_the_schedulers_own_settings() -> None:
                      deadline_ms=100.0, queue_bound=9, fill_with_lower=True)
     settings = cfg.settings()
     spec_fields = [n for n in vars(LaneSpec) if not n.startswith("_")]
-    assert sorted(spec_fields) == sorted(LaneSettings.__dataclass_fields__)  # nothing read is left unconverted
+    # nothing read is left unconverted
+    assert sorted(spec_fields) == sorted(LaneSettings.__dataclass_fields__)
     assert all(getattr(settings, n) == getattr(cfg, n) for n in spec_fields)
     # The scheduler takes either, and behaves the same with both.
     a = PriorityScheduler([cfg, LaneConfig(name="lo")], "lo")

@@ -11,7 +11,8 @@ from schemas.export import wanted
 
 def test_request_round_trip_json_and_msgpack():
     r = Request[Any](id="a", inputs={"text": "hi"}, priority="high", deadline_ms=123, meta={"k": 1})
-    for enc, dec in ((msgspec.json.encode, msgspec.json.decode), (msgspec.msgpack.encode, msgspec.msgpack.decode)):
+    for enc, dec in ((msgspec.json.encode, msgspec.json.decode),
+                     (msgspec.msgpack.encode, msgspec.msgpack.decode)):
         assert dec(enc(r), type=Request[Any]) == r
 
 
@@ -31,7 +32,8 @@ def test_request_validates_typed_inputs_with_path():
 
 def test_result_round_trip():
     res = Result(id="a", status="ok", outputs=[0.1, 0.2], model="tiny", lane="default", batch_size=8,
-                 source=Source(topic="t", partition=1, offset=42), timings=Timings(queue_ms=1.5, total_ms=3.0))
+                 source=Source(topic="t", partition=1, offset=42),
+                 timings=Timings(queue_ms=1.5, total_ms=3.0))
     assert msgspec.json.decode(msgspec.json.encode(res), type=Result) == res
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(res), type=Result) == res
 

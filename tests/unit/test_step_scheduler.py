@@ -192,7 +192,8 @@ ops = st.lists(st.one_of(
 @settings(max_examples=examples(200), deadline=None)
 @given(ops, st.integers(1, 4), st.integers(4, 30), st.sampled_from(["reserve", "grow"]))
 @example([("submit", "hi", 12, 9, None), ("submit", "lo", 1, 1, None), ("step", 1)], 2, 4, "reserve")
-@example([("submit", "lo", 1, 9, None)] * 4 + [("submit", "hi", 1, 9, None)] + [("step", 1)] * 12, 4, 10, "grow")
+@example([("submit", "lo", 1, 9, None)] * 4 + [("submit", "hi", 1, 9, None)] + [("step", 1)] * 12, 4, 10,
+         "grow")
 def test_every_sequence_ends_exactly_once_and_limits_hold(ops: list[tuple], slots: int, budget: int,
                                                           admission: str) -> None:
     s = make([LaneRule("lo"), LaneRule("hi", priority=1, weight=2.0)], max_sequences=slots, headroom=3,

@@ -191,7 +191,8 @@ def test_child_env_gives_each_child_its_port_and_transactional_id(monkeypatch):
 
 
 def test_ports_past_65535_are_a_config_error_naming_the_source():
-    with pytest.raises(ConfigError, match=r"\$\.metrics\.port: 4 processes serve metrics on ports 65534\.\.65537"):
+    with pytest.raises(ConfigError, match=r"\$\.metrics\.port: 4 processes serve metrics on ports "
+                                          r"65534\.\.65537"):
         check_ports(Config(metrics=MetricsConfig(port=65534)), 4, None)
     with pytest.raises(ConfigError, match="--metrics-port"):
         check_ports(Config(), 2, 65535)
@@ -228,7 +229,8 @@ def test_worker_run_supervises_per_model_processes_or_the_flag(tmp_path, monkeyp
     calls: list[tuple[int, int | None]] = []
     monkeypatch.setattr("worker.supervisor.supervise",
                         lambda cfg, p, n, metrics_port=None: calls.append((n, metrics_port)) or 0)
-    monkeypatch.setattr("worker.service.run_service", lambda cfg, metrics_port=None: calls.append((1, None)) or 0)
+    monkeypatch.setattr("worker.service.run_service",
+                        lambda cfg, metrics_port=None: calls.append((1, None)) or 0)
     monkeypatch.setattr(cli, "_setup_logging", lambda cfg, level=None: None)
     assert cli.main(["run", "--config", str(path), *argv]) == 0
     assert calls == [(want or 1, None)]

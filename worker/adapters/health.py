@@ -91,7 +91,8 @@ class HealthServer:
             "assignment": bool(s.assigned or s.waiting_for_assignment),
         }
         failed = [name for name, ok in checks.items() if not ok]
-        return not failed, {"status": "ready" if not failed else "not_ready", "checks": checks, "failed": failed}
+        return not failed, {"status": "ready" if not failed else "not_ready", "checks": checks,
+                            "failed": failed}
 
     def render_metrics(self) -> bytes:
         return b"" if self.metrics is None else self.metrics.render()
@@ -128,9 +129,9 @@ class HealthServer:
 
 
 class _Server6(ThreadingHTTPServer):
-    """An IPv6 address (``::``, ``::1``...): ThreadingHTTPServer is IPv4 only, and ``metrics.host: "::"`` made the
-    worker exit at start. ``::`` also takes IPv4 (dual stack, where the kernel allows it): the kubelet probes the
-    pod on whichever family its IP is."""
+    """An IPv6 address (``::``, ``::1``...): ThreadingHTTPServer is IPv4 only, and ``metrics.host: "::"`` made
+    the worker exit at start. ``::`` also takes IPv4 (dual stack, where the kernel allows it): the kubelet
+    probes the pod on whichever family its IP is."""
 
     address_family = socket.AF_INET6
 

@@ -61,9 +61,9 @@ def _base(cfg: Config) -> dict[str, Any]:
 
 
 def client_log(role: str) -> LibrdkafkaLog:
-    """The ``logger`` property for a client: librdkafka's lines go through the worker's logging (level, format,
-    redaction) as ``worker.kafka.<role>``, never raw to stderr (as librdkafka writes them without one). They are
-    served by the client's poll/consume calls."""
+    """The ``logger`` property for a client: librdkafka's lines go through the worker's logging (level,
+    format, redaction) as ``worker.kafka.<role>``, never raw to stderr (as librdkafka writes them without
+    one). They are served by the client's poll/consume calls."""
     return LibrdkafkaLog(f"worker.kafka.{role}")
 
 
@@ -85,7 +85,8 @@ def producer_config(cfg: Config, **extra: Any) -> dict[str, Any]:
 
 
 # librdkafka names the property it refuses in quotes or backquotes: 'No such configuration property:
-# "sesion.timeout.ms"', 'Invalid value for configuration property "session.timeout.ms"', '`acks` must be set to
+# "sesion.timeout.ms"', 'Invalid value for configuration property "session.timeout.ms"', '`acks` must be set
+# to
 # `all` when `enable.idempotence` is true', 'ssl.ca.location failed: ...', 'on_commit requires a callable'.
 _NAMED = re.compile(r'"([a-z0-9_.]+)"|`([a-z0-9_.]+)(?:=[^`]*)?`|^([a-z0-9_.]+) (?:failed|requires)')
 _SILENT = logging.getLogger("worker.kafka.config_check")
@@ -102,10 +103,16 @@ FILE_PROPERTIES = frozenset({
 
 def absent_files(cfg: Config) -> list[tuple[str, str]]:
     """``(path, file)`` of each file-valued client property whose file is not on this machine."""
-    return [(f"$.kafka.{section}.{k}", v)
-            for section, conf in (("consumer", cfg.kafka.consumer), ("producer", cfg.kafka.producer))
-            for k, v in sorted(conf.items())
-            if k in FILE_PROPERTIES and isinstance(v, str) and v.strip() and v != "probe" and not os.path.exists(v)]
+    return [
+        (f"$.kafka.{section}.{k}", v)
+        for section, conf in (("consumer", cfg.kafka.consumer), ("producer", cfg.kafka.producer))
+        for k, v in sorted(conf.items())
+        if k in FILE_PROPERTIES
+        and isinstance(v, str)
+        and v.strip()
+        and v != "probe"
+        and not os.path.exists(v)
+    ]
 
 
 def config_problem(cfg: Config, files_elsewhere: bool = False) -> tuple[str, str] | None:
@@ -113,8 +120,10 @@ def config_problem(cfg: Config, files_elsewhere: bool = False) -> tuple[str, str
     value out of range, two properties that do not go together, a CA file that is not there) as
     ``(path, message)``, found by making each client without a broker to talk to and closing it at once; None
     when both are fine. A few milliseconds, and the result is kept for each pair of client configurations.
-    ``files_elsewhere`` (check-config, which may run outside the pod its secrets are mounted in): a file-valued
-    property whose file is not here is left out of the check instead of refused (``absent_files`` lists them)."""
+    ``files_elsewhere`` (check-config, which may run outside the pod its secrets are mounted in): a
+    file-valued property whose file is not here is left out of the check instead of refused (``absent_files``
+    lists
+    them)."""
     absent = absent_files(cfg)
     if absent and not files_elsewhere:
         path, file = absent[0]
@@ -129,8 +138,8 @@ def config_problem(cfg: Config, files_elsewhere: bool = False) -> tuple[str, str
 
 
 def transactional_extra(cfg: Config, transactional_id: str) -> dict[str, Any]:
-    """The producer properties exactly-once mode adds: its transactional.id, and, unless the config sets one, a
-    message.timeout.ms no longer than transaction.timeout.ms (librdkafka requires it; 60 s by default)."""
+    """The producer properties exactly-once mode adds: its transactional.id, and, unless the config sets one,
+    a message.timeout.ms no longer than transaction.timeout.ms (librdkafka requires it; 60 s by default)."""
     extra: dict[str, Any] = {"transactional.id": transactional_id}
     if "message.timeout.ms" not in cfg.kafka.producer:
         extra["message.timeout.ms"] = cfg.kafka.producer.get("transaction.timeout.ms", 60000)
@@ -144,7 +153,8 @@ def _offline(conf: dict[str, Any]) -> dict[str, Any]:
     conf = {k: v for k, v in conf.items() if k not in ("bootstrap.servers", "plugin.library.paths", "logger")}
     if str(conf.get("sasl.oauthbearer.method", "")).strip().lower() == "oidc":
         conf["sasl.oauthbearer.method"] = "default"
-    if "GSSAPI" in str(conf.get("sasl.mechanisms", conf.get("sasl.mechanism", "GSSAPI"))).upper():  # the default
+    # the default
+    if "GSSAPI" in str(conf.get("sasl.mechanisms", conf.get("sasl.mechanism", "GSSAPI"))).upper():
         conf["sasl.kerberos.min.time.before.relogin"] = 0  # 0: no kinit
     return conf
 
@@ -152,7 +162,8 @@ def _offline(conf: dict[str, Any]) -> dict[str, Any]:
 @functools.lru_cache(maxsize=64)
 def _problem(consumer: tuple[tuple[str, Any], ...], producer: tuple[tuple[str, Any], ...],
              consumer_keys: frozenset[str], producer_keys: frozenset[str]) -> tuple[str, str] | None:
-    for section, conf, given in (("consumer", consumer, consumer_keys), ("producer", producer, producer_keys)):
+    for section, conf, given in (("consumer", consumer, consumer_keys),
+                                 ("producer", producer, producer_keys)):
         text = _refusal(section, dict(conf))
         if text is None:
             continue
@@ -213,7 +224,8 @@ def ensure_topics(bootstrap: str | dict[str, Any], topics: dict[str, int], timeo
 
 
 _TRANSIENT = {"NOT_COORDINATOR", "COORDINATOR_LOAD_IN_PROGRESS", "COORDINATOR_NOT_AVAILABLE", "_TIMED_OUT",
-              "_TRANSPORT", "REQUEST_TIMED_OUT", "_WAIT_COORD", "LEADER_NOT_AVAILABLE", "NOT_LEADER_FOR_PARTITION"}
+              "_TRANSPORT", "REQUEST_TIMED_OUT", "_WAIT_COORD", "LEADER_NOT_AVAILABLE",
+              "NOT_LEADER_FOR_PARTITION"}
 
 
 def retry_transient(fn: Any, *args: Any, timeout: float = 60.0, **kwargs: Any) -> Any:

@@ -89,7 +89,8 @@ class MemoryStore:
     @classmethod
     def from_config(cls, cfg: RedisConfig, clock: TimeSource | None = None) -> MemoryStore:
         """Build from a ``RedisConfig`` (only the TTLs and the cache/ledger switches apply)."""
-        return cls(cache_ttl_s=cfg.cache_ttl_s, ledger_ttl_s=cfg.ledger_ttl_s, attempts_ttl_s=cfg.attempts_ttl_s,
+        return cls(cache_ttl_s=cfg.cache_ttl_s, ledger_ttl_s=cfg.ledger_ttl_s,
+                   attempts_ttl_s=cfg.attempts_ttl_s,
                    cache=cfg.cache, ledger=cfg.ledger, clock=clock)
 
     def __repr__(self) -> str:

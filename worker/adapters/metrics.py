@@ -43,7 +43,8 @@ log = logging.getLogger("worker.metrics")
 
 BATCH_SIZE_BUCKETS = tuple(float(2**i) for i in range(11))  # 1, 2, 4, ..., 1024
 FILL_RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
-LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0)
+LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0,
+                   60.0)
 
 
 class PrometheusMetrics:
@@ -55,32 +56,41 @@ class PrometheusMetrics:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
         self.records_in_total = Counter("kiw_records_in", "Records consumed, by lane", ["lane"], registry=r)
-        self.records_out_total = Counter("kiw_records_out", "Records finished (result and/or dead letter handed to "
+        self.records_out_total = Counter("kiw_records_out",
+                                         "Records finished (result and/or dead letter handed to "
                                          "the producer), by lane and status (ok|error|expired)",
                                          ["lane", "status"], registry=r)
         self.batch_size = Histogram("kiw_batch_size", "Records per inference batch", ["lane"],
                                     buckets=BATCH_SIZE_BUCKETS, registry=r)
-        self.batch_fill_ratio = Histogram("kiw_batch_fill_ratio", "Batch size / lane max_batch_size", ["lane"],
+        self.batch_fill_ratio = Histogram("kiw_batch_fill_ratio", "Batch size / lane max_batch_size",
+                                          ["lane"],
                                           buckets=FILL_RATIO_BUCKETS, registry=r)
-        self.queue_wait_seconds = Histogram("kiw_queue_wait_seconds", "Per batch: the mean time its records waited "
+        self.queue_wait_seconds = Histogram("kiw_queue_wait_seconds",
+                                            "Per batch: the mean time its records waited "
                                             "from receipt to dispatch",
                                             ["lane"], buckets=LATENCY_BUCKETS, registry=r)
-        self.inference_seconds = Histogram("kiw_inference_seconds", "Collate + forward + split time per batch",
+        self.inference_seconds = Histogram("kiw_inference_seconds",
+                                           "Collate + forward + split time per batch",
                                            ["lane"], buckets=LATENCY_BUCKETS, registry=r)
-        self.end_to_end_seconds = Histogram("kiw_end_to_end_seconds", "Request's Kafka timestamp to its result handed to the producer, per record",
+        self.end_to_end_seconds = Histogram("kiw_end_to_end_seconds",
+                                            "Request's Kafka timestamp to its result handed to the "
+                                            "producer, per record",
                                             ["lane"], buckets=LATENCY_BUCKETS, registry=r)
         self.in_flight = Gauge("kiw_in_flight", "Records consumed and not yet delivered or dead-lettered",
                                registry=r)
-        self.paused_partitions = Gauge("kiw_paused_partitions", "Partitions paused by backpressure", registry=r)
+        self.paused_partitions = Gauge("kiw_paused_partitions", "Partitions paused by backpressure",
+                                       registry=r)
         self.consumer_lag = Gauge("kiw_consumer_lag", "High watermark minus committed offset",
                                   ["topic", "partition"], registry=r)
         self.drain_seconds = Gauge("kiw_drain_seconds", "Estimated seconds to consume the current lag at the "
                                    "recent throughput (scaling signal)", registry=r)
-        self.commit_seconds = Histogram("kiw_commit_seconds", "Offset commit latency", buckets=LATENCY_BUCKETS,
+        self.commit_seconds = Histogram("kiw_commit_seconds", "Offset commit latency",
+                                        buckets=LATENCY_BUCKETS,
                                         registry=r)
         self.commit_failures_total = Counter("kiw_commit_failures", "Failed offset commits", registry=r)
         self.dlq_total = Counter("kiw_dlq", "Records routed to the DLQ, by stage", ["stage"], registry=r)
-        self.oom_splits_total = Counter("kiw_oom_splits", "Times a lane's max batch size was lowered (after a "
+        self.oom_splits_total = Counter("kiw_oom_splits",
+                                        "Times a lane's max batch size was lowered (after a "
                                         "device out-of-memory error, or to a model's fixed batch size)",
                                         ["lane"], registry=r)
         self.redis_errors_total = Counter("kiw_redis_errors", "Store calls that could not use Redis "
@@ -88,23 +98,29 @@ class PrometheusMetrics:
         self.redis_circuit_open = Gauge("kiw_redis_circuit_open", "1 while the Redis circuit breaker is open",
                                         registry=r)
         self.model_loaded = Gauge("kiw_model_loaded", "1 once the model is loaded and warmed up", registry=r)
-        self.rebalances_total = Counter("kiw_rebalances", "Consumer group rebalances, by kind (assign|revoke|lost|replace)",
+        self.rebalances_total = Counter("kiw_rebalances",
+                                        "Consumer group rebalances, by kind (assign|revoke|lost|replace)",
                                         ["kind"], registry=r)
         self.producer_replacements_total = Counter(
             "kiw_producer_replacements", "Producers replaced after holding results undelivered for "
             "delivery.producer_stall_s (what they held is sent again)", registry=r)
         self.lost_records_skipped_total = Counter(
-            "kiw_lost_records_skipped", "Records not read again when a partition this worker lost came back to it: "
-            "it had delivered their results (at-least-once)", registry=r)
-        self.preemptions_total = Counter("kiw_preemptions", "Prefetched batches put back for a higher-priority "
+            "kiw_lost_records_skipped", "Records not read again when a partition this worker lost came back "
+            "to it: it had delivered their results (at-least-once)", registry=r)
+        self.preemptions_total = Counter("kiw_preemptions",
+                                         "Prefetched batches put back for a higher-priority "
                                          "lane's batch, by the lane put back", ["lane"], registry=r)
-        self.batches_total = Counter("kiw_batches", "Batches closed, by lane and reason (count|time|idle|flush|adaptive)",
+        self.batches_total = Counter("kiw_batches",
+                                     "Batches closed, by lane and reason (count|time|idle|flush|adaptive)",
                                      ["lane", "reason"], registry=r)
-        self.unknown_lane_total = Counter("kiw_unknown_lane", "Records whose x-priority header or priority field "
+        self.unknown_lane_total = Counter("kiw_unknown_lane",
+                                          "Records whose x-priority header or priority field "
                                           "names no lane (served by the default lane), by topic", ["topic"],
                                           registry=r)
-        self.suspects_isolated_total = Counter("kiw_suspects_isolated", "Records read with an attempt count > 0 "
-                                               "(on a device when a process died), each run alone", registry=r)
+        self.suspects_isolated_total = Counter("kiw_suspects_isolated",
+                                               "Records read with an attempt count > 0 "
+                                               "(on a device when a process died), each run alone",
+                                               registry=r)
         self.ledger_skips_total = Counter("kiw_ledger_skips", "Redelivered records not run again: the ledger "
                                           "holds their delivered ok result", registry=r)
 

@@ -160,12 +160,14 @@ class RedisStore:
     def __init__(self, cfg: RedisConfig, metrics: Metrics | None = None, *,
                  clock: TimeSource | None = None) -> None:
         if not cfg.url:
-            raise ValueError("redis.url is required for RedisStore (leave it unset to use the in-memory store)")
+            raise ValueError("redis.url is required for RedisStore (leave it unset to use "
+                             "the in-memory store)")
         scheme = urlsplit(cfg.url).scheme
         problem = redis_url_problem(cfg.url, tls=cfg.tls)  # the scheme too
         if problem:
-            # Here, not from the first call on the loop thread: redis-py parses the URL only when it builds the
-            # client, and its ValueError would escape the breaker (it is not a RedisError) and end the worker.
+            # Here, not from the first call on the loop thread: redis-py parses the URL only when it builds
+            # the client, and its ValueError would escape the breaker (it is not a RedisError) and end the
+            # worker.
             raise ValueError(f"redis.url: {problem}")
         if cfg.tls_ca_file and not (cfg.tls or scheme == "rediss"):  # config validation refuses it first
             raise ValueError("redis.tls_ca_file is set but TLS is off: set redis.tls: true or use rediss://")

@@ -43,7 +43,8 @@ def partitions_to_pause(*, in_flight: int, bound: int, resume_ratio: float, assi
                         spans: Mapping[TopicPartition, int] | None = None,
                         span_bound: int = 0, span_held: Set[TopicPartition] = frozenset()) -> Pauses:
     """``holding`` and ``span_held`` are what the previous decision returned (the hysteresis of each reason);
-    ``reached``, the backfill partitions read to their end; ``full_lanes``, the lanes at their queue bound, and
+    ``reached``, the backfill partitions read to their end; ``full_lanes``, the lanes at their queue bound,
+    and
     ``lane_of`` the lane a partition's topic is routed to; ``spans``, each partition's uncommitted span
     (partitions left out count as 0), paused from ``span_bound`` on."""
     hold = in_flight >= bound or (holding and in_flight > bound * resume_ratio)

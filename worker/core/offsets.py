@@ -150,8 +150,10 @@ class OffsetTracker:
                 self._in_flight -= len(p.pending)
 
     def detach(self, tps: Iterable[TopicPartition]) -> None:
-        """Lost partitions: they leave the live state (in flight, commits) like ``revoke``, but what was tracked
-        is kept for ``ack_lost`` and ``take_lost`` (replacing what an earlier loss of the same partition left)."""
+        """Lost partitions: they leave the live state (in flight, commits) like ``revoke``, but what was
+        tracked is kept for ``ack_lost`` and ``take_lost`` (replacing what an earlier loss of the same
+        partition
+        left)."""
         for tp in tps:
             p = self._parts.pop(tp, None)
             if p is not None:

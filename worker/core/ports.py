@@ -50,8 +50,9 @@ class Model(Protocol):
     is safe).
 
     Handlers need not be thread-safe: ``forward``, ``collate`` and ``split`` each never run on two threads at
-    once (recovery re-runs them on other threads). ``collate`` of one batch and ``split`` of another may run at
-    the same time: a handler that uses one non-thread-safe object (a tokenizer) in both must lock it itself.
+    once (recovery re-runs them on other threads). ``collate`` of one batch and ``split`` of another may run
+    at the same time: a handler that uses one non-thread-safe object (a tokenizer) in both must lock it
+    itself.
     """
 
     # Read-only properties, so a handler may declare them as class attributes or instance attributes.
@@ -106,7 +107,8 @@ class Metrics(Protocol):
 class NullMetrics:
     def records_in(self, lane: str, n: int = 1) -> None: pass
     def records_out(self, lane: str, status: str, n: int = 1) -> None: pass
-    def batch(self, lane: str, size: int, fill_ratio: float, queue_wait_s: float, infer_s: float) -> None: pass
+    def batch(self, lane: str, size: int, fill_ratio: float, queue_wait_s: float,
+              infer_s: float) -> None: pass
     def end_to_end(self, lane: str, seconds: float) -> None: pass
     def end_to_end_many(self, lane: str, seconds: list[float]) -> None: pass
     def dlq(self, stage: str, n: int = 1) -> None: pass

@@ -80,6 +80,7 @@ class Outcome:
     status: Status
     output: Any = None
     error: str | None = None
-    dlq_stage: str | None = None  # "decode" | "validate" | "size" | "inference" | "expired" | "quarantine" ...
+    # "decode" | "validate" | "size" | "inference" | "expired" | "quarantine" ...
+    dlq_stage: str | None = None
     batch_size: int = 0
     timings: dict[str, float] = field(default_factory=dict)

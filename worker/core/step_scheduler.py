@@ -11,18 +11,18 @@ the first two (its partition was released). Each submitted sequence reaches exac
 and is handed back exactly once: by ``schedule`` (``plan.ended``), ``update``, ``fail_running`` or ``drop``.
 
 Admission (``admission="reserve"``, the default). A sequence reserves ``len(prompt) + max_new_tokens``
-tokens (capped at the model's context) for its whole life, so the tokens in the device's caches never exceed ``max_batch_tokens`` whatever lengths the
-sequences reach. It is admitted when a slot is free (``max_sequences``) and its reservation fits in what is
-left of the budget; a sequence whose reservation alone exceeds the budget is admitted when nothing else
-runs (it runs alone). Within a lane admission is FIFO, and a head that does not fit stops admission for
-this round: the freed tokens go to it first, so a long request is not starved by a stream of short ones.
-With ``admission="grow"`` a sequence counts the tokens its cache holds after the next step (prompt +
-generated + 1), as a paged cache allocates them; admission keeps a tenth of the budget free for growth, and
-when the next step would still exceed the budget, the latest-admitted sequence of the lowest-priority
-running lane is preempted: back to the front of its lane, its tokens dropped and recomputed when it runs
-again (the same tokens: its seed and prompt decide them). A head of the highest-priority lane that does not
-fit preempts lower-lane sequences the same way, when that makes room for it. More sequences run at once, at the cost of the
-recomputed steps.
+tokens (capped at the model's context) for its whole life, so the tokens in the device's caches never exceed
+``max_batch_tokens`` whatever lengths the sequences reach. It is admitted when a slot is free
+(``max_sequences``) and its reservation fits in what is left of the budget; a sequence whose reservation alone
+exceeds the budget is admitted when nothing else runs (it runs alone). Within a lane admission is FIFO, and a
+head that does not fit stops admission for this round: the freed tokens go to it first, so a long request is
+not starved by a stream of short ones. With ``admission="grow"`` a sequence counts the tokens its cache holds
+after the next step (prompt + generated + 1), as a paged cache allocates them; admission keeps a tenth of the
+budget free for growth, and when the next step would still exceed the budget, the latest-admitted sequence of
+the lowest-priority running lane is preempted: back to the front of its lane, its tokens dropped and
+recomputed when it runs again (the same tokens: its seed and prompt decide them). A head of the
+highest-priority lane that does not fit preempts lower-lane sequences the same way, when that makes room for
+it. More sequences run at once, at the cost of the recomputed steps.
 ``headroom`` tokens of the budget are for the highest-priority lane only: the other lanes stop admitting
 while their head would cut into it, so an urgent sequence that arrives under overload finds room at once
 instead of waiting for running ones to finish (a lower lane gives up that much of the budget).

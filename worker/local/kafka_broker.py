@@ -87,7 +87,8 @@ def ensure_jars(version: str = KAFKA_VERSION) -> Path:
     if marker.exists():
         return libs
     if shutil.which("mvn") is None:
-        raise BrokerStartError("Maven (mvn) is needed to fetch the Kafka broker jars; install it (apt-get install maven)")
+        raise BrokerStartError("Maven (mvn) is needed to fetch the Kafka broker jars; install it (apt-get "
+                               "install maven)")
     if shutil.which("java") is None:
         raise BrokerStartError("Java 17+ is needed to run the local Kafka broker; install a JDK")
     home.mkdir(parents=True, exist_ok=True)
@@ -349,7 +350,9 @@ class LocalKafka:
         parts = []
         for p in (self.workdir / "stdout.log", self.log_path):
             if p.exists():
-                parts.append(f"--- {p} ---\n" + "\n".join(p.read_text(errors="replace").splitlines()[-lines:]))
+                parts.append(
+                    f"--- {p} ---\n" + "\n".join(p.read_text(errors="replace").splitlines()[-lines:])
+                )
         return "\n".join(parts)
 
     def stop(self, timeout: float = 30.0) -> None:

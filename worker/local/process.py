@@ -19,7 +19,8 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 def terminate(proc: subprocess.Popen[Any], timeout: float, *, group: bool = False, hard: bool = False,
               wake: bool = False) -> None:
     """SIGTERM (SIGKILL when ``hard``) to the process, or its process group with ``group``; SIGKILL if it
-    has not exited after ``timeout``. ``wake`` sends SIGCONT first: a stopped process cannot handle SIGTERM."""
+    has not exited after ``timeout``. ``wake`` sends SIGCONT first: a stopped process cannot handle
+    SIGTERM."""
     if proc.poll() is not None:
         return
 

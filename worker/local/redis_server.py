@@ -178,7 +178,8 @@ class LocalRedis:
             if self.proc is not None and self.proc.poll() is not None:
                 code = self.proc.returncode
                 self.proc = None
-                raise RedisStartError(f"redis-server exited with {code} on port {self.port}\n{self.log_tail()}")
+                raise RedisStartError(f"redis-server exited with {code} on port "
+                                      f"{self.port}\n{self.log_tail()}")
             try:
                 if self._ping():
                     return

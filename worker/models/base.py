@@ -53,8 +53,8 @@ def split_rows(output: Any, n: int) -> list[Any]:
 
         # Not a record's fault (no bisecting): the model returns something split_rows cannot read.
         raise OutputCountError(
-            f"split_rows: the output is a list of {len(output)} for a batch of {n}; a list is read as one output "
-            "per record: return a tuple (or a dict) for several output heads, or write split()"
+            f"split_rows: the output is a list of {len(output)} for a batch of {n}; a list is read as one "
+            "output per record: return a tuple (or a dict) for several output heads, or write split()"
         )
     return _split_rows(output, n)  # (any other wrong count at the top is the engine's OutputCountError)
 
@@ -94,6 +94,6 @@ def _jsonable(value: Any) -> Any:
 def _rows_of(part: Any, n: int, where: str) -> list[Any]:
     rows = _split_rows(part, n, where)
     if len(rows) != n:
-        raise ValueError(f"split_rows: {where} has {len(rows)} rows for a batch of {n}; every part of a batch "
-                         "output needs one row per record (write split() for per-batch values)")
+        raise ValueError(f"split_rows: {where} has {len(rows)} rows for a batch of {n}; every part of a "
+                         "batch output needs one row per record (write split() for per-batch values)")
     return rows

@@ -1,12 +1,13 @@
-"""``causal-lm``: any Hugging Face causal LM folder as a ``StepModel`` (per-sequence KV caches, batched decode).
+"""``causal-lm``: any Hugging Face causal LM folder as a ``StepModel`` (per-sequence KV caches, batched
+decode).
 
 ``HFStepModel`` keeps every started sequence's KV cache in a *block*: the caches of a few sequences, one
 row each, left-padded to the longest (an attention mask hides the padding; position ids count each row's
 own tokens). ``step(ids)`` runs the prompts of the new sequences in one forward (their prefill, a new
-block) and then one batched decode forward over the others. When the set of decoding sequences is the one the previous step decoded, their
-block is used as it is; when sequences join or leave, the blocks involved are cut and joined into one
-(one copy of those caches). A released sequence's row is dropped at the next such rebuild, or at once
-when nothing else lives in its block.
+block) and then one batched decode forward over the others. When the set of decoding sequences is the one the
+previous step decoded, their block is used as it is; when sequences join or leave, the blocks involved are cut
+and joined into one (one copy of those caches). A released sequence's row is dropped at the next such rebuild,
+or at once when nothing else lives in its block.
 
 Sampling runs per sequence: greedy (argmax) at temperature 0; otherwise temperature and top-p on the CPU
 with the sequence's own ``torch.Generator``, seeded by ``GenParams.seed`` or else the sequence id, so a
@@ -35,7 +36,8 @@ def torch_dtype(name: str, device: str) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     if name not in _DTYPES:
-        raise ConfigError(f"$.model.options.dtype: unknown dtype {name!r} (allowed: auto, {', '.join(_DTYPES)})")
+        raise ConfigError(f"$.model.options.dtype: unknown dtype {name!r} (allowed: auto, "
+                          f"{', '.join(_DTYPES)})")
     return _DTYPES[name]
 
 
@@ -175,14 +177,17 @@ class HFStepModel:
 
     # -- forward passes ------------------------------------------------------------------------------------
 
-    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> Any:
+    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                 cache: Any) -> Any:
         kw: dict[str, Any] = {"logits_to_keep": 1} if self._keep_one else {}
         kw[self._cache_arg] = cache
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **kw)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         **kw)
         return out.logits[:, -1, :]
 
     def _prefill(self, ids: list[int]) -> dict[int, int]:
-        """The prompts of ``ids`` in one forward, left-padded: a new block, its rows in the order of ``ids``."""
+        """The prompts of ``ids`` in one forward, left-padded: a new block, its rows in the order of
+        ``ids``."""
         seqs = [self._seqs[s] for s in ids]
         dev = self.model.device
         width = max(len(s.feed) for s in seqs)
@@ -257,9 +262,11 @@ class HFStepModel:
             return block
         trim = min(block.pads[i] for i in rows)
         index = torch.tensor(rows, device=block.cache.layers[0].keys.device)
-        kv = [(layer.keys.index_select(0, index)[:, :, trim:], layer.values.index_select(0, index)[:, :, trim:])
+        kv = [(layer.keys.index_select(0, index)[:, :, trim:],
+               layer.values.index_select(0, index)[:, :, trim:])
               for layer in block.cache.layers]
-        return _Block(self._make_cache(kv), [block.rows[i] for i in rows], [block.pads[i] - trim for i in rows])
+        return _Block(self._make_cache(kv), [block.rows[i] for i in rows],
+                      [block.pads[i] - trim for i in rows])
 
     def _join(self, parts: list[_Block]) -> _Block:
         width = max(p.width() for p in parts)
@@ -341,5 +348,6 @@ class CausalLM:
 
 
 def causal_lm(**options: Any) -> CausalLM:
-    """Factory for ``$.model.name: "worker.models.causal_lm:causal_lm"`` (the built-in name is ``causal-lm``)."""
+    """Factory for ``$.model.name: "worker.models.causal_lm:causal_lm"`` (the built-in name is
+    ``causal-lm``)."""
     return CausalLM(**options)

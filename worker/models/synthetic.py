@@ -69,7 +69,9 @@ class SyntheticModel:
 
     def __init__(self, **options: Any) -> None:
         self.opts = parse_options(options, SyntheticOptions, self.name)
-        self.version = f"a{self.opts.a_ms:g}-b{self.opts.b_ms:g}" + (f"-h{self.opts.host_ms:g}" if self.opts.host_ms else "")
+        self.version = f"a{self.opts.a_ms:g}-b{self.opts.b_ms:g}" + (
+            f"-h{self.opts.host_ms:g}" if self.opts.host_ms else ""
+        )
         self.calls = 0  # forward calls, for tests
         self.sizes: list[int] = []  # batch size of every forward call, for tests
 

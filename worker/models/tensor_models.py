@@ -40,7 +40,8 @@ class TensorModel:
         import torch
 
         if input_dtype not in DTYPES:
-            raise ConfigError(f"$.model.options.input_dtype: expected one of {sorted(DTYPES)}, got {input_dtype!r}")
+            raise ConfigError(f"$.model.options.input_dtype: expected one of {sorted(DTYPES)}, got "
+                              f"{input_dtype!r}")
         self.module = module
         self.name = name
         self.version = version
@@ -66,7 +67,8 @@ class TensorModel:
                 # torch.tensor([1.7], dtype=torch.int64) is [1]: an input the model cannot take is an error
                 raw = torch.tensor(inputs)
                 if raw.is_floating_point() and not torch.equal(raw, raw.trunc()):
-                    raise ValueError(f"input_dtype is {str(self.dtype).removeprefix('torch.')}: got non-integers")
+                    raise ValueError(f"input_dtype is {str(self.dtype).removeprefix('torch.')}: got "
+                                     "non-integers")
         except (TypeError, ValueError, RuntimeError) as e:
             raise ValueError(f"inputs must be a (nested) list of numbers: {e}") from None
         if self.input_shape is not None and tuple(t.shape) != self.input_shape:
@@ -157,7 +159,8 @@ class OnnxModel:
     uses_torch: ClassVar[bool] = False
 
     _NP = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64",
-           "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(bool)": "bool", "tensor(uint8)": "uint8",
+           "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(bool)": "bool",
+           "tensor(uint8)": "uint8",
            "tensor(int8)": "int8"}
 
     def __init__(self, path: Path, *, name: str, version: str, example_input: Any = None) -> None:
@@ -183,17 +186,22 @@ class OnnxModel:
             raise ConfigError(f"$.model.name: {str(path)!r} is not a loadable ONNX model: {e}") from None
         unknown = [(i.name, i.type) for i in probe.get_inputs() if i.type not in self._NP]
         if unknown:
-            raise ConfigError(f"$.model.name: {path.name!r} input {unknown[0][0]!r} has type {unknown[0][1]}, which "
-                              f"the ONNX loader does not map (it takes {', '.join(sorted(self._NP))}); wrap it "
-                              "in a handler (a 'package.module:callable' factory)")
+            raise ConfigError(f"$.model.name: {path.name!r} input {unknown[0][0]!r} has type "
+                              f"{unknown[0][1]}, which the ONNX loader does not map (it takes "
+                              f"{', '.join(sorted(self._NP))}); wrap it in a handler (a "
+                              "'package.module:callable' factory)")
         self.inputs = [(i.name, self._NP[i.type], i.shape) for i in probe.get_inputs()]
         # (input index, axis of its record) of the first axis not fixed by the graph, if any.
         self._ragged = next(((k, d) for k, (_, _, shape) in enumerate(self.inputs)
-                             for d, dim in enumerate(shape[1:] if shape else []) if not isinstance(dim, int)), None)
+                             for d, dim in enumerate(shape[1:] if shape else []) if not isinstance(dim, int)),
+                            None)
         self.outputs = [o.name for o in probe.get_outputs()]
         # A fixed batch axis: torch.onnx.export's default without dynamic_axes.
-        self.max_batch = _fixed_batch({i.shape[0] for i in probe.get_inputs() if i.shape and isinstance(i.shape[0], int)},
-                                      path.name, "torch.onnx.export(..., dynamic_axes={'<input>': {0: 'batch'}})")
+        self.max_batch = _fixed_batch(
+            {i.shape[0] for i in probe.get_inputs() if i.shape and isinstance(i.shape[0], int)},
+            path.name,
+            "torch.onnx.export(..., dynamic_axes={'<input>': {0: 'batch'}})",
+        )
         self.session: Any = probe
 
     def setup(self, device: str) -> None:
@@ -204,7 +212,8 @@ class OnnxModel:
                 idx = int(device.split(":")[1]) if ":" in device else 0
                 providers = [("CUDAExecutionProvider", {"device_id": idx}), "CPUExecutionProvider"]  # type: ignore[list-item]
             else:
-                log.warning("onnxruntime has no CUDAExecutionProvider (install onnxruntime-gpu); running %s on CPU",
+                log.warning("onnxruntime has no CUDAExecutionProvider (install "
+                            "onnxruntime-gpu); running %s on CPU",
                             self.path.name)
         opts = ort.SessionOptions()
         try:
@@ -237,7 +246,8 @@ class OnnxModel:
             except (TypeError, ValueError, OverflowError) as e:
                 raise ValueError(f"inputs[{name!r}] must be a (nested) list of numbers: {e}") from None
             want = shape[1:] if shape else []
-            if len(want) != a.ndim or any(isinstance(w, int) and w != g for w, g in zip(want, a.shape, strict=False)):
+            if len(want) != a.ndim or any(isinstance(w, int) and w != g for w, g in zip(want, a.shape,
+                                                                                        strict=False)):
                 raise ValueError(f"inputs[{name!r}] must have shape {want}, got {list(a.shape)}")
             out[name] = a
         return out
@@ -249,7 +259,8 @@ class OnnxModel:
         return int(item[self.inputs[k][0]].shape[d])
 
     def collate(self, items: Sequence[dict[str, Any]]) -> list[tuple[list[int] | None, dict[str, Any]]]:
-        """``[(positions, feeds)]``: one group per distinct input shape (positions None: every item, in order)."""
+        """``[(positions, feeds)]``: one group per distinct input shape (positions None: every item, in
+        order)."""
         np = self._np
         names = [name for name, _, _ in self.inputs]
         groups: dict[tuple[Any, ...], list[int]] = {}
@@ -258,9 +269,13 @@ class OnnxModel:
                 groups.setdefault(tuple(it[name].shape for name in names), []).append(i)
         if len(groups) <= 1:
             return [(None, {name: np.stack([it[name] for it in items]) for name in names})]
-        return [(pos, {name: np.stack([items[i][name] for i in pos]) for name in names}) for pos in groups.values()]
+        return [
+            (pos, {name: np.stack([items[i][name] for i in pos]) for name in names})
+            for pos in groups.values()
+        ]
 
-    def forward(self, batch: list[tuple[list[int] | None, dict[str, Any]]]) -> list[tuple[list[int] | None, Any]]:
+    def forward(self, batch: list[tuple[list[int] | None,
+                                        dict[str, Any]]]) -> list[tuple[list[int] | None, Any]]:
         return [(pos, self.session.run(None, feeds)) for pos, feeds in batch]
 
     def _rows(self, output: list[Any], n: int) -> list[Any]:
@@ -279,8 +294,8 @@ class OnnxModel:
                 from worker.adapters.torch_engine import OutputCountError
 
                 # As for one stack (the engine's check): a model bug, not the records' (no bisecting).
-                raise OutputCountError(f"{self.path.name}: {len(got)} output rows for a group of {len(pos)} inputs "
-                                       "of one shape; every output needs a batch axis")
+                raise OutputCountError(f"{self.path.name}: {len(got)} output rows for a group of {len(pos)} "
+                                       "inputs of one shape; every output needs a batch axis")
             for i, row in zip(pos, got, strict=True):
                 rows[i] = row
         return rows

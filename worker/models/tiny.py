@@ -15,7 +15,8 @@ _F32_MAX = 3.4028234663852886e38  # the largest finite float32
 
 
 class TinyOptions(Options):
-    hidden: Annotated[int, msgspec.Meta(ge=1, le=65_536)] = 64  # 0 divided by zero, a negative one raised in torch
+    # 0 divided by zero, a negative one raised in torch
+    hidden: Annotated[int, msgspec.Meta(ge=1, le=65_536)] = 64
     seed: int = 0
 
 
@@ -30,7 +31,8 @@ class TinyModel:
         # A private generator: building the model must not disturb the global RNG.
         g = torch.Generator().manual_seed(opts.seed)
         self.net = torch.nn.Sequential(
-            torch.nn.Linear(TINY_DIM, opts.hidden), torch.nn.GELU(), torch.nn.Linear(opts.hidden, TINY_CLASSES)
+            torch.nn.Linear(TINY_DIM, opts.hidden), torch.nn.GELU(),
+            torch.nn.Linear(opts.hidden, TINY_CLASSES)
         )
         with torch.no_grad():
             for p in self.net.parameters():
@@ -45,7 +47,8 @@ class TinyModel:
         # carries them) or a value past float32's range (inf once converted) gave NaN probabilities, sent as
         # nulls in an ok result. (A comparison is False for NaN.)
         if not all(-_F32_MAX <= v <= _F32_MAX for v in inputs):
-            raise ValueError("inputs must be finite float32 values: got NaN, infinity or a value beyond +-3.4e38")
+            raise ValueError("inputs must be finite float32 values: got NaN, infinity or a "
+                             "value beyond +-3.4e38")
         return inputs
 
     def collate(self, items: Sequence[list[float]]) -> torch.Tensor:

@@ -33,7 +33,8 @@ class TinyLMOptions(Options):
 
 
 def tiny_options(**options: Any) -> TinyLMOptions:
-    """The options, checked: heads divide ``hidden`` into an even head size, ``kv_heads`` divides ``heads``."""
+    """The options, checked: heads divide ``hidden`` into an even head size, ``kv_heads`` divides
+    ``heads``."""
     opts = parse_options(options, TinyLMOptions, "tiny-lm")
     if opts.hidden % opts.heads or (opts.hidden // opts.heads) % 2:
         raise ConfigError(f"$.model.options.heads: {opts.heads} heads must split hidden {opts.hidden} "
@@ -48,7 +49,8 @@ def tiny_options(**options: Any) -> TinyLMOptions:
 
 def _byte_to_unicode() -> dict[int, str]:
     """GPT-2's byte-level alphabet: every byte as one printable character (what ByteLevel expects)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
     table, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -60,7 +62,8 @@ def _byte_to_unicode() -> dict[int, str]:
 
 
 def build_tokenizer() -> Any:
-    """A ``PreTrainedTokenizerFast`` whose id ``i < 256`` is byte ``i``; any text encodes, nothing is unknown."""
+    """A ``PreTrainedTokenizerFast`` whose id ``i < 256`` is byte ``i``; any text encodes, nothing is
+    unknown."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

@@ -36,7 +36,8 @@ class DeliveryMode:
         self._make_producer = make_producer
         self.producer: Any = None
         self.spare_producer: Any = None
-        self.last_commit = loop.clock.monotonic()  # when the last commit was sent (the periodic commit's clock)
+        # when the last commit was sent (the periodic commit's clock)
+        self.last_commit = loop.clock.monotonic()
         # Set when the consumer's position can no longer be trusted (a rewind that could not seek): nothing is
         # committed any more, the worker exits 1 and the next process starts from the committed offsets.
         self.no_commit = False

@@ -200,7 +200,8 @@ class Dispatch:
         self._gate.count_dispatch(batch)
         return batch
 
-    def done_sequences(self, batch: Batch, outputs: list[Any], timings: dict[str, float], worker: int) -> None:
+    def done_sequences(self, batch: Batch, outputs: list[Any], timings: dict[str, float],
+                       worker: int) -> None:
         """Finished sequences, as a batch of their records (``reason="isolate"``: the suspect's)."""
         if batch.reason == "isolate":
             self._gate.came_back(batch)

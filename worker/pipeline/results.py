@@ -84,10 +84,12 @@ class Results:
                 if rec.epoch != epochs[rec.tp]:
                     continue  # partition revoked meanwhile: the new owner reprocesses it
                 if i in failed:
-                    if isinstance(out, Expired):  # a generative sequence past its deadline: its partial output
+                    # a generative sequence past its deadline: its partial output
+                    if isinstance(out, Expired):
                         outcomes.append(Outcome(rec, "expired", output=out.output, error=out.error,
                                                 dlq_stage="expired", batch_size=n,
-                                                timings={"queue": closed - rec.received_at, "infer": infer_s}))
+                                                timings={"queue": closed - rec.received_at,
+                                                         "infer": infer_s}))
                         continue
                     decode = isinstance(out, DecodeFailed)  # decode_batch on the host threads: stage decode
                     why = str(out) if decode else f"{type(out).__name__}: {out}"
