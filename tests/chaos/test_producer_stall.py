@@ -1,7 +1,7 @@
 """A broker paused while the worker has results to deliver: its producers hold them, and past
 ``delivery.producer_stall_s`` the worker replaces them (worker/settling.py), purging what they held and
-sending it again on new ones, with a longer wait each time while nothing gets delivered. Once the broker runs again
-everything is delivered and committed, on the same process, nothing lost.
+sending it again on new ones, with a longer wait each time while nothing gets delivered. Once the broker
+runs again everything is delivered and committed, on the same process, nothing lost.
 
 The replacement is for a librdkafka fault (librdkafka#5430) that a pause past the broker's KRaft session
 timeout triggers only by chance: a produce response names no leader for a partition and the producer keeps
