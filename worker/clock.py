@@ -15,6 +15,10 @@ class LoopClock(Protocol):
         """Monotonic seconds."""
         ...
 
+    def time(self) -> float:
+        """Wall-clock seconds (request deadlines and result timestamps are wall-clock)."""
+        ...
+
     def sleep(self, seconds: float, /) -> None:
         ...
 

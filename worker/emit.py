@@ -17,6 +17,7 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException
 
 from schemas import DeadLetter
+from worker.clock import LoopClock
 from worker.core.records import Outcome, Record
 from worker.dead_letters import ERROR_IN_RESULT, RECORD_OVERHEAD, dead_letter_message, message_size
 from worker.result_encoding import UNENCODABLE, OutputsEncoding, ResultEncoder
@@ -48,10 +49,6 @@ def describe(err: Any) -> str:
     return str(err.str())
 
 
-def _monotonic() -> float:
-    return time.monotonic()
-
-
 class Emitter:
     def __init__(self, producer: Any, output_topic: str, dlq_topic: str, model_name: str,
                  model_version: str | None, fmt: str, on_done: Callable[[Record], None],
@@ -61,7 +58,9 @@ class Emitter:
                  on_wait: Callable[[], None] | None = None, new_producer: Callable[[], Any] | None = None,
                  stall_s: float = 0.0, on_replace: Callable[[], None] | None = None,
                  outputs_encoding: OutputsEncoding = "lists",
-                 on_done_many: Callable[[list[Record]], None] | None = None) -> None:
+                 on_done_many: Callable[[list[Record]], None] | None = None,
+                 clock: LoopClock = time) -> None:
+        self.clock = clock  # monotonic() for backoffs and stalls, time() for result timestamps
         self.output_topic = output_topic
         self.dlq_topic = dlq_topic
         self.results = ResultEncoder(model_name, model_version, fmt, outputs_encoding)
@@ -81,7 +80,7 @@ class Emitter:
         # wait is bounded by message.timeout.ms, and the loop is alive in it (the runner's liveness
         # heartbeat).
         self.on_wait = on_wait
-        self.settling = Settling(producer, spare_producer, clock=_monotonic, on_done=on_done,
+        self.settling = Settling(producer, spare_producer, clock=clock.monotonic, on_done=on_done,
                                  fail=self.delivery_failed, new_producer=new_producer, stall_s=stall_s,
                                  on_replace=on_replace, forget=self.too_large, on_done_many=on_done_many)
         self.produced = 0
@@ -276,7 +275,7 @@ class Emitter:
         for topic, key, value, headers in p.messages:
             self._produce(topic, key, value, headers, cb)
         if not slot.sent:
-            slot.since = time.monotonic()
+            slot.since = self.clock.monotonic()
         slot.sent.append(cb)
 
     def _produce(self, topic: str, key: bytes | None, value: bytes | None, headers: Any, cb: Any) -> None:
@@ -326,7 +325,7 @@ class Emitter:
         if p.attempts <= self.max_retries:
             # Re-send everything this record owes; duplicates of the part that did arrive are allowed
             # by at-least-once and absorbed by the idempotent producer per message otherwise.
-            p.retry_at = time.monotonic() + min(0.05 * p.attempts, 0.5)
+            p.retry_at = self.clock.monotonic() + min(0.05 * p.attempts, 0.5)
             self.retry_queue.append(p)
         else:
             self.on_failed(p.record, describe(err))
@@ -351,8 +350,8 @@ class Emitter:
         else:
             error = f"result of {len(result[2] or b'') if result is not None else 0} bytes {refused}"
             rec.meta = None
-            value = self.results.encode(rec, "error", None, error, 0, 0.0, 0.0, time.monotonic(),
-                                        time.time() * 1000.0)
+            value = self.results.encode(rec, "error", None, error, 0, 0.0, 0.0, self.clock.monotonic(),
+                                        self.clock.time() * 1000.0)
             out.append((self.output_topic, rec.key, value, None))
             out.append((self.dlq_topic, *self._dead_letter_message(rec, "output", error)))
         return out
@@ -383,7 +382,7 @@ class Emitter:
         and an outage fails every in-flight delivery at once."""
         if not self.retry_queue:
             return
-        now = time.monotonic()
+        now = self.clock.monotonic()
         queue, self.retry_queue = self.retry_queue, []
         for p in queue:
             if self.is_stale(p.record):

@@ -17,6 +17,7 @@ import msgspec
 
 from schemas import H_PRIORITY, Request
 from worker.adapters.memory_store import cache_key
+from worker.clock import LoopClock
 from worker.config import Config
 from worker.core.ports import Metrics, Model
 from worker.core.records import Outcome, Record
@@ -49,8 +50,9 @@ def salvage_id(value: bytes, fmt: str) -> str | None:
 class Intake:
     def __init__(self, cfg: Config, model: Model,
                  route: Callable[[str, str | None, str | None, dict[str, str]],
-                                 tuple[str, bool]] | None = None) -> None:
+                                 tuple[str, bool]] | None = None, clock: LoopClock = time) -> None:
         self.cfg = cfg
+        self.clock = clock
         self.model = model
         self.fmt = cfg.delivery.format
         req_type = Request[model.input_type]  # type: ignore[name-defined]
@@ -141,7 +143,7 @@ class Intake:
         rec.lane = lane
         if req.deadline_ms is not None:
             # Wall-clock deadline -> the monotonic clock the scheduler uses.
-            rec.deadline = now + (req.deadline_ms / 1000.0 - time.time())
+            rec.deadline = now + (req.deadline_ms / 1000.0 - self.clock.time())
         else:
             budget = self._budget_s[lane]
             if budget is not None:

@@ -1,4 +1,4 @@
-"""The one loop that wires the ports together (ARCHITECTURE sections 3 and 4).
+"""The one loop that wires the ports together (docs/architecture.md, "The loop").
 
 Threads:
 - the **loop thread** (the caller of ``Runner.run``) owns every Kafka client call: consume, produce, poll,
@@ -91,7 +91,8 @@ class Runner:
         self.scheduler = PriorityScheduler(cfg.batching.lanes, cfg.batching.default_lane, cfg.batching.policy,
                                            cfg.batching.bucket_width)
         self.gate = StoreGate(store, cfg, self.stats, self.metrics)
-        self.dispatch = Dispatch(self.scheduler, self.partitions, self.lifecycle, self.gate, self.metrics)
+        self.dispatch = Dispatch(self.scheduler, self.partitions, self.lifecycle, self.gate, self.metrics,
+                                 clock=clock)
         self.loop = Loop(cfg=cfg, metrics=self.metrics, stats=self.stats, lifecycle=self.lifecycle,
                          partitions=self.partitions, tracker=OffsetTracker(), gate=self.gate,
                          dispatch=self.dispatch, health=health, stop_at=stop_at, clock=clock)
@@ -206,7 +207,7 @@ class Runner:
     def _open(self) -> None:
         """Intake, consumer, producers (through the delivery mode) and emitter, in that order."""
         cfg, loop = self.cfg, self.loop
-        self.intake = loop.intake = Intake(cfg, self.model, route=self.scheduler.lane_for)
+        self.intake = loop.intake = Intake(cfg, self.model, route=self.scheduler.lane_for, clock=self.clock)
         new_producer = self._new_producer
         self.mode = (ExactlyOnce(loop, new_producer, self.group_id) if cfg.delivery.mode == "exactly_once"
                      else AtLeastOnce(loop, new_producer, spare=self._want_spare))
@@ -227,7 +228,8 @@ class Runner:
             max_message_bytes=int(cfg.kafka.producer.get("message.max.bytes", 1_000_000)),
             spare_producer=self.mode.spare_producer, on_wait=self._beat,
             stall_s=cfg.delivery.producer_stall_s, outputs_encoding=cfg.delivery.outputs_encoding,
-            on_replace=lambda: self.metrics.event("producer_replacements"), **self.mode.emitter_options())
+            on_replace=lambda: self.metrics.event("producer_replacements"), clock=self.clock,
+            **self.mode.emitter_options())
 
     # ------------------------------------------------------------------ the loop
     def stop(self, *_: Any) -> None:

@@ -1,6 +1,5 @@
 """What the runner asks of the optional store (Redis, or in memory): the delivered-id ledger, the result cache
-and the attempt counters (ARCHITECTURE section 4, "Redis"; README "Redis: result cache, delivered-id ledger,
-attempt counters").
+and the attempt counters (docs/redis.md).
 
 One round trip per feature per consumed batch on the way in (``admit``), one per batch dispatched to a
 device (``count_dispatch``), and what delivery settled is written once per loop turn (``flush``). Every store

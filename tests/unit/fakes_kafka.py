@@ -920,22 +920,11 @@ class Harness:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, cfg: Any = None, *, model: FakeModel | None = None,
                  store: Any = None, devices: int = 1, metrics: Any = None, spare: bool = False,
                  wrap_consumer: Callable[[FakeConsumer], Any] | None = None, **runner_kw: Any) -> None:
-        import worker.clock
-        import worker.emit
-        import worker.intake
-        import worker.pipeline.dispatch
-        import worker.pipeline.ingest
-        import worker.pipeline.results
         import worker.runner as wr
 
         self.cfg = cfg if cfg is not None else make_config()
         self.clock = FakeTime()
-        # The runner and its rooms read the clock they are given; these modules still read ``time`` itself
-        # (worker.clock: a Deadline made without a clock, as dispatch makes one).
-        pipeline = worker.pipeline
-        for mod in (worker.clock, worker.emit, worker.intake, pipeline.dispatch, pipeline.ingest,
-                    pipeline.results):
-            monkeypatch.setattr(mod, "time", self.clock)
+        # The runner hands this clock to every room it builds (Runner(clock=...)): nothing reads ``time``.
         # Built now so a test can script them before run(); make_consumer/make_producer hand them out.
         self.consumer = FakeConsumer(self.clock)
         self.producer = FakeProducer(self.clock)

@@ -3,6 +3,7 @@ only when everything it owes is delivered), retries of failed deliveries, and st
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -27,13 +28,16 @@ class Calls:
         self.failed: list[tuple[int, str]] = []
 
 
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
-    import worker.emit
+# The fake clock of the running test: ``emitter()`` hands it to the Emitter it builds (``clock=``).
+_CLOCK: list[FakeTime] = []
 
+
+@pytest.fixture
+def clock() -> Iterator[FakeTime]:
     c = FakeTime()
-    monkeypatch.setattr(worker.emit, "time", c)
-    return c
+    _CLOCK.append(c)
+    yield c
+    _CLOCK.remove(c)
 
 
 def emitter(producer: FakeProducer, calls: Calls, fmt: str = "json", stale: set[int] | None = None,
@@ -42,7 +46,7 @@ def emitter(producer: FakeProducer, calls: Calls, fmt: str = "json", stale: set[
                    on_done=lambda r: calls.done.append(r.offset),
                    on_failed=lambda r, e: calls.failed.append((r.offset, e)),
                    max_retries=max_retries, is_stale=lambda r: r.offset in (stale or set()),
-                   spare_producer=spare)
+                   spare_producer=spare, clock=_CLOCK[-1] if _CLOCK else FakeTime())
 
 
 def rec(offset: int = 0, id: str | None = "r", **kw: Any) -> Record:
@@ -374,11 +378,9 @@ def test_a_record_is_done_only_when_every_message_of_its_last_round_is_delivered
     sits on the second (the first example: record 1 fails on P1 and is retried, and delivered, on P0). The
     second: a retried round that fails again leaves its entry on the producer it went on, which then settles
     with nothing outstanding; that entry confirms nothing."""
-    with pytest.MonkeyPatch.context() as mp:
-        import worker.emit
-
-        clock = FakeTime()
-        mp.setattr(worker.emit, "time", clock)
+    clock = FakeTime()
+    _CLOCK.append(clock)
+    try:
         prods = [FakeProducer(config={"delivery.report.only.error": True}) for _ in range(2)]
         journal: list[Produced] = []  # every message of both producers, in the order it was sent
         for prod in prods:
@@ -444,6 +446,8 @@ def test_a_record_is_done_only_when_every_message_of_its_last_round_is_delivered
             em.flush(1.0)
             check()
         assert sorted(calls.done + [o for o, _ in calls.failed]) == list(range(offset))
+    finally:
+        _CLOCK.remove(clock)
 
 
 # -------------------------------------------------------------------- message size, as librdkafka counts it
@@ -672,7 +676,8 @@ class Stalled:
                           on_done=lambda r: self.calls.done.append(r.offset),
                           on_failed=lambda r, e: self.calls.failed.append((r.offset, e)),
                           max_retries=max_retries, spare_producer=self.b if spare else None,
-                          new_producer=new if factory else None, stall_s=stall_s, on_replace=counted)
+                          new_producer=new if factory else None, stall_s=stall_s, on_replace=counted,
+                          clock=_CLOCK[-1] if _CLOCK else FakeTime())
 
     def turn(self, clock: FakeTime, advance: float = 0.0) -> None:
         clock.advance(advance)

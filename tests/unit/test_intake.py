@@ -1,9 +1,10 @@
-"""Intake: consumed bytes -> a routed Record, or an Outcome for the DLQ (ARCHITECTURE section 4: bad input
+"""Intake: consumed bytes -> a routed Record, or an Outcome for the DLQ (bad input
 never blocks a partition). Unit tests of ``Intake.admit`` and, through the runner, of what reaches the
 output and dead-letter topics and the commit."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Annotated, Any
 
 import msgspec
@@ -26,18 +27,22 @@ LANES = {"lanes": [{"name": "hi", "priority": 1, "topics": ["in-hi"]},
                    {"name": "default"}]}
 
 
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
-    import worker.intake
+# The fake clock of the running test: ``intake()`` hands it to the Intake it builds (``clock=``).
+_CLOCK: list[FakeTime] = []
 
+
+@pytest.fixture
+def clock() -> Iterator[FakeTime]:
     c = FakeTime()
-    monkeypatch.setattr(worker.intake, "time", c)
-    return c
+    _CLOCK.append(c)
+    yield c
+    _CLOCK.remove(c)
 
 
 def intake(handler: FakeModel | None = None, **sections: dict[str, Any]) -> Intake:
     sections.setdefault("batching", LANES)
-    return Intake(make_config(**sections), handler or FakeModel(input_type=Point))
+    return Intake(make_config(**sections), handler or FakeModel(input_type=Point),
+                  clock=_CLOCK[-1] if _CLOCK else FakeTime())
 
 
 def record(value: bytes | None, topic: str = "in", headers: list[tuple[str, bytes]] | None = None,

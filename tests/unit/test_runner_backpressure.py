@@ -1,4 +1,4 @@
-"""Runner backpressure (ARCHITECTURE section 3): at ``max_in_flight`` every assigned partition is paused
+"""Runner backpressure: at ``max_in_flight`` every assigned partition is paused
 and the loop keeps polling; it resumes only once in flight drops to ``resume_ratio * max_in_flight``
 (hysteresis); a lane whose queue reaches its ``queue_bound`` pauses only the topics feeding that lane."""
 

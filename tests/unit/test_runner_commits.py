@@ -1,4 +1,4 @@
-"""Runner, at-least-once commits (ARCHITECTURE section 4): an offset is committed only when its record and
+"""Runner, at-least-once commits: an offset is committed only when its record and
 every earlier record of its partition are delivered, whatever order lanes and deliveries finish in; a
 failed delivery is retried and blocks the commit until it succeeds; after the last retry the worker stops
 with exit code 1 without committing past the record."""

@@ -1,4 +1,4 @@
-"""Runner, exactly-once mode (ARCHITECTURE section 4; worker/transactions.py): results are produced per
+"""Runner, exactly-once mode (worker/transactions.py): results are produced per
 partition in offset order (reorder buffer), each checkpoint sends the offsets of exactly the produced and
 delivered prefix to the transaction, and a failed commit aborts, rewinds the consumer to the committed
 offsets and ignores the aborted attempt's late delivery reports. A read_committed reader sees every

@@ -1,4 +1,4 @@
-"""Runner rebalance callbacks (ARCHITECTURE section 4): on revoke, queued records of the revoked partitions
+"""Runner rebalance callbacks: on revoke, queued records of the revoked partitions
 are dropped (the new owner reprocesses them), records already on a device get ``revoke_timeout_ms`` to
 finish and be delivered, the done prefix is committed synchronously inside the callback, and anything of
 those partitions that completes later is neither produced nor acked (assignment epochs). On loss nothing

@@ -1,4 +1,4 @@
-"""Runner + store (ARCHITECTURE section 4, Redis): the delivered-id ledger skips records whose result was
+"""Runner + store: the delivered-id ledger skips records whose result was
 already delivered (acked without a new result), attempt counters quarantine a record that was in flight
 during too many crashes, and result-cache hits skip the model. The in-memory store stands in for Redis
 (same interface); ``redis.url`` is set where the runner needs it to count attempts."""

@@ -1,4 +1,4 @@
-"""Which partitions the consumer should hold paused: the backpressure decision (ARCHITECTURE section 3).
+"""Which partitions the consumer should hold paused: the backpressure decision.
 
 Why: Kafka keeps delivering as fast as the broker serves, while the device drains at its own pace. Reading
 must stop before memory does, and resume only once there is room for a useful amount, or the consumer

@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from worker.clock import LoopClock
 from worker.core.ports import Metrics
 from worker.core.records import Batch, Record, TopicPartition
 from worker.core.scheduler import PriorityScheduler
@@ -30,7 +31,8 @@ Holder = Callable[[set[TopicPartition]], list[Record]]
 
 class Dispatch:
     def __init__(self, scheduler: PriorityScheduler, partitions: PartitionTable, lifecycle: Lifecycle,
-                 gate: StoreGate, metrics: Metrics) -> None:
+                 gate: StoreGate, metrics: Metrics, clock: LoopClock = time) -> None:
+        self.clock = clock
         self.scheduler = scheduler
         self._partitions = partitions
         self._lifecycle = lifecycle
@@ -82,7 +84,7 @@ class Dispatch:
         if batch.reason == "isolate":
             return None
         with self.cv:
-            now = time.monotonic()
+            now = self.clock.monotonic()
             was_ahead = self.scheduler.start(batch)
             current = batch
             current_rec = self._partitions.is_current
@@ -112,10 +114,10 @@ class Dispatch:
 
     def next_batch(self, timeout: float, worker: int) -> Batch | None:
         """``worker``: the index in ``workers`` of the device asking."""
-        deadline = Deadline(timeout)
+        deadline = Deadline(timeout, self.clock)
         with self.cv:
             while True:
-                now = time.monotonic()
+                now = self.clock.monotonic()
                 while self._suspects and not self._partitions.is_current(self._suspects[0]):
                     self._suspects.popleft()  # revoked meanwhile
                 batch = None
@@ -173,10 +175,10 @@ class Dispatch:
         not finished; a suspect goes only to a worker with none, and nothing else goes while it runs. Only a
         suspect's batch counts in ``busy_on`` (until ``done_sequences``). ``only``: take a batch only while
         one of these lanes has records queued (the worker's pool is full; these lanes' records go first)."""
-        deadline = Deadline(timeout)
+        deadline = Deadline(timeout, self.clock)
         with self.cv:
             while True:
-                now = time.monotonic()
+                now = self.clock.monotonic()
                 while self._suspects and not self._partitions.is_current(self._suspects[0]):
                     self._suspects.popleft()
                 batch = None

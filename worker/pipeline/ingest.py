@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from operator import attrgetter
 from typing import Any
@@ -89,7 +88,7 @@ class Ingest:
         return keep
 
     def ingest(self, msgs: list[Any]) -> None:
-        now = time.monotonic()
+        now = self.loop.clock.monotonic()
         loop = self.loop
         outcomes: list[Outcome] = []
         admitted: list[Record] = []

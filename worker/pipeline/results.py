@@ -3,7 +3,6 @@ and acknowledged in the tracker once delivered (the emitter's ``on_done`` / ``on
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Iterable
 from operator import attrgetter
@@ -45,14 +44,14 @@ class Results:
         emitter.retry_failed()
 
     def expire(self) -> None:
-        now = time.monotonic()
+        now = self.loop.clock.monotonic()
         expired = self.loop.dispatch.expire(now)
         if expired:
             self.emit_all([Outcome(r, "expired", error="deadline passed before inference",
                                    dlq_stage="expired") for r in expired], now)
 
     def complete_batch(self, batch: Batch, outputs: list[Any], timings: dict[str, float]) -> None:
-        now = time.monotonic()
+        now = self.loop.clock.monotonic()
         n = len(batch.records)
         if n == 0:
             return  # every record of a batch taken ahead expired before it started (see Dispatch.swap)
@@ -66,7 +65,7 @@ class Results:
         queue_wait = closed - sum(map(_received_at, records)) / n
         metrics.batch(batch.lane, n, batch.fill_ratio, queue_wait, infer_s)
         metrics.event("batches", lane=batch.lane, reason=batch.reason)
-        wall_ms = time.time() * 1000.0
+        wall_ms = self.loop.clock.time() * 1000.0
         outcomes: list[Outcome] = []
         # Per batch, not per record: the epochs of its partitions now, which outputs are errors.
         epoch_of = loop.partitions.epoch
@@ -125,7 +124,7 @@ class Results:
             self.emit_all(outcomes, now)
 
     def emit_all(self, outcomes: Iterable[Outcome], now: float) -> None:
-        wall_ms = time.time() * 1000.0
+        wall_ms = self.loop.clock.time() * 1000.0
         loop = self.loop
         st, metrics = loop.stats, loop.metrics
         # Metrics once per lane (and status) as on the batch path: in exactly-once mode every result comes
