@@ -1,15 +1,14 @@
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support.props import examples
+from tests.unit.batching_ops import BatcherPlay
 from tests.unit.fakes import ids, rec, recs
 from worker.core.batcher import MicroBatcher
-from worker.core.records import Batch, Record, TopicPartition
+from worker.core.records import Batch, TopicPartition
 
 
 def test_closes_by_count_in_arrival_order() -> None:
@@ -171,56 +170,18 @@ ops = st.lists(
 )
 
 
-def _on_partition(p: int) -> Callable[[Record], bool]:
-    return lambda r: r.tp.partition == p
-
-
 @settings(max_examples=examples(250), deadline=None)
 @given(ops=ops, max_batch=st.integers(1, 8), max_wait=st.sampled_from([0.0, 0.005, 0.02]),
        bucket=st.sampled_from([0, 10]))
 def test_every_record_out_exactly_once_batches_valid(ops: list[tuple[str, int, float]], max_batch: int,
                                                      max_wait: float, bucket: int) -> None:
-    b = MicroBatcher("L", max_batch, max_wait, bucket_width=bucket)
-    now = 0.0
-    added: list[int] = []
-    seen: list[int] = []
-    order: dict[int, list[int]] = {}  # bucket -> offsets in the order they left in batches
+    def check(x: Batch, op: str, arg: int) -> None:
+        assert len(x) <= x.max_batch_size
+        assert x.lane == "L"
+        if op == "take":
+            assert len(x) <= arg
 
-    def check(out: list[Batch]) -> None:
-        for x in out:
-            assert x.records, "empty batch"
-            assert len(x) <= b.max_batch_size
-            assert len(x) <= x.max_batch_size
-            assert x.lane == "L"
-            if bucket:
-                assert len({r.size // bucket for r in x.records}) == 1
-            for r in x.records:
-                seen.append(r.offset)
-                order.setdefault(b.bucket_of(r), []).append(r.offset)
-
+    play = BatcherPlay(MicroBatcher("L", max_batch, max_wait, bucket_width=bucket), bucket, check)
     for op, arg, dt in ops:
-        now += dt
-        if op == "add":
-            r = rec("L", size=arg, partition=arg % 4)
-            added.append(r.offset)
-            check(b.add(r, now))
-        elif op == "poll":
-            check(b.poll(now))
-            d = b.next_deadline()
-            assert d is None or d > now  # everything due was closed
-        elif op == "take":
-            x = b.take_open(now, arg)
-            if x is not None:
-                assert len(x) <= arg
-                check([x])
-        elif op == "max":
-            b.set_max_batch_size(arg)
-        else:
-            seen.extend(r.offset for r in b.remove(_on_partition(arg)))
-        assert len(b) == len(added) - len(seen)
-    check(b.flush(now))
-    assert len(b) == 0
-    assert sorted(seen) == sorted(added)
-    assert len(set(seen)) == len(seen)
-    for offsets in order.values():  # no record overtakes an earlier one of its bucket
-        assert offsets == sorted(offsets)
+        play.apply(op, arg, dt)
+    play.finish()

@@ -3,22 +3,18 @@ scheduler's fill, top-up and preemption paths keep every batch within its lane's
 
 from __future__ import annotations
 
-from collections import deque
-
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tests.support.props import examples
+from tests.unit.batching_ops import BatcherPlay, SchedulerPlay
+from tests.unit.batching_ops import batch_cost as _cost
 from tests.unit.fakes import ids, lanes, rec
-from worker.core.batcher import MicroBatcher, cost, fitting
+from worker.core.batcher import MicroBatcher, fitting
 from worker.core.lane_settings import LaneSettings
-from worker.core.records import Batch, Record, TopicPartition
+from worker.core.records import Batch
 from worker.core.scheduler import PriorityScheduler
-
-
-def _cost(b: Batch) -> int:
-    return sum(cost(r) for r in b.records)
 
 
 def test_window_closes_before_the_record_that_does_not_fit() -> None:
@@ -161,55 +157,20 @@ _ops = st.lists(
 def test_batcher_every_record_once_within_budget(ops: list[tuple[str, int, float]], max_batch: int,
                                                  max_wait: float, bucket: int, budget: int) -> None:
     b = MicroBatcher("L", max_batch, max_wait, bucket_width=bucket, max_batch_tokens=budget)
-    now = 0.0
-    added: list[int] = []
-    seen: list[int] = []
-    order: dict[int, list[int]] = {}
 
-    def check(out: list[Batch], room: int | None = None) -> None:
-        for x in out:
-            assert x.records, "empty batch"
-            assert len(x) <= b.max_batch_size
-            tok = b.max_batch_tokens
-            if room is not None:
-                assert _cost(x) <= (room if tok is None else min(room, tok)), "over the fill room"
-            elif tok is not None:
-                assert _cost(x) <= tok or len(x) == 1, "over the budget, not alone"
-            if bucket:
-                assert len({r.size // bucket for r in x.records}) == 1
-            for r in x.records:
-                seen.append(r.offset)
-                order.setdefault(b.bucket_of(r), []).append(r.offset)
+    def check(x: Batch, op: str, arg: int) -> None:
+        tok = b.max_batch_tokens
+        if op == "fill":  # within the fill's room of ``arg`` tokens
+            assert _cost(x) <= (arg if tok is None else min(arg, tok)), "over the fill room"
+        elif tok is not None:
+            assert _cost(x) <= tok or len(x) == 1, "over the budget, not alone"
 
+    play = BatcherPlay(b, bucket, check)
     for op, arg, dt in ops:
-        now += dt
-        if op == "add":
-            r = rec("L", size=arg, partition=arg % 4)
-            added.append(r.offset)
-            check(b.add(r, now))
-        elif op == "poll":
-            check(b.poll(now))
-            d = b.next_deadline()
-            assert d is None or d > now  # everything due was closed
-        elif op in ("take", "fill"):
-            x = b.take_open(now, arg) if op == "take" else b.take_open(now, 9, "fill", tokens=arg)
-            if x is not None:
-                check([x], None if op == "take" else arg)
-        elif op == "max":
-            b.set_max_batch_size(arg)
-        elif op == "tokens":
-            b.set_max_batch_tokens(arg or None)
-        else:
-            seen.extend(r.offset for r in b.remove(lambda r, p=arg: r.tp.partition == p))
-        assert len(b) == len(added) - len(seen)
-    check(b.flush(now))
-    assert len(b) == 0 and sorted(seen) == sorted(added) and len(set(seen)) == len(seen)
-    for offsets in order.values():  # no record overtakes an earlier one of its bucket
-        assert offsets == sorted(offsets)
+        play.apply(op, arg, dt)
+    play.finish()
 
 
-LANES = ["hi", "lo", "default"]
-PRIORITY = {"hi": 5, "lo": 1, "default": 0}
 _add = st.tuples(st.just("add"), st.integers(0, 2), st.integers(0, 12), st.sampled_from([None, 0.01, 0.05]))
 _sched_ops = st.lists(st.one_of(
     _add, _add, _add,
@@ -243,83 +204,15 @@ def test_scheduler_every_record_once_no_batch_over_its_budget(
     if trained:  # a trained latency model, so the adaptive paths (hold, expire early) run
         for n in (1, 3, 5):
             s.observe("default", n, 0.002 + 0.001 * n)
-    now = 0.0
-    added: set[int] = set()
-    out: list[int] = []
-    keep: list[Record] = []
-    pending: deque[Batch] = deque()
 
-    def take(b: Batch | None, taken_ahead: Batch | None = None) -> None:
-        if b is None:
-            return
-        assert b.records, "empty batch"
+    def check(b: Batch, taken_ahead: Batch | None) -> None:
+        # (a batch taken ahead before its lane's budget was lowered keeps its cost; the engine splits it)
         tok = s.max_batch_tokens(b.lane)
-        # (a batch taken ahead before its lane's limits were lowered keeps its size; the engine splits it)
-        ok_n = len(taken_ahead) if taken_ahead is not None else 0
         ok_t = _cost(taken_ahead) if taken_ahead is not None else 0
-        assert len(b) <= max(s.max_batch_size(b.lane), ok_n)
         if tok is not None:
             assert _cost(b) <= max(tok, ok_t) or len(b) == 1, "over its lane's budget, not alone"
-        own = [r for r in b.records if r.lane == b.lane]
-        assert own and b.records[:len(own)] == own, "the batch's own lane first"
-        assert all(PRIORITY[r.lane] < PRIORITY[b.lane] for r in b.records[len(own):])
-        assert all(r.deadline is None or r.deadline > now for r in b.records), "expired record dispatched"
-        if bucket:
-            assert len({r.size // bucket for r in b.records}) == 1
-        out.extend(r.offset for r in b.records)
 
-    def start(pre: Batch) -> None:
-        assert s.start(pre)
-        trimmed = s.drop_expired(pre, now)
-        cur = trimmed if trimmed is not None else pre
-        if not cur.records:
-            return
-        run = s.preempt(cur, now) or s.top_up(cur, now)
-        take(cur, taken_ahead=cur) if run is None else take(run)
-
+    play = SchedulerPlay(s, bucket, check)
     for op, a1, a2, a3 in ops:
-        if op == "add":
-            r = rec(LANES[int(a1)], partition=a2 % 4, size=a2,  # type: ignore[call-overload]
-                    deadline=None if a3 is None else now + a3)
-            keep.append(r)
-            added.add(r.offset)
-            out.extend(x.offset for x in s.add(r, now))
-        elif op == "next":
-            take(s.next_batch(now, idle=bool(a1)))
-        elif op == "ahead":
-            pre = s.next_batch(now, idle=False, full_only=True)
-            if pre is not None:
-                pending.append(pre)
-        elif op == "start" and pending:
-            start(pending.popleft())
-        elif op == "tick":
-            now += int(a1) / 1000.0  # type: ignore[call-overload]
-        elif op == "expire":
-            out.extend(r.offset for r in s.expire(now))
-        elif op == "revoke":
-            gone = s.revoke({TopicPartition("in", int(a1))})  # type: ignore[call-overload]
-            out.extend(r.offset for r in gone)
-        elif op == "max":
-            s.set_max_batch_size(LANES[int(a1)], a2)  # type: ignore[call-overload]
-        elif op == "tokens":
-            s.set_max_batch_tokens(LANES[int(a1)], a2 or None)  # type: ignore[call-overload]
-        elif op == "observe":
-            s.observe(LANES[int(a1)], a2, 0.020 + 0.001 * a2)  # type: ignore[call-overload]
-        elif op == "flush":
-            s.flush(now)
-        assert len(s) == sum(s.queued(ln) for ln in LANES)
-        for lane in s._lanes.values():  # the O(1) counters agree with the structures
-            assert lane.n == len(lane.batcher) + lane.ready_n - len(lane.dead)
-            assert lane.ready_n == sum(len(x.records) for x in lane.ready)
-    while pending:
-        start(pending.popleft())
-    s.flush(now)
-    for _ in range(1000):
-        b = s.next_batch(now, idle=True)
-        if b is None:
-            break
-        take(b)
-    out.extend(r.offset for r in s.expire(now))
-    assert len(s) == 0
-    assert len(out) == len(set(out)), "a record came out twice"
-    assert set(out) == added, "a record was lost"
+        play.apply(op, a1, a2, a3)
+    play.finish()

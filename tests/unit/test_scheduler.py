@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import itertools
-from collections import deque
 
 import pytest
 from hypothesis import given, settings
@@ -9,6 +8,7 @@ from hypothesis import strategies as st
 
 from tests.support.props import examples
 from tests.unit import fakes
+from tests.unit.batching_ops import LANES, PRIORITY, SchedulerPlay
 from tests.unit.fakes import FakeClock, ids, rec, recs
 from worker.config import LaneConfig
 from worker.core import lane as lane_module
@@ -375,15 +375,21 @@ def test_adaptive_dispatch_keeps_a_largest_set_that_meets_its_deadlines(budgets:
         assert max(r.deadline or 0.0 for r in dropped) < 1.0 + a + b * (len(kept) + 1)
 
 
+def arrivals_while_busy(s: PriorityScheduler, clock: FakeClock, lane: str) -> None:
+    """40 records of ``lane``, one a millisecond, while a busy device drains count batches: the lane's
+    arrival rate (~1000/s) learnt; then everything drained."""
+    for _ in range(40):
+        s.add(rec(lane), clock.now())
+        s.next_batch(clock.now(), idle=False)
+        clock.advance(0.001)
+    drain(s, clock.now(), idle=False)
+
+
 def test_adaptive_waits_when_arrivals_pay_for_the_fixed_cost() -> None:
     # a = 20 ms per batch; records arrive every 1 ms: waiting for a fuller batch raises throughput
     s = trained(a=0.020, b=0.0005, batch=8, wait_ms=50)
     clock = FakeClock(1.0)
-    for _ in range(40):  # learn the arrival rate (~1000/s) while a busy device drains count batches
-        s.add(rec("lo"), clock.now())
-        s.next_batch(clock.now(), idle=False)
-        clock.advance(0.001)
-    drain(s, clock.now(), idle=False)
+    arrivals_while_busy(s, clock, "lo")
     assert s.stats()["lo"]["arrival_rate"] > 500
     s.add(rec("lo"), clock.now())  # device free, one record open: k=1 < lam*a ~ 20
     assert s.next_batch(clock.now(), idle=True) is None
@@ -399,11 +405,7 @@ def test_adaptive_waits_when_arrivals_pay_for_the_fixed_cost() -> None:
 def test_adaptive_does_not_wait_past_a_deadline() -> None:
     s = trained(a=0.020, b=0.0005, batch=8, wait_ms=50)
     clock = FakeClock(1.0)
-    for _ in range(40):
-        s.add(rec("lo"), clock.now())
-        s.next_batch(clock.now(), idle=False)
-        clock.advance(0.001)
-    drain(s, clock.now(), idle=False)
+    arrivals_while_busy(s, clock, "lo")
     urgent = rec("lo", deadline=clock.now() + 0.0206)  # only just makes it if dispatched now
     s.add(urgent, clock.now())
     b = s.next_batch(clock.now(), idle=True)
@@ -432,11 +434,7 @@ def _holding_hi(lo_a: float) -> tuple[PriorityScheduler, FakeClock]:
         s.observe("hi", n, 0.020 + 0.0005 * n)
         s.observe("lo", n, lo_a + 0.0001 * n)
     clock = FakeClock(1.0)
-    for _ in range(40):
-        s.add(rec("hi"), clock.now())
-        s.next_batch(clock.now(), idle=False)
-        clock.advance(0.001)
-    drain(s, clock.now(), idle=False)
+    arrivals_while_busy(s, clock, "hi")
     s.add(rec("hi"), clock.now())
     assert s.next_batch(clock.now()) is None  # hi holds: ~7 ms until its window should be full
     return s, clock
@@ -461,7 +459,6 @@ def test_adaptive_gap_filler_must_end_before_the_hold() -> None:
 
 # ---------------------------------------------------------------- invariants under random operations
 
-LANES = ["hi", "lo", "default"]
 _add = st.tuples(st.just("add"), st.integers(0, 2), st.integers(0, 3),
                  st.sampled_from([None, 0.001, 0.01, 0.023, 0.05]))
 _next = st.tuples(st.just("next"), st.booleans(), st.just(0), st.just(None))
@@ -479,7 +476,6 @@ op_st = st.one_of(
     st.tuples(st.just("flush"), st.just(0), st.just(0), st.just(None)),
     _ahead, _ahead, _start, _start,
 )
-PRIORITY = {"hi": 5, "lo": 1, "default": 0}
 
 
 @settings(max_examples=examples(200), deadline=None)
@@ -499,93 +495,21 @@ def test_every_record_comes_out_exactly_once(ops: list[tuple[str, object, int, f
     if fixed_cost is not None:  # a trained latency model, so the adaptive paths (hold, expire early) run
         for n in (1, 3, 5):
             s.observe("default", n, fixed_cost + 0.001 * n)
-    now = 0.0
-    added: set[int] = set()
-    out: list[int] = []
-    keep: list[Record] = []
 
-    def take(b: Batch | None, size_ok: int = 0) -> None:
-        if b is None:
-            return
-        assert b.records, "empty batch"
-        # (size_ok: a batch taken ahead before its lane's max was lowered keeps its size; the engine splits
-        # it)
-        assert len(b) <= max(s.max_batch_size(b.lane), size_ok)
-        own = [r for r in b.records if r.lane == b.lane]
-        assert own and b.records[:len(own)] == own, "the batch's own lane first"
-        others = b.records[len(own):]
+    def check(b: Batch, _taken_ahead: Batch | None) -> None:
+        others = b.records[len([r for r in b.records if r.lane == b.lane]):]
         assert not others or b.mixed
-        assert all(PRIORITY[r.lane] < PRIORITY[b.lane] for r in others), "filled only from lower lanes"
         assert [PRIORITY[r.lane] for r in others] == sorted((PRIORITY[r.lane] for r in others), reverse=True)
-        assert all(r.deadline is None or r.deadline > now for r in b.records), "expired record dispatched"
-        if bucket:
-            assert len({r.size // bucket for r in b.records}) == 1
-        out.extend(r.offset for r in b.records)
 
-    pending: deque[Batch] = deque()  # taken ahead, not started yet
-
-    def start(pre: Batch) -> None:
-        # As Runner._swap: start, drop what expired since it was taken, preempt, else top up.
-        was_ahead = s.start(pre)
-        assert was_ahead
-        trimmed = s.drop_expired(pre, now)
-        cur = trimmed if trimmed is not None else pre
-        if not cur.records:
-            return  # every record expired: handed out by the next expire()
-        run = s.preempt(cur, now) or s.top_up(cur, now)
-        if run is None:
-            take(cur, size_ok=len(cur))
-            return
-        take(run)
-
+    play = SchedulerPlay(s, bucket, check)
     for op, a1, a2, a3 in ops:
-        if op == "add":
-            assert isinstance(a1, int)
-            r = rec(LANES[a1], partition=a2, size=a2, deadline=None if a3 is None else now + a3)
-            keep.append(r)
-            added.add(r.offset)
-            out.extend(x.offset for x in s.add(r, now))
-        elif op == "next":
-            take(s.next_batch(now, idle=bool(a1)))
-        elif op == "ahead":
-            pre = s.next_batch(now, idle=False, full_only=True)
-            if pre is not None:
-                pending.append(pre)
-        elif op == "start" and pending:
-            start(pending.popleft())
-        elif op == "tick":
-            assert isinstance(a1, int)
-            now += a1 / 1000.0
-        elif op == "expire":
-            out.extend(r.offset for r in s.expire(now))
-        elif op == "revoke":
-            out.extend(r.offset for r in s.revoke({TopicPartition("in", int(a1))}))  # type: ignore[call-overload]
-        elif op == "max":
-            s.set_max_batch_size(LANES[int(a1)], a2)  # type: ignore[call-overload]
-        elif op == "observe":
-            s.observe(LANES[int(a1)], a2, 0.020 + 0.001 * a2)  # type: ignore[call-overload]
-        else:
-            s.flush(now)
-        assert len(s) == sum(s.queued(ln) for ln in LANES)
-        for lane in s._lanes.values():  # the O(1) counters agree with the structures
-            assert lane.n == len(lane.batcher) + lane.ready_n - len(lane.dead)
-            assert lane.ready_n == sum(len(x.records) for x in lane.ready)
+        # Here a ``start`` with nothing taken ahead flushes: it keeps flushes frequent in the streams.
+        play.apply("flush" if op == "start" and not play.pending else op, a1, a2, a3)
+        for lane in s._lanes.values():
             assert all(x.records for x in lane.ready)
-        w = s.next_wakeup(now)
+        w = s.next_wakeup(play.now)
         assert w is None or w == w  # never NaN
-    # drain: everything left comes out
-    while pending:
-        start(pending.popleft())
-    s.flush(now)
-    for _ in range(1000):
-        b = s.next_batch(now, idle=True)
-        if b is None:
-            break
-        take(b)
-    out.extend(r.offset for r in s.expire(now))
-    assert len(s) == 0
-    assert len(out) == len(set(out)), "a record came out twice"
-    assert set(out) == added, "a record was lost"
+    play.finish()
 
 
 _arrivals = st.lists(st.tuples(st.integers(0, 2), st.sampled_from([None, 0.004, 0.03])), max_size=9)
