@@ -14,7 +14,7 @@ from confluent_kafka import KafkaError, KafkaException
 
 from tests.unit.fakes_kafka import Harness, make_config
 from worker.adapters.metrics import PrometheusMetrics
-from worker.core.records import TopicPartition
+from worker.core.records import Batch, TopicPartition
 
 IN0, IN1 = TopicPartition("in", 0), TopicPartition("in", 1)
 REVOKE_S = 0.2  # delivery.revoke_timeout_ms in make_config
@@ -24,12 +24,27 @@ def offsets_out(h: Harness, partition: int = 0) -> list[int]:
     return [r["source"]["offset"] for r in h.p.results() if r["source"]["partition"] == partition]
 
 
-def test_queued_records_of_revoked_partitions_are_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+def reading_two(monkeypatch: pytest.MonkeyPatch, n: int) -> Harness:
+    """A runner assigned in/0 and in/1 that has read ``n`` records of each."""
     h = Harness(monkeypatch).start()
     h.c.assign(("in", 0), ("in", 1))
-    h.send(3, partition=0)
-    h.send(3, partition=1)
+    h.send(n, partition=0)
+    h.send(n, partition=1)
     h.iterate()
+    return h
+
+
+def on_device(h: Harness, n: int, partition: int = 0) -> Batch:
+    """``n`` more records of ``partition``, read; the batch of them the device took (and holds)."""
+    h.send(n, partition=partition)
+    h.iterate()
+    batch = h.device.take()
+    assert batch is not None
+    return batch
+
+
+def test_queued_records_of_revoked_partitions_are_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    h = reading_two(monkeypatch, 3)
     assert len(h.runner.scheduler) == 6
     t0 = h.clock.t
     h.c.revoke(("in", 0))
@@ -47,10 +62,7 @@ def test_in_device_records_get_revoke_timeout_and_the_done_prefix_is_committed_i
         monkeypatch: pytest.MonkeyPatch) -> None:
     h = Harness(monkeypatch).start()
     h.c.assign(("in", 0))
-    h.send(3)
-    h.iterate()
-    batch = h.device.take()
-    assert batch is not None
+    batch = on_device(h, 3)
     h.send(2)  # 3 and 4: fetched while the batch runs, still queued at revoke
     h.iterate()
     polls = []
@@ -81,16 +93,9 @@ def test_records_still_on_the_device_after_revoke_timeout_are_dropped_and_never_
         monkeypatch: pytest.MonkeyPatch) -> None:
     h = Harness(monkeypatch).start()
     h.c.assign(("in", 0))
-    h.send(2)
-    h.iterate()
-    first = h.device.take()
-    assert first is not None
-    h.device.finish(first)
+    h.device.finish(on_device(h, 2))
     h.iterate()  # 0, 1 delivered (not committed yet: interval)
-    h.send(2)
-    h.iterate()
-    slow = h.device.take()  # 2, 3: on the device and they stay there
-    assert slow is not None
+    slow = on_device(h, 2)  # 2, 3: on the device and they stay there
     t0 = h.clock.t
     h.c.revoke(("in", 0))
     assert REVOKE_S <= h.clock.t - t0 < REVOKE_S + 0.1
@@ -109,10 +114,7 @@ def test_late_outputs_of_an_old_assignment_do_not_ack_the_new_one(monkeypatch: p
     produce or ack the same offsets, which the new epoch reads again from the committed offset."""
     h = Harness(monkeypatch).start()
     h.c.assign(("in", 0))
-    h.send(3)
-    h.iterate()
-    old = h.device.take()
-    assert old is not None
+    old = on_device(h, 3)
     h.c.revoke(("in", 0))
     h.c.assign(("in", 0))  # nothing was committed: read again from 0
     h.iterate()
@@ -147,11 +149,7 @@ def test_delivery_reports_arriving_after_revoke_do_not_ack(monkeypatch: pytest.M
 
 
 def test_lost_partitions_commit_nothing_and_drop_everything(monkeypatch: pytest.MonkeyPatch) -> None:
-    h = Harness(monkeypatch).start()
-    h.c.assign(("in", 0), ("in", 1))
-    h.send(2, partition=0)
-    h.send(2, partition=1)
-    h.iterate()
+    h = reading_two(monkeypatch, 2)
     b = h.device.take()
     assert b is not None
     h.device.finish(b)
@@ -218,10 +216,7 @@ def test_an_error_during_revoke_still_releases_the_partitions(monkeypatch: pytes
     cfg = make_config(batching={"max_in_flight": 4, "resume_ratio": 0.5})
     h = Harness(monkeypatch, cfg).start()
     h.c.assign(("in", 0), ("in", 1))
-    h.send(1, partition=0)
-    h.iterate()
-    on_device = h.device.take()
-    assert on_device is not None
+    on_dev = on_device(h, 1)
     h.send(3, partition=0)
     h.iterate()  # 4 in flight (1 on the device, 3 queued): everything pauses
     assert h.c.paused == {IN0, IN1}
@@ -233,7 +228,7 @@ def test_an_error_during_revoke_still_releases_the_partitions(monkeypatch: pytes
     h.p.flush = flush_fails  # type: ignore[method-assign]
     h.c.revoke(("in", 0))  # the error is swallowed (logged)
     h.p.flush = real_flush  # type: ignore[method-assign]
-    h.device.finish(on_device)  # a late output of the revoked partition
+    h.device.finish(on_dev)  # a late output of the revoked partition
     h.send(3, partition=1)
     for _ in range(3):
         h.iterate()
