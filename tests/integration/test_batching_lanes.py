@@ -6,20 +6,13 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from tests.support.kafka_io import (
-    WorkerProcess,
-    create_topics,
-    decode,
-    produce_values,
-    read_all,
-    worker_config,
-)
+from tests.support.kafka_io import create_topics, decode, produce_values
 
 pytestmark = pytest.mark.integration
 
 
-def test_high_lane_first_low_lane_keeps_its_share(kafka, topic_names, tmp_path):
-    bs, n = kafka.bootstrap, 1500
+def test_high_lane_first_low_lane_keeps_its_share(scenario, topic_names):
+    bs, n = scenario.bootstrap, 1500
     hi, lo = topic_names["in"] + "-hi", topic_names["in"] + "-lo"
     create_topics(bs, {hi: 2, lo: 2, topic_names["out"]: 1, topic_names["dlq"]: 1})
     enc = msgspec.json.encode
@@ -27,23 +20,17 @@ def test_high_lane_first_low_lane_keeps_its_share(kafka, topic_names, tmp_path):
                                                       "inputs": {"x": i}})) for i in range(n)])
     produce_values(bs, hi, [(f"hi-{i}".encode(), enc({"id": f"hi-{i}",
                                                       "inputs": {"x": i}})) for i in range(n)])
-    cfg = worker_config(bs, topic_names,
-                        kafka={"input_topics": []},
-                        model={"name": "synthetic", "options": {"a_ms": 4, "b_ms": 0.2}},
-                        # The low lane is listed first: priority, not the config order, must put high first.
-                        batching={"lanes": [
-                            {"name": "low", "topics": [lo], "priority": 0, "weight": 1, "max_batch_size": 16,
-                             "max_wait_ms": 5},
-                            {"name": "high", "topics": [hi], "priority": 10, "weight": 3,
-                             "max_batch_size": 16,
-                             "max_wait_ms": 5}],
-                            "default_lane": "low"})
-    w = WorkerProcess(cfg, tmp_path).start()
-    try:
-        results = decode(read_all(bs, topic_names["out"], want=2 * n, timeout=240))
-        assert w.stop() == 0
-    finally:
-        w.kill()
+    cfg = scenario.config(kafka={"input_topics": []},
+                          model={"name": "synthetic", "options": {"a_ms": 4, "b_ms": 0.2}},
+                          # The low lane is listed first: priority, not the config order, must put high first.
+                          batching={"lanes": [
+                              {"name": "low", "topics": [lo], "priority": 0, "weight": 1,
+                               "max_batch_size": 16, "max_wait_ms": 5},
+                              {"name": "high", "topics": [hi], "priority": 10, "weight": 3,
+                               "max_batch_size": 16, "max_wait_ms": 5}],
+                              "default_lane": "low"})
+    with scenario.worker(cfg):
+        results = decode(scenario.read_out(want=2 * n, timeout=240))
     lanes = [r["lane"] for r in results]
     assert len({r["id"] for r in results}) == 2 * n
     assert all(r["lane"] == r["id"].split("-")[0].replace("hi", "high").replace("lo", "low") for r in results)

@@ -13,73 +13,47 @@ import yaml
 from tests.support.kafka_io import (
     ROOT,
     WorkerProcess,
-    committed_offsets,
-    create_topics,
     decode,
     end_offsets,
-    produce_values,
+    once_each_in_source_order,
     read_all,
-    wait_for,
-    worker_config,
 )
 
 pytestmark = pytest.mark.integration
 enc = msgspec.json.encode
 
 
-def test_exactly_once_results_visible_once_under_read_committed(kafka, topic_names, tmp_path):
-    bs, n = kafka.bootstrap, 4000
-    create_topics(bs, {topic_names["in"]: 4, topic_names["out"]: 4, topic_names["dlq"]: 1})
+def test_exactly_once_results_visible_once_under_read_committed(scenario, topic_names):
+    n = 4000
+    scenario.topics(4)
     items = [(f"e-{i}".encode(), enc({"id": f"e-{i}", "inputs": {"x": i}})) for i in range(n)]
     items.insert(n // 2, (b"bad", b"{broken"))
-    produce_values(bs, topic_names["in"], items)
-    cfg = worker_config(bs, topic_names, model={"name": "synthetic", "options": {"a_ms": 1, "b_ms": 0.02}},
-                        delivery={"mode": "exactly_once", "transactional_id": f"tx-{topic_names['run']}"})
-    w = WorkerProcess(cfg, tmp_path).start()
-    try:
-        results = read_all(bs, topic_names["out"], want=n, timeout=180)
-        ends = end_offsets(bs, topic_names["in"])
-        wait_for(lambda: committed_offsets(bs, cfg["kafka"]["group_id"], topic_names["in"]) == ends, 30,
-                 what="offsets committed through the transaction")
-        assert w.stop() == 0, w.log()[-3000:]
-    finally:
-        w.kill()
-    values = decode(results)
-    ids = collections.Counter(r["id"] for r in values)
-    assert set(ids) == {f"e-{i}" for i in range(n)} and max(ids.values()) == 1
-    # Results are written per input partition in offset order: within each output partition, the results of
-    # one input partition appear in increasing source offset.
-    last: dict[tuple[int, int], int] = {}
-    for m, r in zip(results, values, strict=True):
-        k = (m.partition(), r["source"]["partition"])
-        assert r["source"]["offset"] > last.get(k, -1), (f"out of order in output partition {k[0]}: "
-                                                         f"{r['source']}")
-        last[k] = r["source"]["offset"]
+    scenario.produce(items)
+    cfg = scenario.config(model={"name": "synthetic", "options": {"a_ms": 1, "b_ms": 0.02}},
+                          delivery={"mode": "exactly_once", "transactional_id": f"tx-{topic_names['run']}"})
+    results, w = scenario.serve(cfg, want=n, timeout=180)
+    once_each_in_source_order(results, {f"e-{i}" for i in range(n)})
     # No transaction aborted here, so a read_uncommitted reader sees the same n results, and the dead letter
     # went through the same transactions.
-    assert len(read_all(bs, topic_names["out"], want=n, timeout=60, read_committed=False)) == n
-    dlq = read_all(bs, topic_names["dlq"], want=1, timeout=30)
+    assert len(scenario.read_out(want=n, timeout=60, read_committed=False)) == n
+    dlq = scenario.read_dlq(want=1, timeout=30)
     assert len(dlq) == 1 and dlq[0].value() == b"{broken"
     assert "exactly-once mode" in w.log()
-    print(f"\n[eos] {len(ids)} ids exactly once under read_committed, 1 dead letter")
+    print(f"\n[eos] {n} ids exactly once under read_committed, 1 dead letter")
 
 
-def test_dlq_replay_resubmits_to_the_source_topic(kafka, topic_names, tmp_path):
-    bs = kafka.bootstrap
-    create_topics(bs, {topic_names["in"]: 2, topic_names["out"]: 2, topic_names["dlq"]: 1})
+def test_dlq_replay_resubmits_to_the_source_topic(scenario, topic_names, tmp_path):
+    bs = scenario.bootstrap
+    scenario.topics(2)
     # A model that fails on "poison" puts two records in the DLQ (stage "inference").
     good = [(f"g-{i}".encode(), enc({"id": f"g-{i}", "inputs": {"x": i}})) for i in range(50)]
     bad = [(f"p-{i}".encode(), enc({"id": f"p-{i}", "inputs": {"x": "poison"}})) for i in range(2)]
-    produce_values(bs, topic_names["in"], good + bad + [(b"junk", b"not json")])
-    cfg = worker_config(bs, topic_names, model={"name": "synthetic", "options": {"fail_on": "poison"}})
-    w = WorkerProcess(cfg, tmp_path).start()
-    try:
-        read_all(bs, topic_names["out"], want=52, timeout=120)
-        read_all(bs, topic_names["dlq"], want=3, timeout=30)
-        assert w.stop() == 0
-    finally:
-        w.kill()
-    dlq = read_all(bs, topic_names["dlq"], want=3, timeout=30)
+    scenario.produce(good + bad + [(b"junk", b"not json")])
+    cfg = scenario.config(model={"name": "synthetic", "options": {"fail_on": "poison"}})
+    with scenario.worker(cfg):
+        scenario.read_out(want=52, timeout=120)
+        scenario.read_dlq(want=3, timeout=30)
+    dlq = scenario.read_dlq(want=3, timeout=30)
     stages = sorted(dict(m.headers())["x-error-stage"].decode() for m in dlq)
     assert stages == ["decode", "inference", "inference"]
     before = sum(end_offsets(bs, topic_names["in"]).values())
@@ -117,33 +91,26 @@ def test_dlq_replay_resubmits_to_the_source_topic(kafka, topic_names, tmp_path):
     assert rest.returncode == 0 and "would replay 3 dead letters" in rest.stdout, rest.stdout + rest.stderr
 
 
-def test_a_live_zombie_is_fenced_and_readers_still_see_each_id_once(kafka, topic_names, tmp_path):
+def test_a_live_zombie_is_fenced_and_readers_still_see_each_id_once(scenario, topic_names, tmp_path):
     """Two live workers with one transactional.id (a replacement pod started while the old one still runs):
     the newcomer's producer fences the old one, which stops with exit 1 at its next transactional call, and
     a read_committed reader still sees every id exactly once."""
-    bs, n = kafka.bootstrap, 8000
-    create_topics(bs, {topic_names["in"]: 2, topic_names["out"]: 2, topic_names["dlq"]: 1})
-    produce_values(bs, topic_names["in"], [(f"z-{i}".encode(), enc({"id": f"z-{i}", "inputs": {"x": i}}))
-                                           for i in range(n)])
+    n = 8000
+    scenario.topics(2)
+    scenario.produce([(f"z-{i}".encode(), enc({"id": f"z-{i}", "inputs": {"x": i}})) for i in range(n)])
     # ~600/s
-    cfg = worker_config(bs, topic_names, model={"name": "synthetic", "options": {"a_ms": 20, "b_ms": 1}},
-                        delivery={"mode": "exactly_once",
-                                  "transactional_id": f"tx-zombie-{topic_names['run']}"})
+    cfg = scenario.config(model={"name": "synthetic", "options": {"a_ms": 20, "b_ms": 1}},
+                          delivery={"mode": "exactly_once",
+                                    "transactional_id": f"tx-zombie-{topic_names['run']}"})
     old = WorkerProcess(cfg, tmp_path, name="old").start()
-    new = WorkerProcess(cfg, tmp_path, name="new")
     try:
-        read_all(bs, topic_names["out"], want=500, timeout=120)  # the old one is well into the run
-        new.start()
-        assert old.wait(120) == 1, old.log()[-3000:]  # fenced: exits on its own
-        assert "fenced" in old.log().lower()
-        results = read_all(bs, topic_names["out"], want=n, timeout=180)
-        ends = end_offsets(bs, topic_names["in"])
-        wait_for(lambda: committed_offsets(bs, cfg["kafka"]["group_id"], topic_names["in"]) == ends, 60,
-                 what="offsets committed through the transaction")
-        assert new.stop() == 0, new.log()[-3000:]
+        scenario.read_out(want=500, timeout=120)  # the old one is well into the run
+        with scenario.worker(cfg, name="new"):
+            assert old.wait(120) == 1, old.log()[-3000:]  # fenced: exits on its own
+            assert "fenced" in old.log().lower()
+            results = scenario.delivered(cfg["kafka"]["group_id"], want=n, timeout=180, commit_timeout=60)
     finally:
         old.kill()
-        new.kill()
     ids = collections.Counter(r["id"] for r in decode(results))
     assert set(ids) == {f"z-{i}" for i in range(n)} and max(ids.values()) == 1
     print(f"\n[eos-zombie] old worker fenced (exit 1); {len(ids)} ids exactly once under read_committed")

@@ -12,17 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from tests.support.kafka_io import (
-    WorkerProcess,
-    committed_offsets,
-    create_topics,
-    decode,
-    end_offsets,
-    produce_values,
-    read_all,
-    wait_for,
-    worker_config,
-)
+from tests.support.kafka_io import decode
 
 pytestmark = pytest.mark.integration
 
@@ -40,14 +30,12 @@ def gen(rid: str, prompt: str, **extra: Any) -> tuple[bytes, bytes]:
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_generation_end_to_end(kafka, topic_names, tmp_path, model):
-    bs, n = kafka.bootstrap, 240
-    create_topics(bs, {topic_names["in"]: 3, topic_names["out"]: 3, topic_names["dlq"]: 1})
+def test_generation_end_to_end(scenario, model):
+    n = 240
+    scenario.topics(3)
     lengths = {f"g-{i}": 1 + (i * 37) % 48 for i in range(n)}
     for part in range(3):
-        produce_values(
-            bs,
-            topic_names["in"],
+        scenario.produce(
             [
                 gen(rid, f"event {rid}", max_new_tokens=k, seed=i)
                 for i, (rid, k) in enumerate(lengths.items())
@@ -55,28 +43,20 @@ def test_generation_end_to_end(kafka, topic_names, tmp_path, model):
             ],
             partition=part,
         )
-    produce_values(bs, topic_names["in"], [
+    scenario.produce([
         gen("too-many", "x", max_new_tokens=10_000),  # over model.generation.max_new_tokens
         gen("poison", "POISON here", max_new_tokens=5),  # the step raises: error result + dead letter
         gen("stopper", "s", max_new_tokens=60, stop=[" "], seed=3),
     ], partition=0)
-    cfg = worker_config(bs, topic_names, model={"name": model, "options": MODELS[model],
-                                                "generation": {"max_new_tokens": 400, "max_sequences": 16,
-                                                               "max_batch_tokens": 2048}})
-    group = cfg["kafka"]["group_id"]
-    w = WorkerProcess(cfg, tmp_path).start()
-    try:
+    cfg = scenario.config(model={"name": model, "options": MODELS[model],
+                                 "generation": {"max_new_tokens": 400, "max_sequences": 16,
+                                                "max_batch_tokens": 2048}})
+    with scenario.worker(cfg) as w:
         w.wait_assigned()
         # About 400 steps of at least 2 ms: the deadline stops it part way.
-        produce_values(bs, topic_names["in"], [gen("late", "l", max_new_tokens=400,
-                                                   deadline_ms=int(time.time() * 1000) + 300)], partition=1)
-        results = read_all(bs, topic_names["out"], want=n + 4, timeout=120)
-        ends = end_offsets(bs, topic_names["in"])
-        wait_for(lambda: committed_offsets(bs, group, topic_names["in"]) == ends, 30,
-                 what="committed offsets to reach the end offsets")
-        assert w.stop() == 0, w.log()[-3000:]
-    finally:
-        w.kill()
+        scenario.produce([gen("late", "l", max_new_tokens=400, deadline_ms=int(time.time() * 1000) + 300)],
+                         partition=1)
+        results = scenario.delivered(cfg["kafka"]["group_id"], want=n + 4, timeout=120)
     by_id = {v["id"]: v for v in decode(results)}
     assert len(results) == n + 4 == len(by_id), "a duplicate or a missing result"
     for rid, k in lengths.items():
@@ -97,20 +77,16 @@ def test_generation_end_to_end(kafka, topic_names, tmp_path, model):
         assert (
             late["outputs"]["finish_reason"] == "deadline" and 0 < late["outputs"]["generated_tokens"] < 400
         )
-    dlq = read_all(bs, topic_names["dlq"], want=3, timeout=30)
+    dlq = scenario.read_dlq(want=3, timeout=30)
     stages = sorted(dict(m.headers())["x-error-stage"].decode() for m in dlq)
     assert stages == ["decode", "expired", "inference"], stages
 
     # Committed at the end: a restart processes nothing again.
-    w2 = WorkerProcess(cfg, tmp_path, name="restart").start()
-    try:
+    with scenario.worker(cfg, name="restart") as w2:
         w2.wait_assigned()
-        produce_values(bs, topic_names["in"], [gen("after", "again", max_new_tokens=3)], partition=1)
-        read_all(bs, topic_names["out"], want=n + 5, timeout=60)
-        assert w2.stop() == 0
-    finally:
-        w2.kill()
-    again = decode(read_all(bs, topic_names["out"], timeout=30, idle=2))
+        scenario.produce([gen("after", "again", max_new_tokens=3)], partition=1)
+        scenario.read_out(want=n + 5, timeout=60)
+    again = decode(scenario.read_out(timeout=30, idle=2))
     assert len(again) == n + 5, f"restart reprocessed {len(again) - n - 5} records"
 
 
@@ -135,29 +111,18 @@ def _greedy_reference(prompts: dict[str, tuple[str, int]]) -> dict[str, list[int
     return want
 
 
-def test_tiny_lm_through_the_worker_gives_what_generate_gives_alone(kafka, topic_names, tmp_path):
+def test_tiny_lm_through_the_worker_gives_what_generate_gives_alone(scenario):
     """The random-weight tiny-lm, continuously batched across 2 partitions: every greedy result holds the
     tokens ``generate`` gives for its prompt alone, whatever ran beside it, and the offsets reach the end."""
-    bs = kafka.bootstrap
-    create_topics(bs, {topic_names["in"]: 2, topic_names["out"]: 2, topic_names["dlq"]: 1})
+    scenario.topics(2)
     prompts = {f"t-{i}": (f"event {i} " * (1 + i % 4), 4 + (i * 7) % 29) for i in range(24)}
     for part in range(2):
-        produce_values(bs, topic_names["in"], [gen(rid, p, max_new_tokens=k) for i, (rid, (p, k))
-                                               in enumerate(prompts.items()) if i % 2 == part],
-                       partition=part)
-    cfg = worker_config(bs, topic_names, model={"name": "tiny-lm",
-                                                "generation": {"max_new_tokens": 64, "max_sequences": 8,
-                                                               "max_batch_tokens": 1024}})
-    w = WorkerProcess(cfg, tmp_path).start()
-    try:
-        w.wait_assigned()
-        results = read_all(bs, topic_names["out"], want=len(prompts), timeout=180)
-        ends = end_offsets(bs, topic_names["in"])
-        wait_for(lambda: committed_offsets(bs, cfg["kafka"]["group_id"], topic_names["in"]) == ends, 30,
-                 what="committed offsets to reach the end offsets")
-        assert w.stop() == 0, w.log()[-3000:]
-    finally:
-        w.kill()
+        scenario.produce([gen(rid, p, max_new_tokens=k) for i, (rid, (p, k)) in enumerate(prompts.items())
+                          if i % 2 == part], partition=part)
+    cfg = scenario.config(model={"name": "tiny-lm",
+                                 "generation": {"max_new_tokens": 64, "max_sequences": 8,
+                                                "max_batch_tokens": 1024}})
+    results, _ = scenario.serve(cfg, want=len(prompts), timeout=180, assigned_first=True)
     by_id = {v["id"]: v for v in decode(results)}
     assert sorted(by_id) == sorted(prompts), "a duplicate or a missing result"
     want = _greedy_reference(prompts)

@@ -11,17 +11,7 @@ import msgspec
 import pytest
 
 from tests.bench.null_device import NullDeviceMiniLM
-from tests.support.kafka_io import (
-    WorkerProcess,
-    committed_offsets,
-    create_topics,
-    decode,
-    end_offsets,
-    produce_values,
-    read_all,
-    wait_for,
-    worker_config,
-)
+from tests.support.kafka_io import decode
 
 pytestmark = pytest.mark.integration
 BAD = "undecodable"
@@ -45,28 +35,19 @@ def picky(**options: Any) -> Picky:
     return Picky(**options)
 
 
-def test_host_decode_serves_each_record_once_and_dead_letters_what_it_cannot_decode(kafka, topic_names,
-                                                                                   tmp_path):
-    bs, n = kafka.bootstrap, 2000
+def test_host_decode_serves_each_record_once_and_dead_letters_what_it_cannot_decode(scenario):
+    n = 2000
     bad = {7, 700, 1001, 1500, 1999}
-    create_topics(bs, {topic_names["in"]: 4, topic_names["out"]: 4, topic_names["dlq"]: 1})
+    scenario.topics(4)
     reqs = [(f"t-{i}".encode(), msgspec.json.encode({"id": f"t-{i}", "inputs": {
         "text": f"{BAD} text {i}" if i in bad else f"Sentence number {i} about Kafka batching."}}))
         for i in range(n)]
     for part in range(4):
-        produce_values(bs, topic_names["in"], reqs[part::4], partition=part)
-    cfg = worker_config(bs, topic_names, model={"name": "tests.integration.test_host_decode:picky",
-                                                "warmup": True, "host_threads": 2},
-                        batching={"lanes": [{"name": "default", "max_batch_size": 64, "max_wait_ms": 20}]})
-    w = WorkerProcess(cfg, tmp_path).start()
-    try:
-        results = read_all(bs, topic_names["out"], want=n, timeout=180)
-        ends = end_offsets(bs, topic_names["in"])
-        wait_for(lambda: committed_offsets(bs, cfg["kafka"]["group_id"], topic_names["in"]) == ends, 30,
-                 what="committed offsets to reach the end offsets")
-        assert w.stop() == 0, w.log()[-3000:]
-    finally:
-        w.kill()
+        scenario.produce(reqs[part::4], partition=part)
+    cfg = scenario.config(model={"name": "tests.integration.test_host_decode:picky",
+                                 "warmup": True, "host_threads": 2},
+                          batching={"lanes": [{"name": "default", "max_batch_size": 64, "max_wait_ms": 20}]})
+    results, _ = scenario.serve(cfg, want=n, timeout=180)
     values = decode(results)
     by_id = {v["id"]: v for v in values}
     assert len(values) == n and set(by_id) == {f"t-{i}" for i in range(n)}
@@ -74,7 +55,7 @@ def test_host_decode_serves_each_record_once_and_dead_letters_what_it_cannot_dec
     assert all(len(by_id[f"t-{i}"]["outputs"]) == 384 for i in range(n) if i not in bad)
     assert all(by_id[f"t-{i}"]["error"] == "model decode failed: ValueError: this text cannot be tokenized"
                for i in bad)
-    dlq = read_all(bs, topic_names["dlq"], want=len(bad), timeout=30)
+    dlq = scenario.read_dlq(want=len(bad), timeout=30)
     assert len(dlq) == len(bad)
     assert {dict(m.headers())["x-error-stage"] for m in dlq} == {b"decode"}
     assert {m.key() for m in dlq} == {f"t-{i}".encode() for i in bad}

@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from tests.support.kafka_io import WorkerProcess, create_topics, read_all, wait_for, worker_config
+from tests.support.kafka_io import wait_for
 from worker.load import produce, requests
 
 pytestmark = pytest.mark.integration
@@ -34,13 +34,12 @@ def _value(text: str, name: str, **labels: str) -> float:
     return total
 
 
-def test_metrics_move_and_health_endpoints(kafka, topic_names, tmp_path):
-    bs, n = kafka.bootstrap, 6000
-    create_topics(bs, {topic_names["in"]: 2, topic_names["out"]: 2, topic_names["dlq"]: 1})
-    cfg = worker_config(bs, topic_names, model={"name": "synthetic", "options": {"a_ms": 2, "b_ms": 0.05}},
-                        metrics={"enabled": True, "port": 0, "host": "127.0.0.1", "lag_interval_s": 0.5})
-    w = WorkerProcess(cfg, tmp_path).start()
-    try:
+def test_metrics_move_and_health_endpoints(scenario, topic_names):
+    bs, n = scenario.bootstrap, 6000
+    scenario.topics(2)
+    cfg = scenario.config(model={"name": "synthetic", "options": {"a_ms": 2, "b_ms": 0.05}},
+                          metrics={"enabled": True, "port": 0, "host": "127.0.0.1", "lag_interval_s": 0.5})
+    with scenario.worker(cfg) as w:
         wait_for(lambda: "metrics and health on port" in w.log(), 90, what="the metrics port in the log")
         port = int(re.search(r"metrics and health on port (\d+)", w.log()).group(1))  # type: ignore[union-attr]
         base = f"http://127.0.0.1:{port}"
@@ -54,14 +53,11 @@ def test_metrics_move_and_health_endpoints(kafka, topic_names, tmp_path):
                  what="records in")
         first = _get(base + "/metrics")[1]
         feeder.join(60)
-        read_all(bs, topic_names["out"], want=n, timeout=120)
+        scenario.read_out(want=n, timeout=120)
         wait_for(lambda: _value(_get(base + "/metrics")[1], "kiw_records_out_total", status="ok") >= n, 30,
                  what="all results counted")
         second = _get(base + "/metrics")[1]
         status, body = _get(base + "/readyz")
-        assert w.stop() == 0
-    finally:
-        w.kill()
     assert _value(second, "kiw_records_in_total", lane="default") > _value(first, "kiw_records_in_total",
                                                                            lane="default")
     assert _value(second, "kiw_records_out_total", lane="default", status="ok") == n

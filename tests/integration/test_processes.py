@@ -10,18 +10,7 @@ import urllib.request
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from tests.support.kafka_io import (
-    WorkerProcess,
-    committed_offsets,
-    create_topics,
-    decode,
-    end_offsets,
-    produce_values,
-    read_all,
-    request,
-    wait_for,
-    worker_config,
-)
+from tests.support.kafka_io import WorkerProcess, decode, request, wait_for, worker_config
 
 pytestmark = pytest.mark.integration
 
@@ -37,13 +26,12 @@ def group_members(bootstrap: str, group: str) -> list[str]:
     return [m.member_id for m in desc.members if m.assignment.topic_partitions]
 
 
-def test_two_processes_share_the_group_and_answer_every_record_once(kafka, topic_names, tmp_path):
-    bs, n = kafka.bootstrap, 4000
-    create_topics(bs, {topic_names["in"]: 4, topic_names["out"]: 4, topic_names["dlq"]: 1})
-    cfg = worker_config(bs, topic_names, model={"name": "identity"}, metrics={"enabled": True, "port": 0})
+def test_two_processes_share_the_group_and_answer_every_record_once(scenario):
+    bs, n = scenario.bootstrap, 4000
+    scenario.topics(4)
+    cfg = scenario.config(model={"name": "identity"}, metrics={"enabled": True, "port": 0})
     group = cfg["kafka"]["group_id"]
-    w = WorkerProcess(cfg, tmp_path, extra_args=["--processes", "2"]).start()
-    try:
+    with scenario.worker(cfg, extra_args=["--processes", "2"]) as w:
         # Both members hold partitions before any record exists: each record is then one member's.
         wait_for(lambda: len(group_members(bs, group)) == 2 or w.proc.poll() is not None, 120,
                  what="two members of the group with partitions")
@@ -52,19 +40,13 @@ def test_two_processes_share_the_group_and_answer_every_record_once(kafka, topic
         assert len(ports) == 2, w.log()[-4000:]
         for port in ports:
             assert urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5).status == 200
-        produce_values(bs, topic_names["in"], [request(i) for i in range(n)])
-        results = read_all(bs, topic_names["out"], want=n, timeout=180)
-        ends = end_offsets(bs, topic_names["in"])
-        wait_for(lambda: committed_offsets(bs, group, topic_names["in"]) == ends, 30,
-                 what="committed offsets to reach the end offsets")
-        assert w.stop() == 0, w.log()[-4000:]
-    finally:
-        w.kill()
+        scenario.produce([request(i) for i in range(n)])
+        results = scenario.delivered(group, want=n, timeout=180)
     log = w.log()
     assert "supervising 2 worker processes" in log
     assert log.count("shutting down") >= 2, log[-4000:]  # both children drained
     ids = [v["id"] for v in decode(results)]
-    again = [v["id"] for v in decode(read_all(bs, topic_names["out"], timeout=30, idle=2))]
+    again = [v["id"] for v in decode(scenario.read_out(timeout=30, idle=2))]
     assert len(again) == n, f"{len(again) - n} results beyond one per record"
     assert set(ids) == set(again) == {f"r-{i}" for i in range(n)}
 

@@ -22,13 +22,10 @@ from tests.conftest_secure import (
     worker_env,
 )
 from tests.support.kafka_io import (
-    WorkerProcess,
-    committed_offsets,
+    Scenario,
     create_topics,
     decode,
     end_offsets,
-    produce_values,
-    read_all,
     request,
     wait_for,
 )
@@ -41,16 +38,16 @@ N = 200
 @pytest.mark.parametrize("listener", ["sasl_ssl", "ssl"])
 def test_run_replay_and_backfill_over_a_secured_listener(secure_kafka, listener, topic_names, tmp_path):
     sk, bs = secure_kafka, secure_kafka.bootstrap  # bs: the plain listener, for this test's own clients
-    create_topics(bs, {topic_names["in"]: 2, topic_names["out"]: 2, topic_names["dlq"]: 1})
-    produce_values(bs, topic_names["in"], [request(i) for i in range(N)])
-    produce_values(bs, topic_names["in"], [(b"broken", b'{"id": "broken", "inputs": [1,')])
+    scenario = Scenario(bs, topic_names, tmp_path)
+    scenario.topics(2)
+    scenario.produce([request(i) for i in range(N)])
+    scenario.produce([(b"broken", b'{"id": "broken", "inputs": [1,')])
     cfg = secure_config(sk, listener, topic_names, metrics={"enabled": True, "port": 0, "host": "127.0.0.1"})
     env, secrets = worker_env(sk), secrets_of(sk)
 
-    w = WorkerProcess(cfg, tmp_path, env=env, name="run").start()
-    try:
+    with scenario.worker(cfg, env=env, name="run") as w:
         base = metrics_base(w)
-        assert len(read_all(bs, topic_names["out"], want=N, timeout=120)) == N
+        assert len(scenario.read_out(want=N, timeout=120)) == N
         wait_for(lambda: http_get(base + "/readyz")[0] == 200, 30, what="/readyz 200")
         # The endpoints carry state and counts, never configuration: no secret, and not even the addresses,
         # user name or certificate paths the config holds.
@@ -61,13 +58,10 @@ def test_run_replay_and_backfill_over_a_secured_listener(secure_kafka, listener,
             status, body = http_get(base + path)
             assert status in (200, 404), (path, status)
             assert_no_secret(body, secrets + config_values, f"the response of {path}")
-        assert w.stop() == 0, w.log()[-3000:]
-    finally:
-        w.kill()
     assert_no_secret(w.log(), secrets, "the worker run's output")
-    ids = {v["id"] for v in decode(read_all(bs, topic_names["out"], timeout=30, idle=2))}
+    ids = {v["id"] for v in decode(scenario.read_out(timeout=30, idle=2))}
     assert ids == {f"r-{i}" for i in range(N)}
-    dlq = read_all(bs, topic_names["dlq"], want=1, timeout=30)
+    dlq = scenario.read_dlq(want=1, timeout=30)
     assert len(dlq) == 1 and dict(dlq[0].headers())["x-error-stage"] == b"decode"
 
     before = sum(end_offsets(bs, topic_names["in"]).values())
@@ -89,26 +83,23 @@ def test_run_replay_and_backfill_over_a_secured_listener(secure_kafka, listener,
 
 def test_result_cache_and_ledger_over_redis_tls_with_an_acl_user(secure_kafka, secure_redis, topic_names,
                                                                  tmp_path):
-    sk, sr, bs = secure_kafka, secure_redis, secure_kafka.bootstrap
-    create_topics(bs, {topic_names["in"]: 1, topic_names["out"]: 1, topic_names["dlq"]: 1})
+    sk, sr = secure_kafka, secure_redis
+    scenario = Scenario(sk.bootstrap, topic_names, tmp_path)
+    scenario.topics(1)
     # 40 ids, 10 distinct inputs: the cache answers the repeats; the ledger notes every delivered id.
-    produce_values(bs, topic_names["in"], [request(i, inputs=[0.1 * (i % 10)] * 16) for i in range(40)])
+    scenario.produce([request(i, inputs=[0.1 * (i % 10)] * 16) for i in range(40)])
     prefix = f"kiw-sec-{topic_names['run']}:"
     cfg = secure_config(sk, "sasl_ssl", topic_names, redis=redis_section(sr, tmp_path, prefix, cache=True,
                                                                              ledger=True),
                         metrics={"enabled": True, "port": 0, "host": "127.0.0.1"})
     env = worker_env(sk)
-    w = WorkerProcess(cfg, tmp_path, env=env).start()
-    try:
+    with scenario.worker(cfg, env=env) as w:
         base = metrics_base(w)
-        assert len(read_all(bs, topic_names["out"], want=40, timeout=120)) == 40
+        assert len(scenario.read_out(want=40, timeout=120)) == 40
         client = redis.Redis.from_url(sr.server.user_url(sr.user), ssl_ca_certs=str(sr.certs.ca_file))
         wait_for(lambda: len(list(client.scan_iter(f"{prefix}delivered:*"))) == 40, 30,
                  what="40 ledger entries")
         metrics = http_get(base + "/metrics")[1].decode()
-        assert w.stop() == 0, w.log()[-3000:]
-    finally:
-        w.kill()
     assert len(list(client.scan_iter(f"{prefix}cache:*"))) == 10
     errors = [ln for ln in metrics.splitlines() if ln.startswith("kiw_redis_errors_total{")]
     assert all(float(ln.rsplit(" ", 1)[1]) == 0 for ln in errors), errors
@@ -120,20 +111,13 @@ def test_result_cache_and_ledger_over_redis_tls_with_an_acl_user(secure_kafka, s
 
 
 def test_exactly_once_over_sasl_ssl(secure_kafka, topic_names, tmp_path):
-    sk, bs, n = secure_kafka, secure_kafka.bootstrap, 300
-    create_topics(bs, {topic_names["in"]: 2, topic_names["out"]: 2, topic_names["dlq"]: 1})
-    produce_values(bs, topic_names["in"], [request(i, prefix="eos") for i in range(n)])
+    sk, n = secure_kafka, 300
+    scenario = Scenario(sk.bootstrap, topic_names, tmp_path)  # this test's clients on the plain listener
+    scenario.topics(2)
+    scenario.produce([request(i, prefix="eos") for i in range(n)])
     cfg = secure_config(sk, "sasl_ssl", topic_names,
                         delivery={"mode": "exactly_once", "transactional_id": f"tx-sec-{topic_names['run']}"})
-    w = WorkerProcess(cfg, tmp_path, env=worker_env(sk)).start()
-    try:
-        results = read_all(bs, topic_names["out"], want=n, timeout=120)
-        ends = end_offsets(bs, topic_names["in"])
-        wait_for(lambda: committed_offsets(bs, cfg["kafka"]["group_id"], topic_names["in"]) == ends, 60,
-                 what="the transactions' offsets to reach the end offsets")
-        assert w.stop() == 0, w.log()[-3000:]
-    finally:
-        w.kill()
+    results, w = scenario.serve(cfg, want=n, timeout=120, commit_timeout=60, env=worker_env(sk))
     ids = [v["id"] for v in decode(results)]
     assert len(ids) == n and set(ids) == {f"eos-{i}" for i in range(n)}
     assert_no_secret(w.log(), secrets_of(sk), "the worker's output")
@@ -196,15 +180,12 @@ def test_readyz_body_names_checks_only(secure_kafka, topic_names, tmp_path):
     sk = secure_kafka
     cfg = secure_config(sk, "sasl_ssl", topic_names,
                         metrics={"enabled": True, "port": 0, "host": "127.0.0.1"})
-    create_topics(sk.bootstrap, {topic_names["in"]: 1, topic_names["out"]: 1, topic_names["dlq"]: 1})
-    w = WorkerProcess(cfg, tmp_path, env=worker_env(sk)).start()
-    try:
+    scenario = Scenario(sk.bootstrap, topic_names, tmp_path)
+    scenario.topics(1)
+    with scenario.worker(cfg, env=worker_env(sk)) as w:
         base = metrics_base(w)
         status, body = http_get(base + "/readyz")
         payload = json.loads(body)
         assert set(payload) == {"status", "checks", "failed"}, payload
         status, body = http_get(base + "/healthz")
         assert set(json.loads(body)) == {"status", "heartbeat_age_s", "heartbeat_timeout_s"}
-        assert w.stop() == 0, w.log()[-3000:]
-    finally:
-        w.kill()

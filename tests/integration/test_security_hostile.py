@@ -9,18 +9,7 @@ import time
 import msgspec
 import pytest
 
-from tests.support.kafka_io import (
-    WorkerProcess,
-    committed_offsets,
-    create_topics,
-    decode,
-    end_offsets,
-    produce_values,
-    read_all,
-    request,
-    wait_for,
-    worker_config,
-)
+from tests.support.kafka_io import decode, request
 
 pytestmark = pytest.mark.integration
 
@@ -38,30 +27,22 @@ HOSTILE: dict[str, tuple[bytes | None, bytes, list[tuple[str, bytes]] | None, st
 }
 
 
-def test_hostile_records_get_dead_letters_and_never_stall_the_partition(kafka, topic_names, tmp_path):
-    bs = kafka.bootstrap
-    create_topics(bs, {topic_names["in"]: 1, topic_names["out"]: 1, topic_names["dlq"]: 1})
+def test_hostile_records_get_dead_letters_and_never_stall_the_partition(scenario):
+    scenario.topics(1)
     n = 0
     for key, value, headers, _stage, _why in HOSTILE.values():
-        produce_values(bs, topic_names["in"], [request(i, prefix="good") for i in range(n, n + 5)])
-        produce_values(bs, topic_names["in"], [(key, value)], headers=headers)
+        scenario.produce([request(i, prefix="good") for i in range(n, n + 5)])
+        scenario.produce([(key, value)], headers=headers)
         n += 5
-    produce_values(bs, topic_names["in"], [request(i, prefix="good") for i in range(n, n + 5)])
+    scenario.produce([request(i, prefix="good") for i in range(n, n + 5)])
     n += 5
     # The worker may write less than it reads: a key that fits the input topic is too big for its result.
-    cfg = worker_config(bs, topic_names, kafka={"producer": {"message.max.bytes": 500_000}})
+    cfg = scenario.config(kafka={"producer": {"message.max.bytes": 500_000}})
     t0 = time.monotonic()
-    w = WorkerProcess(cfg, tmp_path).start()
-    try:
-        dlq = read_all(bs, topic_names["dlq"], want=len(HOSTILE), timeout=120)
-        results = read_all(bs, topic_names["out"], want=n, timeout=60)
-        ends = end_offsets(bs, topic_names["in"])
-        wait_for(lambda: committed_offsets(bs, cfg["kafka"]["group_id"], topic_names["in"]) == ends, 30,
-                 what="the partition committed to its end")
+    with scenario.worker(cfg):
+        dlq = scenario.read_dlq(want=len(HOSTILE), timeout=120)
+        results = scenario.delivered(cfg["kafka"]["group_id"], want=n, timeout=60)
         took = time.monotonic() - t0
-        assert w.stop() == 0, w.log()[-3000:]
-    finally:
-        w.kill()
     ids = {v["id"] for v in decode(results)}
     assert {f"good-{i}" for i in range(n)} <= ids
     by_stage: dict[str, list[str]] = {}

@@ -9,15 +9,7 @@ import time
 import msgspec
 import pytest
 
-from tests.support.kafka_io import (
-    WorkerProcess,
-    committed_offsets,
-    create_topics,
-    decode,
-    produce_values,
-    read_all,
-    worker_config,
-)
+from tests.support.kafka_io import WorkerProcess, committed_offsets, create_topics, decode
 
 pytestmark = pytest.mark.integration
 enc = msgspec.json.encode
@@ -27,14 +19,14 @@ def _reqs(n: int, prefix: str) -> list[tuple[bytes, bytes]]:
     return [(f"{prefix}-{i}".encode(), enc({"id": f"{prefix}-{i}", "inputs": {"x": i}})) for i in range(n)]
 
 
-def test_sigterm_mid_run_exits_0_loses_nothing_and_restart_resumes(kafka, topic_names, tmp_path):
-    bs, n = kafka.bootstrap, 3000
-    create_topics(bs, {topic_names["in"]: 3, topic_names["out"]: 3, topic_names["dlq"]: 1})
-    produce_values(bs, topic_names["in"], _reqs(n, "s"))
+def test_sigterm_mid_run_exits_0_loses_nothing_and_restart_resumes(scenario, topic_names, tmp_path):
+    n = 3000
+    scenario.topics(3)
+    scenario.produce(_reqs(n, "s"))
     # ~16 records per 66 ms: about 12 s for the whole topic, so a stop 4 s in is mid-run.
-    cfg = worker_config(bs, topic_names, model={"name": "synthetic", "options": {"a_ms": 50, "b_ms": 1}},
-                        batching={"lanes": [{"name": "default", "max_batch_size": 16, "max_wait_ms": 5}],
-                                  "max_in_flight": 600})
+    cfg = scenario.config(model={"name": "synthetic", "options": {"a_ms": 50, "b_ms": 1}},
+                          batching={"lanes": [{"name": "default", "max_batch_size": 16, "max_wait_ms": 5}],
+                                    "max_in_flight": 600})
     w = WorkerProcess(cfg, tmp_path, name="first").start()
     try:
         w.wait_assigned()
@@ -44,18 +36,14 @@ def test_sigterm_mid_run_exits_0_loses_nothing_and_restart_resumes(kafka, topic_
     finally:
         w.kill()
     assert rc == 0, w.log()[-3000:]
-    first = decode(read_all(bs, topic_names["out"], timeout=20, idle=2))
-    committed = committed_offsets(bs, cfg["kafka"]["group_id"], topic_names["in"])
+    first = decode(scenario.read_out(timeout=20, idle=2))
+    committed = committed_offsets(scenario.bootstrap, cfg["kafka"]["group_id"], topic_names["in"])
     assert sum(max(o, 0) for o in committed.values()) == len(first), \
         "after a graceful stop, every produced result is committed and nothing beyond"
     assert 0 < len(first) < n, "SIGTERM did not land mid-run; the test did not test a mid-run stop"
 
-    w2 = WorkerProcess(cfg, tmp_path, name="second").start()
-    try:
-        results = decode(read_all(bs, topic_names["out"], want=n, timeout=180))
-        assert w2.stop() == 0
-    finally:
-        w2.kill()
+    with scenario.worker(cfg, name="second"):
+        results = decode(scenario.read_out(want=n, timeout=180))
     ids = collections.Counter(r["id"] for r in results)
     dupes = sum(c - 1 for c in ids.values())
     print(f"\n[shutdown] before SIGTERM: {len(first)} results; after restart: {len(ids)} ids, "
@@ -64,23 +52,18 @@ def test_sigterm_mid_run_exits_0_loses_nothing_and_restart_resumes(kafka, topic_
     assert dupes == 0, "a graceful shutdown finishes and commits in-flight work: no duplicates"
 
 
-def test_model_slower_than_max_poll_interval_no_leave_no_redelivery(kafka, topic_names, tmp_path):
-    bs, n = kafka.bootstrap, 120
-    create_topics(bs, {topic_names["in"]: 2, topic_names["out"]: 1, topic_names["dlq"]: 1})
-    produce_values(bs, topic_names["in"], _reqs(n, "slow"))
-    cfg = worker_config(bs, topic_names,
-                        kafka={"consumer": {"max.poll.interval.ms": 10000, "session.timeout.ms": 6000,
-                                            "heartbeat.interval.ms": 500}},
-                        model={"name": "synthetic", "options": {"a_ms": 11000, "b_ms": 0}},
-                        batching={"lanes": [{"name": "default", "max_batch_size": 60, "max_wait_ms": 1}],
-                                  "max_in_flight": 60, "resume_ratio": 0.5},
-                        logging={"level": "DEBUG", "format": "text"})
-    w = WorkerProcess(cfg, tmp_path).start()
-    try:
-        results = decode(read_all(bs, topic_names["out"], want=n, timeout=120))
-        assert w.stop(60) == 0
-    finally:
-        w.kill()
+def test_model_slower_than_max_poll_interval_no_leave_no_redelivery(scenario, topic_names):
+    n = 120
+    create_topics(scenario.bootstrap, {topic_names["in"]: 2, topic_names["out"]: 1, topic_names["dlq"]: 1})
+    scenario.produce(_reqs(n, "slow"))
+    cfg = scenario.config(kafka={"consumer": {"max.poll.interval.ms": 10000, "session.timeout.ms": 6000,
+                                              "heartbeat.interval.ms": 500}},
+                          model={"name": "synthetic", "options": {"a_ms": 11000, "b_ms": 0}},
+                          batching={"lanes": [{"name": "default", "max_batch_size": 60, "max_wait_ms": 1}],
+                                    "max_in_flight": 60, "resume_ratio": 0.5},
+                          logging={"level": "DEBUG", "format": "text"})
+    with scenario.worker(cfg) as w:
+        results = decode(scenario.read_out(want=n, timeout=120))
     log = w.log()
     ids = collections.Counter(r["id"] for r in results)
     print(f"\n[backpressure] {len(results)} results for {n} requests, batches of 11 s each")

@@ -9,40 +9,27 @@ import random
 import msgspec
 import pytest
 
-from tests.support.kafka_io import (
-    WorkerProcess,
-    create_topics,
-    decode,
-    produce_values,
-    read_all,
-    worker_config,
-)
+from tests.support.kafka_io import decode
 
 pytestmark = pytest.mark.integration
 
 
-def test_batches_stay_within_the_token_budget(kafka, topic_names, tmp_path):
-    bs, n = kafka.bootstrap, 400
-    create_topics(bs, {topic_names["in"]: 1, topic_names["out"]: 1, topic_names["dlq"]: 1})
+def test_batches_stay_within_the_token_budget(scenario):
+    n = 400
+    scenario.topics(1)
     rnd = random.Random(3)
     sizes = [rnd.choice([1, 2, 5, 10, 30]) for _ in range(n)]
     # over the budget (alone), over max_size (refused), alone
     sizes[50], sizes[120], sizes[300] = 120, 200, 120
     enc = msgspec.json.encode
-    produce_values(bs, topic_names["in"],
-                   [(f"r-{i}".encode(), enc({"id": f"r-{i}",
-                                             "inputs": {"n": s}})) for i, s in enumerate(sizes)])
-    cfg = worker_config(bs, topic_names,
-                        model={"name": "tests.support.sized_model:make"},
-                        batching={"lanes": [{"name": "default", "max_batch_size": 64, "max_wait_ms": 200,
-                                             "max_batch_tokens": 100}]})
-    w = WorkerProcess(cfg, tmp_path).start()
-    try:
-        results = decode(read_all(bs, topic_names["out"], want=n, timeout=180))
-        dead = read_all(bs, topic_names["dlq"], want=1, timeout=60)
-        assert w.stop() == 0
-    finally:
-        w.kill()
+    scenario.produce([(f"r-{i}".encode(), enc({"id": f"r-{i}", "inputs": {"n": s}}))
+                      for i, s in enumerate(sizes)])
+    cfg = scenario.config(model={"name": "tests.support.sized_model:make"},
+                          batching={"lanes": [{"name": "default", "max_batch_size": 64, "max_wait_ms": 200,
+                                               "max_batch_tokens": 100}]})
+    with scenario.worker(cfg):
+        results = decode(scenario.read_out(want=n, timeout=180))
+        dead = scenario.read_dlq(want=1, timeout=60)
     by_id = {r["id"]: r for r in results}
     assert len(by_id) == n, "a record got no result, or two"
     refused = by_id["r-120"]

@@ -1,13 +1,17 @@
-"""Test helpers against a real broker: topics, producing, reading back, offsets, worker processes."""
+"""Test helpers against a real broker: topics, producing, reading back, offsets, worker processes, and
+``Scenario``, which puts them together for one test's run."""
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +95,22 @@ def read_all(bootstrap: str, topic: str, *, want: int | None = None, timeout: fl
 
 def decode(msgs: list[Any]) -> list[dict[str, Any]]:
     return [_dec.decode(m.value()) for m in msgs]
+
+
+def once_each_in_source_order(msgs: list[Any], ids: set[str]) -> list[dict[str, Any]]:
+    """Asserts that the results ``msgs`` hold each of ``ids`` exactly once and that, as results are written
+    per input partition in offset order, within each output partition the results of one input partition
+    stand in increasing source offset. Returns them decoded."""
+    values = decode(msgs)
+    seen = collections.Counter(r["id"] for r in values)
+    assert set(seen) == ids and max(seen.values()) == 1
+    last: dict[tuple[int, int], int] = {}
+    for m, r in zip(msgs, values, strict=True):
+        k = (m.partition(), r["source"]["partition"])
+        assert r["source"]["offset"] > last.get(k, -1), (f"out of order in output partition {k[0]}: "
+                                                         f"{r['source']}")
+        last[k] = r["source"]["offset"]
+    return values
 
 
 def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
@@ -228,3 +248,73 @@ class WorkerProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+class Scenario:
+    """One test's run on a real broker: its topics (``names``: ``in``, ``out``, ``dlq``, ``run``), its
+    workers' files under ``tmp``, and the bootstrap address of the test's own clients (a secured broker's
+    workers may use another listener). A worker is served to the end when every result is out and its
+    group's commits reached the end offsets of the input, before it stops gracefully."""
+
+    def __init__(self, bootstrap: str, names: dict[str, str], tmp: Path) -> None:
+        self.bootstrap = bootstrap
+        self.names = names
+        self.tmp = tmp
+
+    def topics(self, partitions: int) -> None:
+        """The input and output topics with ``partitions`` each, and a one-partition dead-letter topic."""
+        create_topics(self.bootstrap, {self.names["in"]: partitions, self.names["out"]: partitions,
+                                       self.names["dlq"]: 1})
+
+    def produce(self, items: list[tuple[bytes | None, bytes]], partition: int | None = None,
+                headers: list[tuple[str, bytes]] | None = None) -> None:
+        produce_values(self.bootstrap, self.names["in"], items, partition=partition, headers=headers)
+
+    def config(self, group: str | None = None, **sections: Any) -> dict[str, Any]:
+        """``worker_config`` for this run's topics (group ``g-<run>`` unless named)."""
+        return worker_config(self.bootstrap, self.names, group, **sections)
+
+    def read_out(self, **kw: Any) -> list[Any]:
+        """The output topic's records, as ``read_all`` reads them."""
+        return read_all(self.bootstrap, self.names["out"], **kw)
+
+    def read_dlq(self, **kw: Any) -> list[Any]:
+        return read_all(self.bootstrap, self.names["dlq"], **kw)
+
+    def committed_to_end(self, group: str, timeout: float) -> dict[int, int]:
+        """Waits until ``group``'s commits on the input equal its end offsets; returns them."""
+        topic = self.names["in"]
+        ends = end_offsets(self.bootstrap, topic)
+        wait_for(lambda: committed_offsets(self.bootstrap, group, topic) == ends, timeout,
+                 what=f"{group}'s commits on {topic} to reach the end offsets {ends}")
+        return ends
+
+    def delivered(self, group: str, *, want: int, timeout: float, commit_timeout: float = 30.0) -> list[Any]:
+        """The first ``want`` results (and any beyond them already there), once ``group`` committed the
+        input to its end."""
+        results = self.read_out(want=want, timeout=timeout)
+        self.committed_to_end(group, commit_timeout)
+        return results
+
+    @contextmanager
+    def worker(self, config: dict[str, Any], **kw: Any) -> Iterator[WorkerProcess]:
+        """A started ``WorkerProcess`` (``kw`` as its constructor takes them): when the block ends it must
+        stop gracefully with exit 0; when the block fails it is killed."""
+        w = WorkerProcess(config, self.tmp, **kw).start()
+        try:
+            yield w
+            assert w.stop() == 0, w.log()[-4000:]
+        finally:
+            w.kill()
+
+    def serve(self, config: dict[str, Any], *, want: int, timeout: float, commit_timeout: float = 30.0,
+              assigned_first: bool = False, **kw: Any) -> tuple[list[Any], WorkerProcess]:
+        """Runs a worker on ``config`` until ``want`` results are out and its group committed the input to
+        the end, then stops it (exit 0). ``assigned_first``: it must hold partitions before the results are
+        awaited. Returns the results (confluent Messages) and the stopped worker (for its log)."""
+        with self.worker(config, **kw) as w:
+            if assigned_first:
+                w.wait_assigned()
+            results = self.delivered(config["kafka"]["group_id"], want=want, timeout=timeout,
+                                     commit_timeout=commit_timeout)
+        return results, w
