@@ -191,7 +191,8 @@ class Runner:
             engine = Engine(model, dev, dtype=mcfg.dtype, compile=mcfg.compile, warmup=mcfg.warmup,
                             on_limit=dispatch.on_limit, max_batch_sizes=limits,
                             on_tokens=dispatch.on_tokens, max_batch_tokens=budgets,
-                            host_threads=mcfg.host_threads)
+                            host_threads=mcfg.host_threads,
+                            outputs_encoding=self.cfg.delivery.outputs_encoding)
             engine.setup()
             w = len(pairs)
             pairs.append((model, DeviceWorker(engine, take=functools.partial(dispatch.take, worker=w),

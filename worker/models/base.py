@@ -1,4 +1,5 @@
-"""Helpers shared by the handlers: option parsing with config-path errors, per-row output splitting."""
+"""Helpers shared by the handlers: option parsing with config-path errors, per-row output splitting, and
+per-row packing for binary outputs (``float32_rows``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import msgspec
+import numpy as np
 
+from schemas import Float32Tensor
 from worker.config import ConfigError
 
 S = TypeVar("S")
@@ -97,3 +100,18 @@ def _rows_of(part: Any, n: int, where: str) -> list[Any]:
         raise ValueError(f"split_rows: {where} has {len(rows)} rows for a batch of {n}; every part of a "
                          "batch output needs one row per record (write split() for per-batch values)")
     return rows
+
+
+def float32_rows(output: Any, n: int) -> list[Float32Tensor]:
+    """One ``Float32Tensor`` per row of a CPU tensor or array of ``n`` rows, packed straight from its bytes:
+    the same result ``delivery.outputs_encoding: float32`` makes of the row's list of floats, without the
+    Python floats. A handler's ``split_float32`` (used in place of ``split`` under that encoding) returns
+    this for an output that is one float tensor of ``n`` rows."""
+    arr = np.ascontiguousarray(np.asarray(output, dtype="<f4"))
+    if arr.ndim < 1 or arr.shape[0] != n:
+        raise ValueError(f"float32_rows: an output of shape {list(arr.shape)} for a batch of {n}; it needs "
+                         "one row per record")
+    shape = [int(d) for d in arr.shape[1:]]
+    data = arr.tobytes()
+    step = len(data) // n if n else 0
+    return [Float32Tensor(shape=shape, data=data[i * step:(i + 1) * step]) for i in range(n)]
