@@ -11,6 +11,7 @@ it shares with the worker, its CPU per record is part of what bounds the worker.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -136,3 +137,17 @@ def per_record_us(before: dict[str, float], after: dict[str, float], n: int) -> 
 
 def cpu_note(cpu: dict[str, float]) -> str:
     return "CPU us/record: " + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items())
+
+
+def idle_cores(pid: int | None, seconds: float = 2.0) -> float:
+    """The cores process ``pid`` keeps busy over ``seconds`` (a broker with no traffic: its own timers,
+    controller and GC); NaN without a pid."""
+    if pid is None:
+        return float("nan")
+    before: dict[str, float] = {}
+    process_cpu(pid, before)
+    t = time.monotonic()
+    time.sleep(seconds)
+    after: dict[str, float] = {}
+    process_cpu(pid, after)
+    return (sum(after.values()) - sum(before.values())) / (time.monotonic() - t)

@@ -14,7 +14,10 @@ collate and split are the real handler's) runs end to end through Kafka on the t
   machine where the broker and librdkafka share the cores with the worker, this is what a worker can reach.
 
 Rows (``VARIANTS``, each against both baselines): 1 process with JSON outputs; with binary outputs
-(``delivery.outputs_encoding: float32``); with ``model.processes: 2``. Figure: results/s over the 5-95%
+(``delivery.outputs_encoding: float32``); with ``model.processes: 2``. Against the loop: texts/s (info), and
+the worker's CPU per record over the loop's, the broker's apart (target <= ``CPU_TARGET``; see
+docs/design-notes.md, "gpu_feed: the right ceiling on shared cores"). The loops and variants run
+``REPEATS`` times, alternating; each figure is the best run's (``best_of``). Figure: results/s over the 5-95%
 window of the output's append times. Each row's note gives CPU per record by thread class (``cpu_threads``:
 loop, collate, host pool, device, finish, librdkafka, tokenizer + other, and the broker's over the same
 interval) and the cores the worker kept busy.
@@ -46,7 +49,7 @@ from tests.bench.common import (
     wait_count,
     window_rate,
 )
-from tests.bench.cpu_threads import CpuProbe, cpu_note, per_record_us
+from tests.bench.cpu_threads import CpuProbe, broker_pid, cpu_note, idle_cores, per_record_us
 from tests.bench.null_device import NullDeviceMiniLM
 from tests.bench.text_worker import PARTITIONS, run_texts, text_requests
 
@@ -54,9 +57,10 @@ BATCH = 256
 NULL_MODEL = "tests.bench.null_device:null_minilm"
 LOOP_DECODE_MODEL = "tests.bench.gpu_feed:loop_decode_minilm"
 SCENARIO = "27 gpu feed (null-device minilm)"
-# Worker CPU per record over the hand-written Kafka loop's, the broker's included in both: see
+# Worker CPU per record over the hand-written Kafka loop's (the broker's apart, noted): see
 # docs/design-notes.md, "gpu_feed: the right ceiling on shared cores".
 CPU_TARGET = 1.25
+REPEATS = 2  # each loop and variant, alternating (one run in --quick)
 FLOAT32 = {"delivery": {"outputs_encoding": "float32"}}
 # (label, config sections merged into the worker's); every variant runs against the same baselines.
 VARIANTS: list[tuple[str, dict[str, Any]]] = [
@@ -102,10 +106,8 @@ def _measured(label: str, results: int, rate: float, cpu: dict[str, float]) -> d
             "broker_cores": broker}
 
 
-def _all_cpu(res: dict[str, Any]) -> float:
-    """CPU us per record, the broker's included when it was found on this machine."""
-    cpu = res["cpu_us_per_record"]
-    return float(cpu.get("with broker", cpu["total"]))
+def _broker(res: dict[str, Any]) -> float:
+    return float(res["cpu_us_per_record"].get("broker", float("nan")))
 
 
 def run_worker(ctx: Ctx, texts: list[str], tag: str, sections: dict[str, Any]) -> dict[str, Any]:
@@ -116,12 +118,12 @@ def run_worker(ctx: Ctx, texts: list[str], tag: str, sections: dict[str, Any]) -
     return _measured(f"worker {tag}", res.results, res.rate(), res.cpu_us_per_record())
 
 
-def run_loop(ctx: Ctx, texts: list[str], encoding: str) -> dict[str, Any]:
+def run_loop(ctx: Ctx, texts: list[str], encoding: str, tag: str = "") -> dict[str, Any]:
     """The hand-written Kafka loop (``kafka_loop``) over ``texts``, through the same broker."""
-    r = f"{ctx.run}-loop-{encoding}"
+    r = f"{ctx.run}-loop-{encoding}{tag}"
     inp, out = f"feed-loop-in-{r}", f"feed-loop-out-{r}"
     create_topics(ctx.bootstrap, {inp: PARTITIONS, out: PARTITIONS}, log_append_time=[out])
-    p = Proc(f"feed-loop-{encoding}", [sys.executable, "-m", "tests.bench.kafka_loop", "--bootstrap",
+    p = Proc(f"feed-loop-{encoding}{tag}", [sys.executable, "-m", "tests.bench.kafka_loop", "--bootstrap",
                                       ctx.bootstrap, "--input", inp, "--output", out, "--group",
                                       f"feed-loop-{r}", "--count", str(len(texts)), "--batch", str(BATCH),
                                       "--outputs-encoding", encoding], ctx.work)
@@ -137,7 +139,7 @@ def run_loop(ctx: Ctx, texts: list[str], encoding: str) -> dict[str, Any]:
     finally:
         p.stop()
     rate = window_rate([ts for ts, _ in read_topic(ctx.bootstrap, out, want=got)])
-    return _measured(f"kafka loop, {encoding} outputs", got, rate, per_record_us(before, after, got))
+    return _measured(f"kafka loop{tag}, {encoding} outputs", got, rate, per_record_us(before, after, got))
 
 
 def ceiling(ctx: Ctx, path: Path, tag: str) -> dict[str, float]:
@@ -151,6 +153,16 @@ def ceiling(ctx: Ctx, path: Path, tag: str) -> dict[str, float]:
     return res
 
 
+def best_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The best of repeated runs: the highest rate, and the CPU by thread of the run with the least CPU per
+    record (a shared machine's other jobs only ever add to either)."""
+    fast = max(runs, key=lambda r: r["throughput_per_s"])
+    lean = min(runs, key=lambda r: r["cpu_us_per_record"]["total"])
+    return {**fast, "cpu_us_per_record": lean["cpu_us_per_record"], "cores": lean["cores"],
+            "broker_cores": lean["broker_cores"], "runs_per_s": [r["throughput_per_s"] for r in runs],
+            "runs_cpu_us": [r["cpu_us_per_record"]["total"] for r in runs]}
+
+
 def run(ctx: Ctx, variants: list[tuple[str, dict[str, Any]]] | None = None) -> dict[str, Any]:
     n = 4000 if ctx.quick else 20000
     texts = corpus(n)
@@ -159,8 +171,20 @@ def run(ctx: Ctx, variants: list[tuple[str, dict[str, Any]]] | None = None) -> d
     variants = variants or VARIANTS
     log(f"gpu feed: null-device minilm on {n} texts, max batch {BATCH}")
     first = ceiling(ctx, path, "before")
-    loops = {enc: run_loop(ctx, texts, enc) for enc in sorted({encoding_of(s) for _, s in variants})}
-    runs = {label: run_worker(ctx, texts, f"v{i}", sections) for i, (label, sections) in enumerate(variants)}
+    idle = idle_cores(broker_pid(ctx.bootstrap))
+    log(f"  broker with no traffic: {idle:.3f} cores")
+    # The broker's first traffic runs in its JVM's interpreter and compiler: a pass that nobody measures.
+    run_loop(ctx, texts[: n // 4], "lists", "-warmup")
+    encodings = sorted({encoding_of(s) for _, s in variants})
+    loop_runs: dict[str, list[dict[str, Any]]] = {enc: [] for enc in encodings}
+    worker_runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in variants}
+    for k in range(1 if ctx.quick else REPEATS):  # alternating, as the machine's load changes
+        for enc in encodings:
+            loop_runs[enc].append(run_loop(ctx, texts, enc, f"-{k}"))
+        for i, (label, sections) in enumerate(variants):
+            worker_runs[label].append(run_worker(ctx, texts, f"v{i}-{k}", sections))
+    loops = {enc: best_of(r) for enc, r in loop_runs.items()}
+    runs = {label: best_of(r) for label, r in worker_runs.items()}
     info = {label: run_worker(ctx, texts, f"i{i}", sections)
             for i, (label, sections) in enumerate(INFO_VARIANTS)}
     second = ceiling(ctx, path, "after")
@@ -180,9 +204,9 @@ def run(ctx: Ctx, variants: list[tuple[str, dict[str, Any]]] | None = None) -> d
         kind = f"hand-written Kafka loop, {encoding_of(sections)} outputs, same broker"
         rows.append(row(SCENARIO, f"worker texts/s, {label}", res["throughput_per_s"], kind,
                         loop["throughput_per_s"], "info", 0, "texts/s", "loop: " + note(loop)))
-        rows.append(row(SCENARIO, f"CPU us/record with the broker's, {label}", _all_cpu(res), kind,
-                        _all_cpu(loop), "<=", CPU_TARGET, "us",
-                        "what bounds the rate where the worker and the broker share the cores"))
+        rows.append(row(SCENARIO, f"worker CPU us/record, {label}", res["cpu_us_per_record"]["total"],
+                        kind, loop["cpu_us_per_record"]["total"], "<=", CPU_TARGET, "us",
+                        f"broker {_broker(res):.1f} / {_broker(loop):.1f} us/record (worker / loop)"))
     rows += [row(SCENARIO, f"worker texts/s, {label}", res["throughput_per_s"], against, base, "info", 0,
                  "texts/s", note(res)) for label, res in info.items()]
     rows += [row(SCENARIO, f"Kafka loop texts/s, {enc} outputs", res["throughput_per_s"], against, base,
@@ -192,6 +216,7 @@ def run(ctx: Ctx, variants: list[tuple[str, dict[str, Any]]] | None = None) -> d
                     "info", 0, "texts/s", "what batching the tokenizer gains"))
     main = next(iter(runs.values()))
     return {"texts": n, "batch": BATCH, "ceiling": {"before": first, "after": second, "best": base},
+            "broker_idle_cores": idle,
             "kafka_loops": loops, "workers": runs, "info_workers": info,
             "cpu_us_per_record": main["cpu_us_per_record"], "rows": rows}
 

@@ -4,10 +4,11 @@ baseline (``python -m tests.bench.kafka_loop --bootstrap B --input T --output T 
 One thread: consume a poll batch (up to ``--batch``) -> decode the requests (msgspec) -> tokenize them with
 ``encode_batch`` (the Rust pool on every core) -> a forward that costs nothing (``torch.zeros(n, 384)``) ->
 produce each record's result, the bytes the worker writes (a ``schemas.Result``; outputs as 384 JSON floats,
-or packed ``Float32Tensor`` with ``--outputs-encoding float32``) -> commit. Offsets are committed only once
+or packed ``Float32Tensor`` with ``--outputs-encoding float32``) -> commit, at most every
+``--commit-interval-ms`` (the worker's ``kafka.commit_interval_ms`` default). Offsets are committed only once
 every result produced before is delivered (the producer's queue is empty when the next batch's results are
-ready; after ``PENDING_MAX`` poll batches without that, it flushes), so it keeps the worker's at-least-once
-rule; the client settings are the worker's (``kafka_clients``). What it leaves out is everything else the
+ready; a second interval without that, it flushes), so it keeps the worker's at-least-once rule; the client
+settings are the worker's (``kafka_clients``). What it leaves out is everything else the
 worker does: priority lanes and micro-batching across poll batches, backpressure, bucketing, dead letters,
 recovery, metrics.
 
@@ -29,8 +30,6 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from schemas import Float32Tensor, Result, Source, Timings
 from worker.adapters.kafka_clients import CONSUMER_DEFAULTS, CONSUMER_FIXED, PRODUCER_DEFAULTS
 from worker.models.minilm import DIM, MiniLMModel
-
-PENDING_MAX = 8  # poll batches whose offsets wait for their results' delivery, at most
 
 
 class _Req(msgspec.Struct):
@@ -65,7 +64,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     c.subscribe([args.input], on_assign=on_assign)
     pending: dict[tuple[str, int], int] = {}  # next offset to commit per partition, results not yet delivered
-    waiting = done = 0
+    done = 0
+    interval, last_commit = args.commit_interval_ms / 1000.0, time.monotonic()
     commits = flushes = 0
     t0 = time.perf_counter()
     while done < args.count:
@@ -80,7 +80,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # Before this batch's results are produced: an empty queue means every earlier result is
             # delivered (the tokenizing above gave the previous batch's time to be sent and acknowledged).
             p.poll(0)
-            if pending and (len(p) == 0 or waiting >= PENDING_MAX):
+            since = time.monotonic() - last_commit
+            if pending and since >= interval and (len(p) == 0 or since >= 2 * interval):
                 if len(p):
                     p.flush(60)
                     flushes += 1
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          asynchronous=True)
                 commits += 1
                 pending.clear()
-                waiting = 0
+                last_commit = time.monotonic()
             for m, r, o in zip(good, reqs, outs, strict=True):
                 value = enc.encode(Result(
                     id=r.id, status="ok", outputs=o, model="minilm", model_version="all-MiniLM-L6-v2",
@@ -103,7 +104,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         p.poll(0.01)
                 pending[(m.topic(), m.partition())] = m.offset() + 1
             done += len(good)
-            waiting += 1
         else:
             p.poll(0)
         if failed:
@@ -125,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group", required=True, help="consumer group id")
     ap.add_argument("--count", type=int, required=True, help="exit after this many records")
     ap.add_argument("--batch", type=int, default=256, help="records per poll batch at most")
+    ap.add_argument("--commit-interval-ms", type=int, default=1000,
+                    help="commit at most this often, once the results produced before are delivered")
     ap.add_argument("--outputs-encoding", default="lists", choices=["lists", "float32"],
                     help="outputs as JSON floats (lists) or packed little-endian float32 bytes")
     print(json.dumps(run(ap.parse_args(argv))), flush=True)

@@ -9,10 +9,14 @@ rebalance stay out of the measurement; the rate is then taken over the 5-95% win
 of the results (see ``common``). The sleep-based model releases the GIL and needs little CPU, so two
 processes on two cores can scale.
 
-The null-device row needs CPU, not a device: about 90 us of worker CPU per text, so one process at full
-speed keeps more than one core busy, and two reach 1.8x only where four or more cores are free (the broker
-and the bench share the machine). The row prints the workers' CPU per record and the cores they used, the
-figures that show what bounded a run.
+The null-device row needs CPU, not a device: 60-80 us of worker CPU per text and 15-20 us of the broker's
+(``gpu_feed``'s rows by thread), so one process at full speed keeps more than the two cores of the
+development machine busy, and two processes can only share them. The row measures the supervisor where
+the cores free for the workers exceed what one process keeps busy (its rate times its CPU per record, in
+the row's note), about twice as many for 1.8x; see docs/design-notes.md, "gpu_feed: the right ceiling on
+shared cores". The row prints the workers' CPU per record and the cores they used, the figures that show
+what bounded a run. The null-device runs use ``text_worker.run_texts`` (the setup ``gpu_feed`` and
+``realmodel`` share).
 """
 
 from __future__ import annotations
