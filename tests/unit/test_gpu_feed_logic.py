@@ -97,3 +97,15 @@ def test_each_variant_names_its_outputs_encoding() -> None:
 def test_the_corpus_is_the_load_generators() -> None:
     texts = corpus(3)
     assert len(texts) == 3 and texts[0].endswith(" #0") and texts[2].endswith(" #2")
+
+
+def test_an_empty_assignment_is_not_a_members_partitions() -> None:
+    from tests.bench.text_worker import assignments
+
+    log_text = "\n".join([
+        '{"msg": "partitions assigned", "partitions": ["in[0]", "in[1]", "in[2]", "in[3]"]}',
+        '{"msg": "partitions assigned", "partitions": []}',  # the second child, before the rebalance
+        '{"msg": "partitions released", "partitions": ["in[0]", "in[1]"]}',
+    ])
+    assert assignments(log_text) == 1
+    assert assignments(log_text + '\n{"msg": "partitions assigned", "partitions": ["in[1]", "in[0]"]}') == 2
