@@ -90,3 +90,19 @@ def test_collate_pads_each_row_to_the_longest(model: RandomMiniLM) -> None:
     assert np.array_equal(got["input_ids"].numpy(), ids)
     assert np.array_equal(got["attention_mask"].numpy(), mask)
     assert got["input_ids"].dtype == got["attention_mask"].dtype == torch.int64
+
+
+@pytest.mark.parametrize(("delivery", "redis", "packs"), [
+    ({"outputs_encoding": "float32"}, {}, True),
+    ({}, {}, False),
+    # A cached output may be sent by a worker with lists: the cache keeps the handler's lists.
+    ({"outputs_encoding": "float32"}, {"cache": True}, False),
+])
+def test_the_runner_packs_rows_under_float32_without_a_result_cache(
+        model: RandomMiniLM, delivery: dict[str, Any], redis: dict[str, Any], packs: bool) -> None:
+    from tests.unit.fakes_kafka import make_config
+    from worker.runner import Runner
+
+    cfg = make_config(model={"warmup": False}, delivery=delivery, redis=redis)
+    (_, w), = Runner(cfg, model)._torch_devices()
+    assert w.engine.packs_float32 is packs
