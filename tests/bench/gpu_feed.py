@@ -11,7 +11,9 @@ collate and split are the real handler's) runs end to end through Kafka on the t
 - the Kafka loop (``kafka_loop``): one confluent-kafka thread that consumes a poll batch, tokenizes it with
   ``encode_batch``, runs the null forward, produces the same result bytes and commits once they are
   delivered, through the same broker with the worker's client settings, for each outputs encoding. On a
-  machine where the broker and librdkafka share the cores with the worker, this is what a worker can reach.
+  machine where the broker and librdkafka share the cores with the worker, this is the baseline a worker is
+  held to: it pays for Kafka what the worker pays, and nothing else. One unmeasured pass of it first warms
+  up the broker (its JVM compiles its paths on the first traffic).
 
 Rows (``VARIANTS``, each against both baselines): 1 process with JSON outputs; with binary outputs
 (``delivery.outputs_encoding: float32``); with ``model.processes: 2``. Against the loop: texts/s (info), and
