@@ -27,8 +27,9 @@ import msgspec
 import torch
 from confluent_kafka import Consumer, Producer, TopicPartition
 
-from schemas import Float32Tensor, Result, Source, Timings
+from schemas import Result, Source, Timings
 from worker.adapters.kafka_clients import CONSUMER_DEFAULTS, CONSUMER_FIXED, PRODUCER_DEFAULTS
+from worker.models.base import float32_rows
 from worker.models.minilm import DIM, MiniLMModel
 
 
@@ -38,11 +39,9 @@ class _Req(msgspec.Struct):
 
 
 def outputs_of(out: torch.Tensor, encoding: str) -> list[Any]:
+    """Each record's outputs as the worker sends them: a list of floats, or packed from the tensor's bytes."""
     if encoding == "float32":
-        data = out.contiguous().numpy().astype("<f4", copy=False).tobytes()
-        step = out.shape[1] * 4
-        return [Float32Tensor(shape=[int(out.shape[1])], data=data[i * step:(i + 1) * step])
-                for i in range(out.shape[0])]
+        return list(float32_rows(out, int(out.shape[0])))
     return out.tolist()
 
 

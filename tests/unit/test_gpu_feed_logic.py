@@ -109,3 +109,14 @@ def test_an_empty_assignment_is_not_a_members_partitions() -> None:
     ])
     assert assignments(log_text) == 1
     assert assignments(log_text + '\n{"msg": "partitions assigned", "partitions": ["in[1]", "in[0]"]}') == 2
+
+
+def test_the_kafka_loop_sends_outputs_as_the_worker_does() -> None:
+    import torch
+
+    from tests.bench.kafka_loop import outputs_of
+    from worker.result_encoding import pack_float32
+
+    out = torch.randn(3, 384)
+    assert outputs_of(out, "lists") == out.tolist()
+    assert outputs_of(out, "float32") == [pack_float32(r) for r in out.tolist()]
