@@ -53,6 +53,10 @@ def test_float32_rows_are_what_the_encoding_packs_from_the_lists() -> None:
     assert np.array_equal(np.frombuffer(rows[3].data, "<f4"), out[3].numpy())
     assert float32_rows(np.ones((2, 3, 4), dtype=np.float64), 2)[1] == Float32Tensor(
         shape=[3, 4], data=np.ones(12, dtype="<f4").tobytes())
+    wide = torch.randn(384, 6)
+    assert float32_rows(wide.T, 6) == [pack_float32(r) for r in wide.T.tolist()]  # not contiguous
+    half = torch.randn(4, 8).to(torch.bfloat16)
+    assert float32_rows(half, 4) == [pack_float32(r) for r in half.float().tolist()]
     with pytest.raises(ValueError, match="shape \\[3, 384\\] for a batch of 4"):
         float32_rows(torch.zeros(3, 384), 4)
 
