@@ -180,6 +180,8 @@ class Runner:
         limits = {lane.name: lane.max_batch_size for lane in self.cfg.batching.lanes}
         pairs: list[tuple[Model, Any]] = []
         budgets = {lane.name: lane.max_batch_tokens for lane in self.cfg.batching.lanes}
+        # Cached outputs stay the handler's lists: a worker with another encoding may send them.
+        packed = "lists" if self.cfg.redis.cache else self.cfg.delivery.outputs_encoding
         for i, dev in enumerate(devices):
             model = self._model_arg if (i == 0 and self._model_arg is not None) else load_model(mcfg)
             if getattr(model, "kind", None) == "generative":  # its own worker (worker.generation)
@@ -191,7 +193,7 @@ class Runner:
             engine = Engine(model, dev, dtype=mcfg.dtype, compile=mcfg.compile, warmup=mcfg.warmup,
                             on_limit=dispatch.on_limit, max_batch_sizes=limits,
                             on_tokens=dispatch.on_tokens, max_batch_tokens=budgets,
-                            host_threads=mcfg.host_threads)
+                            host_threads=mcfg.host_threads, outputs_encoding=packed)
             engine.setup()
             w = len(pairs)
             pairs.append((model, DeviceWorker(engine, take=functools.partial(dispatch.take, worker=w),

@@ -22,21 +22,9 @@ from typing import Any
 
 import msgspec
 
-from tests.bench.common import (
-    Ctx,
-    create_topics,
-    log,
-    produce_backlog,
-    read_topic,
-    row,
-    start_worker,
-    wait_assigned,
-    wait_count,
-    window_rate,
-    worker_config,
-)
+from tests.bench.common import Ctx, log, row
+from tests.bench.text_worker import run_texts
 
-PARTITIONS = 4
 BUCKET = 8
 _VOCAB = ("kafka stream batch model latency throughput request result offset partition consumer producer "
           "worker lane priority deadline embedding vector sentence token device memory queue window commit "
@@ -57,30 +45,14 @@ def texts(n: int, seed: int = 3) -> list[str]:
 
 
 def _worker(ctx: Ctx, corpus: list[str], bs: int, bucket: int, tag: str = "") -> dict[str, Any]:
-    r = f"{ctx.run}-k{bucket}{tag}"
-    inp, out = f"minilm-in-{r}", f"minilm-out-{r}"
-    create_topics(ctx.bootstrap, {inp: PARTITIONS, out: PARTITIONS, f"minilm-dlq-{r}": 1},
-                  log_append_time=[out])
-    cfg = worker_config(ctx.bootstrap, f"minilm-{r}", out, f"minilm-dlq-{r}", topics=[inp],
-                        lanes=[{"name": "default", "max_batch_size": bs, "max_wait_ms": 10}],
-                        model={"name": "minilm", "warmup": True}, batching={"bucket_width": bucket})
-    w = start_worker(f"minilm-worker-k{bucket}{tag}", cfg, ctx.work)
-    enc = msgspec.json.Encoder()
-    try:
-        wait_assigned(w, timeout=300)
-        produce_backlog(ctx.bootstrap, inp, ((f"t-{i}".encode(),
-                                              enc.encode({"id": f"t-{i}", "inputs": {"text": t}}))
-                                             for i, t in enumerate(corpus)), PARTITIONS)
-        got = wait_count(ctx.bootstrap, out, len(corpus), timeout=900, alive=w.alive)
-    finally:
-        w.stop()
-    rows = read_topic(ctx.bootstrap, out, want=got)
+    res = run_texts(ctx, f"minilm-k{bucket}{tag}", corpus, model={"name": "minilm", "warmup": True},
+                    max_batch=bs, batching={"bucket_width": bucket})
     dec = msgspec.json.Decoder()
-    sizes = [dec.decode(v).get("batch_size", 0) for _, v in rows]
-    rate = window_rate([ts for ts, _ in rows])
-    log(f"  worker bucket_width={bucket}: {got}/{len(corpus)} results, {rate:.1f}/s, "
+    sizes = [dec.decode(v).get("batch_size", 0) for _, v in res.rows]
+    rate = res.rate()
+    log(f"  worker bucket_width={bucket}: {res.results}/{len(corpus)} results, {rate:.1f}/s, "
         f"mean batch {sum(sizes) / max(len(sizes), 1):.1f}")
-    return {"bucket_width": bucket, "results": got, "throughput_per_s": rate,
+    return {"bucket_width": bucket, "results": res.results, "throughput_per_s": rate,
             "mean_batch": sum(sizes) / max(len(sizes), 1)}
 
 

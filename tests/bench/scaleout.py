@@ -9,10 +9,14 @@ rebalance stay out of the measurement; the rate is then taken over the 5-95% win
 of the results (see ``common``). The sleep-based model releases the GIL and needs little CPU, so two
 processes on two cores can scale.
 
-The null-device row needs CPU, not a device: about 90 us of worker CPU per text, so one process at full
-speed keeps more than one core busy, and two reach 1.8x only where four or more cores are free (the broker
-and the bench share the machine). The row prints the workers' CPU per record and the cores they used, the
-figures that show what bounded a run.
+The null-device row needs CPU, not a device: 60-80 us of worker CPU per text and 15-20 us of the broker's
+(``gpu_feed``'s rows by thread), so one process at full speed keeps more than the two cores of the
+development machine busy, and two processes can only share them. The row measures the supervisor where
+the cores free for the workers exceed what one process keeps busy (its rate times its CPU per record, in
+the row's note), about twice as many for 1.8x; see docs/design-notes.md, "gpu_feed: the right ceiling on
+shared cores". The row prints the workers' CPU per record and the cores they used, the figures that show
+what bounded a run. The null-device runs use ``text_worker.run_texts`` (the setup ``gpu_feed`` and
+``realmodel`` share).
 """
 
 from __future__ import annotations
@@ -21,12 +25,9 @@ import os
 import time
 from typing import Any
 
-import msgspec
-
 from tests.bench.batching import MAIN_B, WAIT_MS, ideal, requests, synthetic_model
 from tests.bench.common import (
     Ctx,
-    cpu_s,
     create_topics,
     log,
     produce_backlog,
@@ -39,6 +40,7 @@ from tests.bench.common import (
     worker_config,
 )
 from tests.bench.realmodel import texts
+from tests.bench.text_worker import run_texts
 
 PARTITIONS = 4
 
@@ -69,16 +71,6 @@ def _run(ctx: Ctx, workers: int, n: int) -> dict[str, Any]:
     return {"workers": workers, "records": n, "results": got, "throughput_per_s": rate, "assignments": owners}
 
 
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds of ``pid`` and its children (a supervisor's worker processes), all their threads."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            kids = [int(c) for c in f.read().split()]
-    except OSError:
-        kids = []
-    return cpu_s(pid) + sum(cpu_s(k) for k in kids)
-
-
 NULL_MODEL = {"name": "tests.bench.null_device:null_minilm", "warmup": False}
 NULL_B = 256
 
@@ -86,47 +78,20 @@ NULL_B = 256
 def _run_processes(ctx: Ctx, processes: int, corpus: list[str]) -> dict[str, Any]:
     """One ``worker run`` with ``model.processes`` = ``processes`` draining ``corpus`` on the null device.
 
-    The backlog is on the topic before the worker starts (the bench's producer, on the same cores, stays out
-    of the measurement), and only results appended once every child owns partitions count: the rate is the
-    5-95% window of those (while the first child to join runs alone, it is one process's rate)."""
-    r = f"{ctx.run}-p{processes}"
-    inp, out = f"procs-in-{r}", f"procs-out-{r}"
-    create_topics(ctx.bootstrap, {inp: PARTITIONS, out: PARTITIONS, f"procs-dlq-{r}": 1},
-                  log_append_time=[out])
-    enc = msgspec.json.Encoder()
-    produce_backlog(ctx.bootstrap, inp, ((f"t-{i}".encode(),
-                                          enc.encode({"id": f"t-{i}", "inputs": {"text": t}}))
-                                         for i, t in enumerate(corpus)), PARTITIONS)
-    cfg = worker_config(ctx.bootstrap, f"procs-{r}", out, f"procs-dlq-{r}", topics=[inp],
-                        lanes=[{"name": "default", "max_batch_size": NULL_B, "max_wait_ms": 10}],
-                        model={**NULL_MODEL, "processes": processes},
-                        kafka={"consumer": {"auto.offset.reset": "earliest"}})
-    w = start_worker(f"procs-p{processes}", cfg, ctx.work)
-    try:
-        deadline = time.monotonic() + 300
-        while w.log().count("partitions assigned") < processes:
-            if not w.alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"{w.name}: {processes} children never all got "
-                                   f"partitions:\n{w.log()[-3000:]}")
-            time.sleep(0.05)
-        time.sleep(1.0)  # the cooperative rebalance moves the partitions to the last one
-        since_ms, cpu0 = int(time.time() * 1000), tree_cpu_s(w.pid)
-        got = wait_count(ctx.bootstrap, out, len(corpus), timeout=600, alive=w.alive)
-        cpu = tree_cpu_s(w.pid) - cpu0
-    finally:
-        w.stop(60)
-    stamps = [ts for ts, _ in read_topic(ctx.bootstrap, out, want=got)]
-    measured = [ts for ts in stamps if ts >= since_ms]
-    rate = window_rate(measured)
-    per_record = cpu / max(len(measured), 1)
+    The backlog is produced once every child owns partitions (``text_worker.run_texts``)."""
+    res = run_texts(ctx, f"procs-p{processes}", corpus, model={**NULL_MODEL, "processes": processes},
+                    max_batch=NULL_B, timeout=600)
+    rate = res.rate()
+    cpu = res.cpu_us_per_record()
     # The cores the worker processes keep busy at the measured rate (their CPU per record times the rate).
-    cores = per_record * rate
-    log(f"  null-device minilm, model.processes={processes}: {got}/{len(corpus)} results, {len(measured)} "
-        f"after all joined, {rate:.0f}/s; workers' CPU {1e6 * per_record:.0f} us/record, {cores:.2f} cores "
-        f"at that rate; load average {os.getloadavg()[0]:.1f}")
-    return {"processes": processes, "records": len(corpus), "results": got, "measured": len(measured),
-            "throughput_per_s": rate, "cpu_us_per_record": 1e6 * per_record, "cores_used": cores,
-            "load_average_1m": os.getloadavg()[0]}
+    cores = cpu["total"] * 1e-6 * rate
+    log(f"  null-device minilm, model.processes={processes}: {res.results}/{len(corpus)} results, "
+        f"{rate:.0f}/s; workers' CPU {cpu['total']:.0f} us/record, "
+        f"{cores:.2f} cores at that rate, broker {cpu.get('broker', float('nan')):.0f} us/record; "
+        f"load average {os.getloadavg()[0]:.1f}")
+    return {"processes": processes, "records": len(corpus), "results": res.results,
+            "throughput_per_s": rate, "cpu_us_per_record": cpu["total"], "cpu_by_thread": cpu,
+            "cores_used": cores, "load_average_1m": os.getloadavg()[0]}
 
 
 def run(ctx: Ctx) -> dict[str, Any]:

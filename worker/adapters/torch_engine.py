@@ -76,6 +76,8 @@ class Engine:
     seconds each. ``traceback_every_s``: how often one raising site's traceback is logged.
     ``host_threads``: the process's host threads for a handler's ``decode_batch`` (None: every CPU this
     process may use, see ``available_cpus``); ``host_pool`` overrides the shared pool (tests).
+    ``outputs_encoding``: the config's ``delivery.outputs_encoding``; under ``float32`` a handler's optional
+    ``split_float32(output, n)`` replaces ``split`` (``worker.models.base.float32_rows``).
 
     A handler with ``decode_batch`` gets its records' validated inputs as items: ``prepare`` decodes them on
     the host pool before ``collate``, and an input that fails to decode is left out of the batch and gets its
@@ -103,6 +105,7 @@ class Engine:
         traceback_every_s: float = 600.0,
         host_threads: int | None = None,
         host_pool: HostPool | None = None,
+        outputs_encoding: str = "lists",
     ) -> None:
         self.model = model
         self.device = resolve_device(device)
@@ -127,6 +130,8 @@ class Engine:
             # A Rust tokenizer's encode_batch runs on rayon's global pool, sized from this when it starts (at
             # the first batch): host_threads bounds it too, unless the operator set it.
             os.environ.setdefault(RAYON_ENV, str(n))
+        # Binary outputs: a handler's split_float32 packs rows from the output's bytes (no Python floats).
+        self.packs_float32 = outputs_encoding == "float32" and callable(getattr(model, "split_float32", None))
         self._forward_lock = threading.Lock()
         # collate and split each run on one thread at a time (see the module docstring), host time only.
         self._collate_lock = threading.Lock()
@@ -326,7 +331,8 @@ class Engine:
         outs: Any = []
         if n:
             with self._split_lock:
-                outs = self.model.split(lx.output, n)
+                split = self.model.split_float32 if self.packs_float32 else self.model.split
+                outs = split(lx.output, n)
         if isinstance(outs, tuple):
             outs = list(outs)
         if not isinstance(outs, list):

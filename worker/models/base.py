@@ -1,13 +1,18 @@
-"""Helpers shared by the handlers: option parsing with config-path errors, per-row output splitting."""
+"""Helpers shared by the handlers: option parsing with config-path errors, per-row output splitting, and
+per-row packing for binary outputs (``float32_rows``)."""
 
 from __future__ import annotations
 
+import ctypes
 import re
+import sys
+from array import array
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import msgspec
 
+from schemas import Float32Tensor
 from worker.config import ConfigError
 
 S = TypeVar("S")
@@ -97,3 +102,28 @@ def _rows_of(part: Any, n: int, where: str) -> list[Any]:
         raise ValueError(f"split_rows: {where} has {len(rows)} rows for a batch of {n}; every part of a "
                          "batch output needs one row per record (write split() for per-batch values)")
     return rows
+
+
+def float32_rows(output: Any, n: int) -> list[Float32Tensor]:
+    """One ``Float32Tensor`` per row of a CPU tensor (or numpy array) of ``n`` rows, packed straight from its
+    bytes: the same result ``delivery.outputs_encoding: float32`` makes of the row's list of floats, without
+    the Python floats. A handler's ``split_float32`` (used in place of ``split`` under that encoding) returns
+    this for an output that is one float tensor of ``n`` rows."""
+    shape_of = getattr(output, "shape", None)
+    if shape_of is None or len(shape_of) < 1 or int(shape_of[0]) != n:
+        raise ValueError(f"float32_rows: an output of shape {list(shape_of or [])} for a batch of {n}; it "
+                         "needs one row per record")
+    shape = [int(d) for d in shape_of[1:]]
+    if hasattr(output, "data_ptr"):  # a torch tensor: its bytes without numpy (not a worker dependency)
+        import torch
+
+        t = output.detach().to(torch.float32).contiguous()
+        data = ctypes.string_at(t.data_ptr(), t.numel() * 4)
+        if sys.byteorder == "big":
+            swapped = array("f", data)
+            swapped.byteswap()
+            data = swapped.tobytes()
+    else:
+        data = output.astype("<f4").tobytes(order="C")
+    step = len(data) // n if n else 0
+    return [Float32Tensor(shape=shape, data=data[i * step:(i + 1) * step]) for i in range(n)]

@@ -8,7 +8,8 @@ every core), never on the loop thread, and truncated to 256 tokens. The size for
 (``batching.bucket_width``) is known before tokenizing: ``estimate_size`` is 2 + one token per 5 bytes of
 UTF-8 text, capped at ``max_tokens`` (within 2 tokens of the real count on average for English, within 8 on
 the bench corpora; scripts with more tokens per byte are underestimated). ``collate`` pads only to the
-batch's longest.
+batch's longest. With ``delivery.outputs_encoding: float32`` each vector is packed from the output tensor's
+bytes (``split_float32``), never turned into 384 Python floats.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 
 from worker.config import ConfigError
-from worker.models.base import Options, parse_options
+from worker.models.base import Options, float32_rows, parse_options
 from worker.models.inputs import Embedding, TextInput
 
 DIM = 384
@@ -150,13 +151,11 @@ class MiniLMModel:
         return int(item.shape[0])
 
     def collate(self, items: Sequence[np.ndarray]) -> dict[str, torch.Tensor]:
-        longest = max(it.shape[0] for it in items)
-        ids = np.zeros((len(items), longest), dtype=np.int64)
-        mask = np.zeros((len(items), longest), dtype=np.int64)
-        for i, it in enumerate(items):
-            ids[i, : it.shape[0]] = it
-            mask[i, : it.shape[0]] = 1
-        return {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask)}
+        lengths = np.fromiter((it.shape[0] for it in items), dtype=np.int64, count=len(items))
+        mask = np.arange(int(lengths.max())) < lengths[:, None]
+        ids = np.zeros(mask.shape, dtype=np.int64)
+        ids[mask] = np.concatenate(items)  # row-major: each row's tokens, then its padding
+        return {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask.astype(np.int64))}
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         mask = batch["attention_mask"]
@@ -167,6 +166,9 @@ class MiniLMModel:
 
     def split(self, output: torch.Tensor, n: int) -> list[list[float]]:
         return output.tolist()
+
+    def split_float32(self, output: torch.Tensor, n: int) -> list[Any]:
+        return float32_rows(output, n)  # binary outputs: the vectors' bytes, no list of floats in between
 
     def example_inputs(self) -> list[TextInput]:
         return [TextInput(text=s) for s in SAMPLE_SENTENCES]
