@@ -3,8 +3,10 @@
 ``python -m tests.bench.stage_costs [--records N]`` times each step over N identity requests of 100 bytes
 (the pipeline benchmark's) in one thread, unprofiled, and prints microseconds per record. The producer is a
 real confluent-kafka Producer pointed at a closed port: ``produce`` only enqueues, as it does against a
-broker. The worker's steps are called through its own classes (Intake, PriorityScheduler, OffsetTracker,
-Emitter, Runner._record_done's work), so the numbers follow the code as it changes.
+broker. The worker's steps are called through its own classes (Ingest.read, Intake, PriorityScheduler,
+Emitter, Settling and Results.records_done), so the numbers follow the code as it changes. The requests
+are read round-robin from 4 partitions, the worst case for the per-partition steps (librdkafka's
+consume() returns a fetched partition's records together).
 """
 
 from __future__ import annotations
@@ -29,8 +31,14 @@ from worker.core.scheduler import PriorityScheduler
 from worker.emit import Emitter
 from worker.intake import Intake
 from worker.models.identity import IdentityModel
+from worker.pipeline.delivery import AtLeastOnce
+from worker.pipeline.ingest import Ingest
+from worker.pipeline.partitions import PartitionTable
 from worker.pipeline.results import Results
 from worker.runner import GC_THRESHOLD
+
+# Records per poll batch (kafka.poll_max_records' default).
+POLL_BATCH = 1000
 
 
 class _FakeMsg:
@@ -103,21 +111,25 @@ def _round(msgs: list[_FakeMsg], n: int) -> tuple[list[tuple[str, float]], float
     sched = PriorityScheduler(cfg.batching.lanes, "default", "fixed", 0)
     tracker = OffsetTracker()
     cv = threading.Condition()
-    recs: list[Record] = []
     now = time.monotonic()
+    # The loop's consume side, Ingest.read: partitions looked up, offsets tracked through the at-least-once
+    # delivery mode (once per partition of the poll batch), Records made.
+    parts = PartitionTable()
+    parts.assign({TopicPartition(m.topic(), m.partition()) for m in msgs})
+    read_loop: Any = SimpleNamespace(partitions=parts, tracker=tracker, stop_at=None, clock=time)
+    mode = AtLeastOnce(read_loop, make_producer=lambda *_a, **_k: None)
+    ingest = Ingest(read_loop, mode, results=None)  # type: ignore[arg-type]
+    recs: list[Record] = []
 
-    def make_records() -> None:
-        for m in msgs:
-            tp = TopicPartition(m.topic(), m.partition())
-            offset = m.offset()
-            tracker.track(tp, offset)
-            ts_type, ts = m.timestamp()
-            recs.append(Record(tp, offset, m.value(), m.key(), m.headers() or [], now,
-                               ts if ts_type else None, 0))
+    def read() -> None:
+        for i in range(0, len(msgs), POLL_BATCH):
+            recs.extend(ingest.read(msgs[i:i + POLL_BATCH], now))
 
-    rows.append(("consume side: Record + OffsetTracker.track", timed(n, make_records)))
-    rows.append(("Intake.admit (validate Request, route, model.decode)",
-                 timed(n, lambda: [intake.admit(r, now) for r in recs] and None)))
+    rows.append(("consume side: Ingest.read (Records, track_run per partition)", timed(n, read)))
+    rejected: list[Any] = []
+    rows.append(("Intake.admit_many (validate Request, route, model.decode)",
+                 timed(n, lambda: intake.admit_many(recs, now, rejected) and None)))
+    assert not rejected, rejected[:1]
 
     def schedule() -> None:
         with cv:
@@ -137,9 +149,9 @@ def _round(msgs: list[_FakeMsg], n: int) -> tuple[list[tuple[str, float]], float
             batches.append(b)
 
     rows.append(("next_batch (per record, batches of 256)", timed(n, take)))
-    # The loop's side of settling, Results.records_done, on the tracker above (every partition at epoch 0, no
+    # The loop's side of settling, Results.records_done, on the tracker and partitions above (no
     # ledger or attempt counters: what the pipeline benchmark runs).
-    loop = SimpleNamespace(partitions=SimpleNamespace(epoch=lambda _tp: 0), tracker=tracker,
+    loop = SimpleNamespace(partitions=parts, tracker=tracker,
                            gate=SimpleNamespace(delivered_many=lambda _recs: None))
     results = Results(loop, mode=None)  # type: ignore[arg-type]
     p_w = Producer(conf)
