@@ -18,6 +18,7 @@ from array import array
 from typing import Any, Literal
 
 import msgspec
+from msgspec import Raw
 
 from schemas import Float32Tensor, Result, Source, Timings
 from worker.core.records import Record
@@ -134,7 +135,7 @@ class ResultEncoder:
 
         The loop is ``encode`` inlined: a call frame per record is a good part of the cost in CPython. The
         records of one poll batch share their receive time, and a backlog's records their Kafka timestamp
-        to the millisecond: a record with the same two as the one before shares its ``Timings``."""
+        to the millisecond: a record with the same two as the one before shares its encoded ``Timings``."""
         pack = self.pack
         name, version = self.model_name, self.model_version
         inference_ms = int(infer_s * 1_000_000) / 1000.0
@@ -143,7 +144,11 @@ class ResultEncoder:
         unpackable: list[int] = []  # indexes of outputs pack_float32 raised on: rejected like the encoder's
         last_received: float | None = None
         last_produced: int | None = None
-        timings = Timings()
+        # Timings shared by several records are encoded once (a Raw, which the encoder writes as it is):
+        # their floats are a good part of a result's encoding.
+        timings: Timings | Raw = Timings()
+        shared = False
+        encode = self.encode_value
         for rec, out in zip(records, outputs, strict=True):
             tp = rec.tp
             produced = rec.produced_at_ms
@@ -155,6 +160,10 @@ class ResultEncoder:
                                   total_ms=int((now - received) * 1_000_000) / 1000.0,
                                   e2e_ms=(int((now_wall_ms - produced) * 1000) / 1000.0 if produced
                                           else None))
+                shared = False
+            elif not shared:
+                timings = Raw(encode(timings))
+                shared = True
             if pack is not None and out is not None:
                 try:
                     out = pack(out)
@@ -164,7 +173,7 @@ class ResultEncoder:
             put(Result(id=rec.id or "", status="ok", outputs=out, model=name, model_version=version,
                        lane=rec.lane, batch_size=batch_size,
                        source=Source(topic=tp.topic, partition=tp.partition, offset=rec.offset),
-                       timings=timings, meta=rec.meta))
+                       timings=timings, meta=rec.meta))  # type: ignore[arg-type]
         values = self._encode_all(results)
         for i in unpackable:
             values[i] = None
