@@ -4,7 +4,7 @@
 (the pipeline benchmark's) in one thread, unprofiled, and prints microseconds per record. The producer is a
 real confluent-kafka Producer pointed at a closed port: ``produce`` only enqueues, as it does against a
 broker. The worker's steps are called through its own classes (Ingest.read, Intake, PriorityScheduler,
-Emitter, Settling and Results.records_done), so the numbers follow the code as it changes.
+Results.complete_batch and records_done, Emitter, Settling), so the numbers follow the code as it changes.
 
 The requests are real consumer messages: written to 4 partitions of librdkafka's in-process mock cluster
 (``test.mock.num.brokers``, no broker to start) and read back with ``consume()`` in poll batches of
@@ -31,11 +31,13 @@ from tests.bench.pipeline import requests
 from worker.adapters.kafka_clients import PRODUCER_DEFAULTS
 from worker.config import from_dict
 from worker.core.offsets import OffsetTracker
+from worker.core.ports import NullMetrics
 from worker.core.records import Record, TopicPartition
 from worker.core.scheduler import PriorityScheduler
 from worker.emit import Emitter
 from worker.intake import Intake
 from worker.models.identity import IdentityModel
+from worker.pipeline.context import RunStats
 from worker.pipeline.delivery import AtLeastOnce
 from worker.pipeline.ingest import Ingest
 from worker.pipeline.partitions import PartitionTable
@@ -186,26 +188,28 @@ def _round(batches: list[list[Any]], n: int) -> tuple[list[tuple[str, float]], f
             taken.append(b)
 
     rows.append(("next_batch (per record, batches of 256)", timed(n, take)))
-    # The loop's side of settling, Results.records_done, on the tracker and partitions above (no
-    # ledger or attempt counters: what the pipeline benchmark runs).
-    loop = SimpleNamespace(partitions=parts, tracker=tracker,
-                           gate=SimpleNamespace(delivered_many=lambda _recs: None))
-    results = Results(loop, mode=None)  # type: ignore[arg-type]
+    # The loop's side of a finished batch (Results.complete_batch: epochs, failed outputs, the delivery
+    # mode's batch path into the emitter) and of settling (Results.records_done), on the tracker and
+    # partitions above; no metrics, ledger, cache or attempt counters: what the pipeline benchmark runs.
+    loop: Any = SimpleNamespace(partitions=parts, tracker=tracker, clock=time, metrics=NullMetrics(),
+                                stats=RunStats(),
+                                gate=SimpleNamespace(cache=None, delivered_many=lambda _recs: None))
+    results = Results(loop, mode=AtLeastOnce(loop, make_producer=lambda *_a, **_k: None))
     p_w = Producer(conf)
-    em = Emitter(p_w, "out", "dlq", "identity", "1", "json", on_done=results.record_done,
-                 on_failed=lambda r, e: None, on_done_many=results.records_done)
+    em = loop.emitter = Emitter(p_w, "out", "dlq", "identity", "1", "json", on_done=results.record_done,
+                                on_failed=lambda r, e: None, on_done_many=results.records_done)
     wall = time.time() * 1000
-    per_batch = [(b.records, [r.item for r in b.records]) for b in taken]
+    per_batch = [(b, [r.item for r in b.records]) for b in taken]
     rows.append(("  (of which: encoding the results, ResultEncoder.encode_ok)",
-                 timed(n, lambda: [em.results.encode_ok(recs_b, outs_b, len(recs_b), now, 0.0001, now, wall)
-                                   for recs_b, outs_b in per_batch] and None)))
+                 timed(n, lambda: [em.results.encode_ok(b.records, outs_b, len(b), now, 0.0001, now, wall)
+                                   for b, outs_b in per_batch] and None)))
 
-    def emit() -> None:
-        # What Results.complete_batch hands the emitter per batch (it encodes the results too).
-        for recs_b, outs_b in per_batch:
-            em.emit_ok_many(recs_b, outs_b, len(recs_b), now, 0.0001, now, wall)
+    def complete() -> None:
+        for b, outs_b in per_batch:
+            results.complete_batch(b, outs_b, {"infer": 0.0001})
 
-    rows.append(("Emitter.emit_ok_many: encode + produce, one callback per batch", timed(n, emit)))
+    rows.append(("Results.complete_batch: emit_ok_many (encode + produce, one callback)",
+                 timed(n, complete)))
     # Settling: once the producer has drained, every record sent on it is confirmed in one loop (there is no
     # report per message to serve: delivery.report.only.error). No broker here: the drain is assumed.
     slot = em.cur
