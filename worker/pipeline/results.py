@@ -19,6 +19,7 @@ _received_at = attrgetter("received_at")
 _produced_at = attrgetter("produced_at_ms")
 _tp = attrgetter("tp")
 _epoch = attrgetter("epoch")
+_offset = attrgetter("offset")
 _FAILED = (BaseException, Expired)  # a device output that is no result: the record's error or expiry
 
 
@@ -197,6 +198,9 @@ class Results:
         epoch_of, tracker = loop.partitions.epoch, loop.tracker
         for tp, group in by_tp.items():
             epoch = epoch_of(tp)
+            if set(map(_epoch, group)) == {epoch}:  # the common case, in C loops
+                tracker.ack_many(tp, map(_offset, group))
+                continue
             tracker.ack_many(tp, [r.offset for r in group if r.epoch == epoch])
             for r in group:
                 if r.epoch != epoch:
