@@ -182,8 +182,9 @@ class ResultEncoder:
     def _encode_all(self, results: list[Result]) -> list[bytes | None]:
         """Each result's bytes; None for one the encoder rejects. JSON: one ``encode_lines`` call for the
         batch, split at its newlines (JSON escapes a newline inside a string, so each line is one result);
-        a batch the encoder rejects is encoded one result at a time. MessagePack: one ``encode_into`` a reused
-        buffer per result (``encode`` grows a fresh buffer for each, about twice the cost)."""
+        a batch the encoder rejects, or whose lines are not one per result, is encoded one result at a
+        time. MessagePack: one ``encode_into`` a reused buffer per result (``encode`` grows a fresh buffer
+        for each, about twice the cost)."""
         if self._encode_lines is not None:
             try:
                 lines = self._encode_lines(results).split(b"\n")
@@ -191,7 +192,8 @@ class ResultEncoder:
                 pass
             else:
                 lines.pop()  # after the last newline
-                return lines  # type: ignore[return-value]
+                if len(lines) == len(results):  # else an output held a newline of its own (a msgspec.Raw)
+                    return lines  # type: ignore[return-value]
         buf = bytearray(512)
         into = self._encoder.encode_into
         values: list[bytes | None] = []

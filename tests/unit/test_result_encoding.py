@@ -134,7 +134,9 @@ def test_the_runner_packs_numeric_outputs_also_of_cache_hits(monkeypatch: pytest
 _texts = st.text(alphabet=st.sampled_from("ab\n\r\"\\\u2028é\x00"), max_size=6)
 _outputs = st.one_of(st.none(), _texts, st.lists(st.floats(allow_nan=False), max_size=3),
                      st.dictionaries(_texts, st.integers(-(2**63), 2**63 - 1), max_size=2),
-                     st.just(2**70), st.builds(object))
+                     st.just(2**70), st.builds(object),
+                     # pre-encoded output with newlines of its own
+                     st.builds(msgspec.Raw, st.sampled_from([b'{\n"a": 1}', b"[1,\n2]", b'"x"'])))
 
 
 @given(st.sampled_from(["json", "msgpack"]), st.sampled_from(["lists", "float32"]),
@@ -143,8 +145,9 @@ _outputs = st.one_of(st.none(), _texts, st.lists(st.floats(allow_nan=False), max
 def test_every_batch_encodes_each_result_as_the_one_record_encoder_does(
         fmt: str, encoding: str, cases: list[tuple[Any, float, int | None, str]]) -> None:
     """Records that share their receive time and Kafka timestamp or not, ids and outputs with newlines and
-    quotes, and outputs the format cannot write (an object; an int past 64 bits in msgpack) among the
-    others: each value is the one-record encoder's bytes, or None where that encoder raises."""
+    quotes (a pre-encoded Raw output's newlines are not escaped), and outputs the format cannot write (an
+    object; an int past 64 bits in msgpack) among the others: each value is the one-record encoder's
+    bytes, or None where that encoder raises."""
     enc = ResultEncoder("m", "2", fmt, encoding)  # type: ignore[arg-type]
     recs = [rec(i, received_at=received, produced_at_ms=produced, id=rid)
             for i, (_, received, produced, rid) in enumerate(cases)]
