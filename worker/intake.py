@@ -122,6 +122,7 @@ class Intake:
         admitted: list[Record] = []
         keep, reject = admitted.append, rejected.append
         topic_lanes, default_lane, budgets = self._topic_lane, self.default_lane, self._budget_s
+        any_budget = any(b is not None for b in budgets.values())
         decode, max_bytes, fmt = self.decoder.decode, self.max_bytes, self.fmt
         deferred, model_decode = self._deferred, self.model.decode
         size_of, max_size, cache_on = self._size_of, self._max_size, self.cache_on
@@ -162,7 +163,7 @@ class Intake:
             if req.deadline_ms is not None:
                 # Wall-clock deadline -> the monotonic clock the scheduler uses.
                 rec.deadline = now + (req.deadline_ms / 1000.0 - self.clock.time())
-            else:
+            elif any_budget:
                 budget = budgets[lane]
                 if budget is not None:
                     rec.deadline = rec.received_at + budget

@@ -119,6 +119,7 @@ class Ingest:
         run_key: tuple[str, int] | None = None
         part: Any = None
         offsets: list[int] = []
+        tp, epoch = TopicPartition("", -1), 0
         for m in msgs:
             err = m.error()
             if err is not None:
@@ -132,11 +133,15 @@ class Ingest:
                     part = live(key)
                     run = runs[key] = (part, [])
                 part, offsets = run
+                if part is not None:
+                    # One TopicPartition per partition, not one per record; no callback runs in this loop,
+                    # so the epoch holds for the batch.
+                    tp, epoch = part.tp, part.epoch
             if part is None:
                 continue  # a message of a partition revoked while it was in the fetch batch
             offset = m.offset()
             if stop_at is not None:
-                end = stop_at.get(part.tp, 0)
+                end = stop_at.get(tp, 0)
                 if offset >= end:
                     # Backfill: past the end snapshot taken at start; leave it for the live workers.
                     part.reached = True
@@ -148,10 +153,8 @@ class Ingest:
             try:
                 headers = m.headers() or []
             except Exception:  # noqa: BLE001 - one record's headers must not stop the partition for good
-                headers = _unreadable_headers(part.tp, offset)
-            # part.tp: one TopicPartition per partition, not one per record
-            keep(Record(part.tp, offset, m.value(), m.key(), headers, now, ts if ts_type else None,
-                        part.epoch))
+                headers = _unreadable_headers(tp, offset)
+            keep(Record(tp, offset, m.value(), m.key(), headers, now, ts if ts_type else None, epoch))
         track_run = self.mode.track_run
         skip: dict[TopicPartition, set[int]] = {}
         for part, offsets in runs.values():
