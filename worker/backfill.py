@@ -101,6 +101,14 @@ class _CountingTracker(OffsetTracker):
             self.read[tp] = self.read.get(tp, 0) + 1
         return super().track(tp, offset)
 
+    def track_run(self, tp: TopicPartition, offsets: list[int]) -> bool:
+        if not super().track_run(tp, offsets):
+            return False  # the caller tracks them one at a time (counted by track)
+        top = self._top.get(tp, -1)
+        self._top[tp] = max(top, offsets[-1])
+        self.read[tp] = self.read.get(tp, 0) + sum(1 for o in offsets if o > top)
+        return True
+
 
 class BackfillRunner(Runner):
     """A Runner that notes which partitions it finished: read up to the end snapshot, every record read done

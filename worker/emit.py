@@ -148,7 +148,9 @@ class Emitter:
         topic, limit = self.output_topic, self.max_payload
         keys = [r.key for r in records]
         declined: list[int] = []
-        longest_key = max(len(k) if k else 0 for k in keys)
+        # (map(len) only where no key is None: a generator per record costs more)
+        longest_key = (max(len(k) if k else 0 for k in keys) if None in keys
+                       else max(map(len, keys)))  # type: ignore[arg-type]
         if None in values or max(map(len, values)) + longest_key > limit:  # type: ignore[arg-type]
             # Some cannot go as they are (rare): the general path takes them.
             keep = [i for i, (v, k) in enumerate(zip(values, keys, strict=True))

@@ -2,8 +2,8 @@
 
 One ``ResultEncoder`` per worker holds what every result of the worker shares (model name and version, wire
 format, outputs encoding) and reuses one msgspec encoder. ``encode_ok`` encodes the ok results of a whole
-batch in one loop: the batch's shared values are read once, and each record costs one struct and one
-encode call.
+batch: the batch's shared values are read once, each record costs one ``Result`` struct, and in JSON the
+batch's results are written by one encoder call.
 
 With ``delivery.outputs_encoding: float32`` a numeric output (a list of floats, nested lists of floats of
 one shape, or an array with ``astype``/``tobytes``, e.g. numpy's) is sent as ``{"dtype": "float32",
@@ -18,6 +18,7 @@ from array import array
 from typing import Any, Literal
 
 import msgspec
+from msgspec import Raw
 
 from schemas import Float32Tensor, Result, Source, Timings
 from worker.core.records import Record
@@ -94,7 +95,10 @@ class ResultEncoder:
                  outputs_encoding: OutputsEncoding = "lists") -> None:
         self.model_name = model_name
         self.model_version = model_version
-        self._encoder = msgspec.json.Encoder() if fmt == "json" else msgspec.msgpack.Encoder()
+        json_encoder = msgspec.json.Encoder() if fmt == "json" else None
+        self._encoder = json_encoder or msgspec.msgpack.Encoder()
+        # JSON only: one call encodes a list as newline-separated values
+        self._encode_lines = json_encoder.encode_lines if json_encoder is not None else None
         self.encode_value = self._encoder.encode
         self.pack = pack_float32 if outputs_encoding == "float32" else None
 
@@ -129,32 +133,74 @@ class ResultEncoder:
         """The ok result of each record of a batch, byte for byte what ``encode`` writes; None where the
         encoder rejects the output (the caller sends that record an error instead).
 
-        The loop is ``encode`` inlined: a call frame per record is a good part of the cost in CPython."""
-        # Each result is written into one reused buffer and copied out: about half the cost of encode(),
-        # which grows a new buffer step by step for every result.
-        buf = bytearray(512)
-        into, pack = self._encoder.encode_into, self.pack
+        The loop is ``encode`` inlined: a call frame per record is a good part of the cost in CPython. The
+        records of one poll batch share their receive time, and a backlog's records their Kafka timestamp
+        to the millisecond: a record with the same two as the one before shares its encoded ``Timings``."""
+        pack = self.pack
         name, version = self.model_name, self.model_version
         inference_ms = int(infer_s * 1_000_000) / 1000.0
-        values: list[bytes | None] = []
-        put = values.append
+        results: list[Result] = []
+        put = results.append
+        unpackable: list[int] = []  # indexes of outputs pack_float32 raised on: rejected like the encoder's
+        last_received: float | None = None
+        last_produced: int | None = None
+        # Timings shared by several records are encoded once (a Raw, which the encoder writes as it is):
+        # their floats are a good part of a result's encoding.
+        timings: Timings | Raw = Timings()
+        shared = False
+        encode = self.encode_value
         for rec, out in zip(records, outputs, strict=True):
             tp = rec.tp
             produced = rec.produced_at_ms
             received = rec.received_at
-            try:
-                if pack is not None and out is not None:
+            if received != last_received or produced != last_produced:
+                last_received, last_produced = received, produced
+                timings = Timings(queue_ms=int((closed_at - received) * 1_000_000) / 1000.0,
+                                  inference_ms=inference_ms,
+                                  total_ms=int((now - received) * 1_000_000) / 1000.0,
+                                  e2e_ms=(int((now_wall_ms - produced) * 1000) / 1000.0 if produced
+                                          else None))
+                shared = False
+            elif not shared:
+                timings = Raw(encode(timings))
+                shared = True
+            if pack is not None and out is not None:
+                try:
                     out = pack(out)
-                into(Result(
-                    id=rec.id or "", status="ok", outputs=out, model=name, model_version=version,
-                    lane=rec.lane, batch_size=batch_size,
-                    source=Source(topic=tp.topic, partition=tp.partition, offset=rec.offset),
-                    timings=Timings(queue_ms=int((closed_at - received) * 1_000_000) / 1000.0,
-                                    inference_ms=inference_ms,
-                                    total_ms=int((now - received) * 1_000_000) / 1000.0,
-                                    e2e_ms=(int((now_wall_ms - produced) * 1000) / 1000.0 if produced
-                                            else None)),
-                    meta=rec.meta), buf)
+                except UNENCODABLE:
+                    unpackable.append(len(results))
+                    out = None
+            put(Result(id=rec.id or "", status="ok", outputs=out, model=name, model_version=version,
+                       lane=rec.lane, batch_size=batch_size,
+                       source=Source(topic=tp.topic, partition=tp.partition, offset=rec.offset),
+                       timings=timings, meta=rec.meta))  # type: ignore[arg-type]
+        values = self._encode_all(results)
+        for i in unpackable:
+            values[i] = None
+        return values
+
+    def _encode_all(self, results: list[Result]) -> list[bytes | None]:
+        """Each result's bytes; None for one the encoder rejects. JSON: one ``encode_lines`` call for the
+        batch, split at its newlines (JSON escapes a newline inside a string, so each line is one result);
+        a batch the encoder rejects, or whose lines are not one per result, is encoded one result at a
+        time. MessagePack: one ``encode_into`` a reused buffer per result (``encode`` grows a fresh buffer
+        for each, about twice the cost)."""
+        if self._encode_lines is not None:
+            try:
+                lines = self._encode_lines(results).split(b"\n")
+            except UNENCODABLE:
+                pass
+            else:
+                lines.pop()  # after the last newline
+                if len(lines) == len(results):  # else an output held a newline of its own (a msgspec.Raw)
+                    return lines  # type: ignore[return-value]
+        buf = bytearray(512)
+        into = self._encoder.encode_into
+        values: list[bytes | None] = []
+        put = values.append
+        for r in results:
+            try:
+                into(r, buf)
                 put(bytes(buf))
             except UNENCODABLE:
                 put(None)

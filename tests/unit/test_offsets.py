@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import copy
 import time
 
 from hypothesis import given, settings
@@ -328,3 +329,28 @@ def test_ack_many_leaves_the_state_acking_one_by_one_leaves(tracked: list[int],
         assert (many.committable(), many.in_flight(), many.pending(A), many.first_pending(A)) == (
             one.committable(), one.in_flight(), one.pending(A), one.first_pending(A))
     assert many.ack_many(B, [0, 1]) == 0  # an unknown partition: nothing
+
+
+def _state(t: OffsetTracker) -> tuple[object, ...]:
+    return t.committable(), t.in_flight(), t.pending(A), t.first_pending(A), t.span(A)
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(st.lists(st.lists(st.integers(0, 30), min_size=1, max_size=8), max_size=6),
+       st.lists(st.integers(0, 30), max_size=10))
+def test_track_run_tracks_a_run_as_one_by_one_or_changes_nothing(runs: list[list[int]],
+                                                                 acks: list[int]) -> None:
+    """A poll batch's run of one partition: tracked whole exactly when tracking its offsets one by one
+    would accept every one (then with the same state as that), else refused with nothing changed."""
+    one, whole = OffsetTracker(), OffsetTracker()
+    for run in runs:
+        probe = copy.deepcopy(one)
+        every = all(probe.track(A, o) for o in run)
+        assert whole.track_run(A, run) is every
+        if every:
+            for o in run:
+                one.track(A, o)
+        assert _state(whole) == _state(one)
+        for o in acks:
+            assert whole.ack(A, o) == one.ack(A, o)
+        assert _state(whole) == _state(one)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from schemas import Float32Tensor, Result
 from worker.core.records import Record, TopicPartition
-from worker.result_encoding import ResultEncoder, pack_float32
+from worker.result_encoding import UNENCODABLE, ResultEncoder, pack_float32
 
 TP = TopicPartition("in", 1)
 f32 = st.floats(width=32, allow_nan=False)
@@ -129,3 +129,34 @@ def test_the_runner_packs_numeric_outputs_also_of_cache_hits(monkeypatch: pytest
         assert base64.b64decode(out["data"]) == struct.pack("<3f", 0.25, 0.5, 0.75)
     assert results["b"]["cached"] is True and results["e"]["outputs"] == {"label": "none"}
     assert h.committed() == 3
+
+
+_texts = st.text(alphabet=st.sampled_from("ab\n\r\"\\\u2028é\x00"), max_size=6)
+_outputs = st.one_of(st.none(), _texts, st.lists(st.floats(allow_nan=False), max_size=3),
+                     st.dictionaries(_texts, st.integers(-(2**63), 2**63 - 1), max_size=2),
+                     st.just(2**70), st.builds(object),
+                     # pre-encoded output with newlines of its own
+                     st.builds(msgspec.Raw, st.sampled_from([b'{\n"a": 1}', b"[1,\n2]", b'"x"'])))
+
+
+@given(st.sampled_from(["json", "msgpack"]), st.sampled_from(["lists", "float32"]),
+       st.lists(st.tuples(_outputs, st.sampled_from([10.0, 10.25]), st.sampled_from([None, 1_000, 1_001]),
+                          _texts), min_size=1, max_size=8))
+def test_every_batch_encodes_each_result_as_the_one_record_encoder_does(
+        fmt: str, encoding: str, cases: list[tuple[Any, float, int | None, str]]) -> None:
+    """Records that share their receive time and Kafka timestamp or not, ids and outputs with newlines and
+    quotes (a pre-encoded Raw output's newlines are not escaped), and outputs the format cannot write (an
+    object; an int past 64 bits in msgpack) among the others: each value is the one-record encoder's
+    bytes, or None where that encoder raises."""
+    enc = ResultEncoder("m", "2", fmt, encoding)  # type: ignore[arg-type]
+    recs = [rec(i, received_at=received, produced_at_ms=produced, id=rid)
+            for i, (_, received, produced, rid) in enumerate(cases)]
+    outs = [c[0] for c in cases]
+    values = enc.encode_ok(recs, outs, len(recs), 10.5, 0.01, 11.0, 2_000.0)
+    for r, out, value in zip(recs, outs, values, strict=True):
+        try:
+            want: bytes | None = enc.encode(r, "ok", out, None, len(recs), 10.5 - r.received_at, 0.01, 11.0,
+                                            2_000.0)
+        except UNENCODABLE:
+            want = None
+        assert value == want

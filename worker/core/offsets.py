@@ -7,7 +7,8 @@ asked to track.
 
 Model, per partition:
 
-- ``track(tp, offset)`` when a record is received. Offsets increase but may have gaps (compacted topics,
+- ``track(tp, offset)`` when a record is received (``track_run`` for a poll batch's offsets of one
+  partition). Offsets increase but may have gaps (compacted topics,
   transaction markers): an untracked offset is not a hole, only a tracked offset that is not done blocks.
 - ``ack(tp, offset)`` when its result (or DLQ record) is delivered: it is done.
 - ``committable()``: for each partition whose position advanced past the last ``mark_committed``, the
@@ -31,6 +32,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Mapping
+from itertools import islice
+from operator import lt
 
 from worker.core.records import TopicPartition
 
@@ -85,6 +88,24 @@ class OffsetTracker:
         p.pending.add(offset)
         p.last = offset
         self._in_flight += 1
+        return True
+
+    def track_run(self, tp: TopicPartition, offsets: list[int]) -> bool:
+        """``track`` for the offsets a poll batch read of one partition, in one call when every one of them
+        would be tracked: they increase, and the first is past the last one tracked. Returns False and
+        changes nothing otherwise (a position that moved back): the caller tracks them one at a time, since
+        what follows a rejected offset depends on what the caller does about it."""
+        p = self._parts.get(tp)
+        if p is None:
+            p = self._parts[tp] = _Partition()
+        if offsets[0] <= p.last or (len(offsets) > 1 and not all(map(lt, offsets, islice(offsets, 1, None)))):
+            return False
+        if p.first < 0:
+            p.first = offsets[0]
+        p.order.extend(offsets)
+        p.pending.update(offsets)
+        p.last = offsets[-1]
+        self._in_flight += len(offsets)
         return True
 
     def ack(self, tp: TopicPartition, offset: int) -> bool:

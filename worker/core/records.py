@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
+import msgspec
+
 Status = Literal["ok", "error", "expired"]
 
 
@@ -13,19 +15,24 @@ class TopicPartition(NamedTuple):
     partition: int
 
 
-@dataclass(slots=True, eq=False)
-class Record:
+class Record(msgspec.Struct, eq=False, gc=False):
     """One consumed request, decoded, on its way through a lane.
 
     ``received_at`` and ``deadline`` are monotonic seconds (the runner's clock); ``deadline`` is None when
     neither the request nor its lane sets one.
+
+    A msgspec Struct: its constructor runs in C, about half the cost of a dataclass's per consumed record.
+    Records compare and hash by identity (``eq=False``). The cyclic garbage collector does not track them
+    (``gc=False``, cheaper to make and to fill in): nothing a record holds refers back to it (its item and
+    meta come from the request's bytes), so no reference cycle runs through a record, and reference
+    counting frees it.
     """
 
     tp: TopicPartition
     offset: int
     value: bytes
     key: bytes | None = None
-    headers: list[tuple[str, bytes]] = field(default_factory=list)
+    headers: list[tuple[str, bytes]] = msgspec.field(default_factory=list)
     received_at: float = 0.0
     # Right after received_at so the consume loop passes all it knows positionally (keywords cost ~0.3 us).
     produced_at_ms: int | None = None  # Kafka record timestamp (CreateTime), for end-to-end latency

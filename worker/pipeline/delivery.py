@@ -5,15 +5,16 @@ At-least-once (``AtLeastOnce``): result/DLQ produced -> delivered (the emitter s
 past a gap. Exactly-once (``worker.pipeline.exactly_once``): the same prefix goes into the producer's
 transaction with the results it covers.
 
-The loop calls the same hooks in both modes: ``track`` (a record read), ``emit_ok`` / ``emit`` (outcomes),
-``on_failed`` / ``on_refused`` (a delivery failed, the producer refused a message), ``end_of_turn``,
-``settled`` / ``flush`` / ``commit`` (revoke, shutdown, the periodic commit) and ``release``.
+The loop calls the same hooks in both modes: ``track`` / ``track_run`` (records read), ``emit_ok`` /
+``emit`` (outcomes), ``on_failed`` / ``on_refused`` (a delivery failed, the producer refused a message),
+``end_of_turn``, ``settled`` / ``flush`` / ``commit`` (revoke, shutdown, the periodic commit) and
+``release``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from confluent_kafka import KafkaException
@@ -63,6 +64,12 @@ class DeliveryMode:
     def track(self, part: Partition, offset: int) -> bool:
         """A record read: tracked. False: it is not processed (already tracked)."""
         raise NotImplementedError
+
+    def track_run(self, part: Partition, offsets: list[int]) -> Collection[int]:
+        """The offsets one poll batch read of ``part``, in the order read: ``track`` for each. Returns the
+        indexes in ``offsets`` of the records not to be processed (``track`` said False); empty in the
+        common case."""
+        return [i for i, o in enumerate(offsets) if not self.track(part, o)]
 
     def emit_ok(self, recs: list[Record], outs: list[Any], n: int, closed: float, infer_s: float, now: float,
                 wall_ms: float) -> Iterable[int]:
@@ -192,6 +199,11 @@ class AtLeastOnce(DeliveryMode):
             # topic deleted and recreated): the records at those offsets are new data.
             self._position_moved_back(part.tp, offset)
         return True
+
+    def track_run(self, part: Partition, offsets: list[int]) -> Collection[int]:
+        if self.tracker.track_run(part.tp, offsets):
+            return ()
+        return super().track_run(part, offsets)  # a position moved back: one at a time, each as above
 
     def _position_moved_back(self, tp: TopicPartition, offset: int) -> None:
         """A record at or below the last offset tracked on its partition, with no rebalance in between.

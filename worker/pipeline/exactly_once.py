@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
@@ -77,6 +77,16 @@ class ExactlyOnce(DeliveryMode):
         if part.first_read is None:
             part.first_read = offset
         return True
+
+    def track_run(self, part: Partition, offsets: list[int]) -> Collection[int]:
+        if not self.tracker.track_run(part.tp, offsets):
+            return super().track_run(part, offsets)  # some were tracked already: one at a time
+        tp, track = part.tp, self._txn.track
+        for offset in offsets:
+            track(tp, offset)
+        if part.first_read is None:
+            part.first_read = offsets[0]
+        return ()
 
     def emit_ok(self, recs: list[Record], outs: list[Any], n: int, closed: float, infer_s: float, now: float,
                 wall_ms: float) -> Iterable[int]:

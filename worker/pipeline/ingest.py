@@ -91,59 +91,9 @@ class Ingest:
         now = self.loop.clock.monotonic()
         loop = self.loop
         outcomes: list[Outcome] = []
-        admitted: list[Record] = []
-        # Locals for the per-record loop (attribute lookups are a good part of its cost).
-        live, stop_at, reached = loop.partitions.live, loop.stop_at, loop.partitions.mark_reached
-        track, admit = self.mode.track, loop.intake.admit
-        n_in = 0
-        # A poll batch holds runs of one partition: its Partition is looked up once per run.
-        run_key: tuple[str, int] | None = None
-        part = None
-        for m in msgs:
-            err = m.error()
-            if err is not None:
-                if err.code() in (KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT):
-                    loop.broker_ok = False
-                if err.code() == KafkaError._PARTITION_EOF:
-                    if stop_at is not None:
-                        eof_tp = TopicPartition(m.topic(), m.partition())
-                        if m.offset() >= stop_at.get(eof_tp, 0):
-                            reached(eof_tp)
-                else:
-                    log.warning("consume error: %s", err)
-                    if err.fatal():
-                        loop.lifecycle.fail(f"fatal consumer error: {err}")
-                continue
-            key = (m.topic(), m.partition())
-            if key != run_key:
-                run_key, part = key, live(key)
-            if part is None:
-                continue  # a message of a partition revoked while it was in the fetch batch
-            tp = part.tp  # one TopicPartition per partition, not one per record
-            offset = m.offset()
-            if stop_at is not None:
-                if offset >= stop_at.get(tp, 0):
-                    # Backfill: past the end snapshot taken at start; leave it for the live workers.
-                    part.reached = True
-                    continue
-                if offset + 1 >= stop_at.get(tp, 0):
-                    part.reached = True
-            if not track(part, offset):
-                continue
-            part.position = offset + 1
-            ts_type, ts = m.timestamp()
-            try:
-                headers = m.headers() or []
-            except Exception:  # noqa: BLE001 - one record's headers must not stop the partition for good
-                headers = _unreadable_headers(tp, offset)
-            rec = Record(tp, offset, m.value(), m.key(), headers, now, ts if ts_type else None, part.epoch)
-            n_in += 1
-            bad = admit(rec, now)
-            if bad is not None:
-                outcomes.append(bad)
-            else:
-                admitted.append(rec)
-        loop.stats.records_in += n_in
+        recs = self.read(msgs, now)
+        loop.stats.records_in += len(recs)
+        admitted = loop.intake.admit_many(recs, now, outcomes)
         if admitted:
             admitted = loop.gate.admit(admitted, outcomes, ack=self._ack_delivered_before,
                                        isolate=loop.dispatch.isolate)
@@ -154,6 +104,102 @@ class Ingest:
                 loop.metrics.records_in(lane, n)
         if outcomes:
             self.results.emit_all(outcomes, now)
+
+    def read(self, msgs: list[Any], now: float) -> list[Record]:
+        """The poll batch's records to process, in the order read, each tracked under its partition's epoch
+        (``DeliveryMode.track_run``, once per partition of the batch); consumer errors and end-of-partition
+        events are served here, and a backfill's records past its end snapshot are left untracked."""
+        loop = self.loop
+        live, stop_at = loop.partitions.live, loop.stop_at
+        recs: list[Record] = []
+        keep = recs.append
+        # Per partition of the batch: its Partition and the offsets read, tracked together after the loop.
+        runs: dict[tuple[str, int], tuple[Any, list[int]]] = {}
+        # A poll batch holds runs of one partition: its entry is looked up once per run.
+        run_key: tuple[str, int] | None = None
+        part: Any = None
+        offsets: list[int] = []
+        tp, epoch = TopicPartition("", -1), 0
+        for m in msgs:
+            err = m.error()
+            if err is not None:
+                self._consume_error(m, err)
+                continue
+            key = (m.topic(), m.partition())
+            if key != run_key:
+                run_key = key
+                run = runs.get(key)
+                if run is None:
+                    part = live(key)
+                    run = runs[key] = (part, [])
+                part, offsets = run
+                if part is not None:
+                    # One TopicPartition per partition, not one per record; no callback runs in this loop,
+                    # so the epoch holds for the batch.
+                    tp, epoch = part.tp, part.epoch
+            if part is None:
+                continue  # a message of a partition revoked while it was in the fetch batch
+            offset = m.offset()
+            if stop_at is not None:
+                end = stop_at.get(tp, 0)
+                if offset >= end:
+                    # Backfill: past the end snapshot taken at start; leave it for the live workers.
+                    part.reached = True
+                    continue
+                if offset + 1 >= end:
+                    part.reached = True
+            offsets.append(offset)
+            ts_type, ts = m.timestamp()
+            try:
+                headers = m.headers() or []
+            except Exception:  # noqa: BLE001 - one record's headers must not stop the partition for good
+                headers = _unreadable_headers(tp, offset)
+            keep(Record(tp, offset, m.value(), m.key(), headers, now, ts if ts_type else None, epoch))
+        track_run = self.mode.track_run
+        skip: dict[TopicPartition, set[int]] = {}
+        for part, offsets in runs.values():
+            if not offsets:
+                continue
+            skipped = track_run(part, offsets)
+            last = len(offsets) - 1
+            if skipped:
+                dropped = skip[part.tp] = set(skipped)
+                while last in dropped:
+                    last -= 1
+            if last >= 0:
+                part.position = offsets[last] + 1
+        return self._without(recs, skip) if skip else recs
+
+    @staticmethod
+    def _without(recs: list[Record], skip: dict[TopicPartition, set[int]]) -> list[Record]:
+        """``recs`` less those the delivery mode did not track: per partition, the indexes among that
+        partition's records, in the order read (a record read twice in one batch is dropped the second
+        time only)."""
+        seen: dict[TopicPartition, int] = {}
+        kept: list[Record] = []
+        for r in recs:
+            i = seen.get(r.tp, 0)
+            seen[r.tp] = i + 1
+            if i not in skip.get(r.tp, ()):
+                kept.append(r)
+        return kept
+
+    def _consume_error(self, m: Any, err: Any) -> None:
+        """A consumer error or event in the poll batch: a broker that does not answer, a partition's end (a
+        backfill notes it reached), a fatal error (the worker stops)."""
+        loop = self.loop
+        if err.code() in (KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT):
+            loop.broker_ok = False
+        if err.code() == KafkaError._PARTITION_EOF:
+            stop_at = loop.stop_at
+            if stop_at is not None:
+                eof_tp = TopicPartition(m.topic(), m.partition())
+                if m.offset() >= stop_at.get(eof_tp, 0):
+                    loop.partitions.mark_reached(eof_tp)
+        else:
+            log.warning("consume error: %s", err)
+            if err.fatal():
+                loop.lifecycle.fail(f"fatal consumer error: {err}")
 
     def _ack_delivered_before(self, rec: Record) -> None:
         """The ledger says the record's result was delivered before (redelivery after a crash or rebalance).

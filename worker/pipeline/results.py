@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from itertools import groupby
 from operator import attrgetter
 from typing import Any
 
@@ -17,6 +18,9 @@ from worker.pipeline.delivery import DeliveryMode
 _received_at = attrgetter("received_at")
 _produced_at = attrgetter("produced_at_ms")
 _tp = attrgetter("tp")
+_epoch = attrgetter("epoch")
+_offset = attrgetter("offset")
+_FAILED = (BaseException, Expired)  # a device output that is no result: the record's error or expiry
 
 
 def _by_lane(records: list[Record]) -> Iterable[tuple[str, list[Record]]]:
@@ -71,9 +75,18 @@ class Results:
         epoch_of = loop.partitions.epoch
         if len(outputs) != n:
             raise ValueError(f"{len(outputs)} outputs for a batch of {n} records")
-        epochs = {tp: epoch_of(tp) for tp in set(map(_tp, records))}
-        current = all(r.epoch == epochs[r.tp] for r in records)
-        errors = [i for i, out in enumerate(outputs) if isinstance(out, BaseException | Expired)]
+        # A batch holds runs of one partition: a Python step per run, the records of a run looked at in C
+        # (groupby, map and set over attrgetters).
+        epochs: dict[TopicPartition, int] = {}
+        current = True
+        for tp, run in groupby(records, _tp):
+            epoch = epochs.get(tp)
+            if epoch is None:
+                epoch = epochs[tp] = epoch_of(tp)
+            if current and set(map(_epoch, run)) != {epoch}:
+                current = False
+        failed_types = any(issubclass(t, _FAILED) for t in set(map(type, outputs)))
+        errors = [i for i, out in enumerate(outputs) if isinstance(out, _FAILED)] if failed_types else []
         if current and not errors:
             ok_recs, ok_outs = records, outputs
         else:
@@ -185,6 +198,9 @@ class Results:
         epoch_of, tracker = loop.partitions.epoch, loop.tracker
         for tp, group in by_tp.items():
             epoch = epoch_of(tp)
+            if set(map(_epoch, group)) == {epoch}:  # the common case, in C loops
+                tracker.ack_many(tp, map(_offset, group))
+                continue
             tracker.ack_many(tp, [r.offset for r in group if r.epoch == epoch])
             for r in group:
                 if r.epoch != epoch:
