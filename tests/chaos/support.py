@@ -118,6 +118,13 @@ class OutputWatcher:
         threading.Thread(target=old.close, name="watch-close", daemon=True).start()
         self.reopened += 1
 
+    def wait_assigned(self, timeout: float = 60.0) -> None:
+        """Until the reader holds the topic's partitions: a run judged by what it reads cannot start before it
+        reads (on a fresh broker its group's coordinator can take seconds to load, while the worker's group,
+        on another coordinator, goes ahead and passes several kill points unseen)."""
+        wait_for(lambda: bool(self._consumer.assignment()), timeout, interval=0.05,
+                 what=f"the reader of {self.topic} to get its partitions")
+
     def describe(self) -> str:
         """For a test's failure message: what it read, how far, how often it reopened."""
         with self._lock:

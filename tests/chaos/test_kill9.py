@@ -59,6 +59,7 @@ def test_kill9_five_times(kafka, topic_names, tmp_path, mode):
     committed_at: list[dict[int, int]] = []  # per kill: the group's commits the next process starts from
 
     with OutputWatcher(bs, topic_names["out"], read_committed=True) as watch:
+        watch.wait_assigned()
 
         def after_kill(_i: Incident) -> None:
             kill_times.append(time.time())  # the killed process is gone (kill() waited for it)
