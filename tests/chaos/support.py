@@ -118,6 +118,13 @@ class OutputWatcher:
         threading.Thread(target=old.close, name="watch-close", daemon=True).start()
         self.reopened += 1
 
+    def wait_assigned(self, timeout: float = 60.0) -> None:
+        """Until the reader holds the topic's partitions: a run judged by what it reads cannot start before it
+        reads (on a fresh broker its group's coordinator can take seconds to load, while the worker's group,
+        on another coordinator, goes ahead and passes several kill points unseen)."""
+        wait_for(lambda: bool(self._consumer.assignment()), timeout, interval=0.05,
+                 what=f"the reader of {self.topic} to get its partitions")
+
     def describe(self) -> str:
         """For a test's failure message: what it read, how far, how often it reopened."""
         with self._lock:
@@ -285,21 +292,26 @@ class Tally:
     dlq: int
     by_id: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     dead_letters: list[Any] = field(default_factory=list)
+    # Per id, in by_id's order: each result's output message timestamp (ms, the producer's clock when the
+    # worker produced it), which tells the worker process that produced it apart from the others.
+    stamps: dict[str, list[int]] = field(default_factory=dict)
 
 
 def tally(bootstrap: str, out_topic: str, dlq_topic: str | None, expected: set[str], sent: int, *,
           read_committed: bool = True, idle: float = 3.0, timeout: float = 90.0) -> Tally:
     """A fresh read of the output (and DLQ) topic from the beginning."""
-    values = [_dec.decode(m.value()) for m in read_all(bootstrap, out_topic, timeout=timeout, idle=idle,
-                                                        read_committed=read_committed)]
+    msgs = read_all(bootstrap, out_topic, timeout=timeout, idle=idle, read_committed=read_committed)
+    values = [_dec.decode(m.value()) for m in msgs]
     by_id: dict[str, list[dict[str, Any]]] = {}
-    for v in values:
+    stamps: dict[str, list[int]] = {}
+    for v, m in zip(values, msgs, strict=True):
         by_id.setdefault(v["id"], []).append(v)
+        stamps.setdefault(v["id"], []).append(m.timestamp()[1])
     lost = sum(1 for i in expected if i not in by_id)
     dups = sum(len(v) - 1 for v in by_id.values())
     dead = read_all(bootstrap, dlq_topic, timeout=30, idle=2.0,
                     read_committed=read_committed) if dlq_topic else []
-    return Tally(sent, len(values), lost, dups, len(dead), by_id, dead)
+    return Tally(sent, len(values), lost, dups, len(dead), by_id, dead, stamps)
 
 
 def _results_file() -> Path | None:

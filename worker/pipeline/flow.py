@@ -32,13 +32,21 @@ class FlowControl:
         tracker, low = self.loop.tracker, span_bound * ratio
         parts = self.loop.partitions
         assigned, paused = parts.assigned, parts.paused
+        reached = parts.reached if self.loop.stop_at is not None else set()
         spans = {tp: n for tp in assigned if (n := tracker.span(tp)) > low}
         want, self._holding, span_held = partitions_to_pause(
             in_flight=in_flight, bound=bound, resume_ratio=ratio, assigned=assigned, holding=self._holding,
-            reached=parts.reached if self.loop.stop_at is not None else set(), full_lanes=full,
+            reached=reached, full_lanes=full,
             lane_of=lambda tp: lanes_of.get(tp.topic, default_lane), spans=spans, span_bound=span_bound,
             span_held=parts.span_held)
         parts.set_span_held(span_held)
+        # A partition that has returned no record since its assignment may still be looking up where to
+        # start (no commit: auto.offset.reset). librdkafka, paused and resumed meanwhile, can run that lookup
+        # twice and deliver the partition's first records again after the worker processed them (design
+        # notes: "A partition's first records read twice"). It is paused once it returns its first record;
+        # until then a poll at the in-flight bound reads one record.
+        want -= {tp for tp in want - paused
+                 if tp not in reached and (p := parts.live(tp)) is not None and p.position is None}
         for tp, n in spans.items():
             if n >= span_bound and tp not in paused:
                 log.warning("partition paused: %d records read since its oldest unfinished record "
