@@ -26,8 +26,8 @@ from typing import Any
 
 import pytest
 
-from worker.adapters.redis_store import redact_url
 from worker.local.redis_server import LocalRedis, RedisStartError
+from worker.store.redis_store import redact_url
 
 LOCAL_ONLY = os.environ.get("KIW_TEST_SERVERS", "").strip().lower() == "local"  # as in tests/conftest.py
 

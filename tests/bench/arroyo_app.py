@@ -9,7 +9,7 @@ result; the processor commits the staged offsets once a second, the worker's ``c
 default). At-least-once like the worker: an offset is committed only after the results before it were
 delivered.
 
-librdkafka gets the worker's fetch and produce settings (``worker.adapters.kafka_clients`` defaults:
+librdkafka gets the worker's fetch and produce settings (``worker.kafka.clients`` defaults:
 prefetch queue, fetch wait and backoff; idempotence, acks=all, linger, batch size, lz4), so that the
 comparison is of the frameworks, not of their defaults. Arroyo keeps what it requires: per-message delivery
 reports (its ``Produce`` step waits on one future per message; the producer makes them Arroyo's light
@@ -51,7 +51,7 @@ from arroyo.processing.strategies import (
 )
 from arroyo.types import BaseValue, BrokerValue, Commit, FilteredPayload, Message, Partition, Topic
 
-from worker.adapters.kafka_clients import CONSUMER_DEFAULTS, PRODUCER_DEFAULTS
+from worker.kafka.clients import CONSUMER_DEFAULTS, PRODUCER_DEFAULTS
 
 Batch = MutableSequence[BaseValue[KafkaPayload]]
 # What UnbatchStep hands on to Produce, whose input may also be a filtered (skipped) message.

@@ -36,13 +36,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tests.bench.common import Ctx, log, row
-from worker.config import GenerationConfig, ModelConfig
+from worker.config.settings import GenerationConfig, ModelConfig
 from worker.core.records import Batch, Record, TopicPartition
 from worker.core.step_model import GenParams
 from worker.core.step_scheduler import LaneRule
-from worker.generation import GenerationWorker
 from worker.models.generative import GenerativeModel, GenRequest
 from worker.models.registry import load_model
+from worker.pipeline.generation import GenerationWorker
 
 # A decode step reads every weight once whatever the batch: nearly flat in the active sequences.
 A_MS, B_MS = 10.0, 0.05

@@ -89,7 +89,7 @@ def loop_decode_minilm(**options: Any) -> LoopDecodeMiniLM:
 
 def corpus(n: int, seed: int = 27) -> list[str]:
     """The texts ``worker load --model-input minilm`` sends."""
-    from worker.load import make_inputs
+    from worker.app.load import make_inputs
 
     gen = make_inputs("minilm", random.Random(seed))
     return [gen(i)["text"] for i in range(n)]
@@ -225,7 +225,7 @@ def run(ctx: Ctx, variants: list[tuple[str, dict[str, Any]]] | None = None) -> d
 
 def measure_ceiling(texts: list[str], batch: int, passes: int = 2) -> dict[str, float]:
     """Texts/s through the minilm tokenizer alone: ``encode_batch`` by ``batch`` and one text at a time."""
-    from worker.adapters.torch_device import available_cpus
+    from worker.device.placement import available_cpus
     from worker.models.minilm import MiniLMModel
 
     tok = MiniLMModel().tokenizer

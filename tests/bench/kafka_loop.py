@@ -28,7 +28,7 @@ import torch
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from schemas import Result, Source, Timings
-from worker.adapters.kafka_clients import CONSUMER_DEFAULTS, CONSUMER_FIXED, PRODUCER_DEFAULTS
+from worker.kafka.clients import CONSUMER_DEFAULTS, CONSUMER_FIXED, PRODUCER_DEFAULTS
 from worker.models.base import float32_rows
 from worker.models.minilm import DIM, MiniLMModel
 

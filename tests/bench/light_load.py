@@ -27,9 +27,9 @@ import msgspec
 from confluent_kafka import Consumer
 
 from tests.bench.common import Broker, create_topics, percentile, uid
-from worker.config import from_dict
-from worker.load import load_producer, produce, requests
-from worker.runner import Runner
+from worker.app.load import load_producer, produce, requests
+from worker.config.settings import from_dict
+from worker.pipeline.runner import Runner
 
 
 def pct(values: list[float]) -> str:

@@ -51,11 +51,11 @@ EXTRA_CONSUMER: dict[str, Any] = {}  # librdkafka overrides for experiments (e.g
 def record_bytes(n: int = 5000) -> float:
     """Python heap held per in-flight record: the consumed value, the decoded request, the Record, its
     queue entries and its encoded result (tracemalloc over n records kept alive at once)."""
-    from worker.config import from_dict
+    from worker.config.settings import from_dict
     from worker.core.records import Outcome, Record, TopicPartition
-    from worker.emit import Emitter
-    from worker.intake import Intake
     from worker.models.synthetic import SyntheticModel
+    from worker.output.emit import Emitter
+    from worker.pipeline.intake import Intake
 
     cfg = from_dict({"kafka": {"input_topics": ["in"]}, "model": {"name": "synthetic"}}, environ={})
     model = SyntheticModel(a_ms=20, b_ms=1)

@@ -62,7 +62,7 @@ def main() -> int:
     ap.add_argument("--bucket-width", type=int, default=0,
                     help="also run a bucketed pass at every batch size (0: none)")
     args = ap.parse_args()
-    from worker.adapters.torch_engine import configure_threads
+    from worker.device.engine import configure_threads
     from worker.models.minilm import MiniLMModel
 
     texts: list[str] = json.loads(open(args.texts).read())

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from tests.bench.batching import A_MS, B_MS
 from tests.bench.latency import HIGH_SHARE, MAX_B, W_HIGH, W_LOW
-from worker.config import LaneConfig
+from worker.config.settings import LaneConfig
 from worker.core.latency import LatencyModel, efficient_size
 from worker.core.records import Record, TopicPartition
 from worker.core.scheduler import PriorityScheduler

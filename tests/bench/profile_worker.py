@@ -58,8 +58,8 @@ def main() -> int:
                     help="kafka.commit_interval_ms (exactly_once: the transaction checkpoint interval)")
     args = ap.parse_args()
 
-    from worker.config import from_dict
-    from worker.runner import Runner
+    from worker.config.settings import from_dict
+    from worker.pipeline.runner import Runner
 
     with Broker() as b:
         r = uid()
@@ -84,7 +84,7 @@ def main() -> int:
         }, environ={})
         metrics = None
         if args.metrics:
-            from worker.adapters.metrics import PrometheusMetrics
+            from worker.observability.metrics import PrometheusMetrics
 
             metrics = PrometheusMetrics()
         calls = _time_kafka_calls() if args.kafka_calls else None
@@ -207,7 +207,7 @@ def _time_kafka_calls() -> dict[str, list[float]]:
     """Wrap the runner's Kafka clients so each call's thread CPU time and wall time are summed per method
     (from the moment the steady state starts; see _plain). A wrapper call costs well under a microsecond, and
     poll/consume are called once per loop turn, produce once per record."""
-    import worker.runner
+    import worker.pipeline.runner
 
     acc: dict[str, list[float]] = {}
     timed = {"poll", "consume", "produce", "commit", "store_offsets", "pause", "resume"}
@@ -235,9 +235,9 @@ def _time_kafka_calls() -> dict[str, list[float]]:
                     slot[2] += time.perf_counter() - w  # with the waits: a poll timeout, the GIL taken back
             return call
 
-    make_consumer, make_producer = worker.runner.make_consumer, worker.runner.make_producer
-    worker.runner.make_consumer = lambda *a, **k: Timed(make_consumer(*a, **k), "consumer")  # type: ignore[assignment]
-    worker.runner.make_producer = lambda *a, **k: Timed(make_producer(*a, **k), "producer")  # type: ignore[assignment]
+    make_consumer, make_producer = worker.pipeline.runner.make_consumer, worker.pipeline.runner.make_producer
+    worker.pipeline.runner.make_consumer = lambda *a, **k: Timed(make_consumer(*a, **k), "consumer")  # type: ignore[assignment]
+    worker.pipeline.runner.make_producer = lambda *a, **k: Timed(make_producer(*a, **k), "producer")  # type: ignore[assignment]
     return acc
 
 

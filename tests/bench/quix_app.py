@@ -3,7 +3,7 @@
 The idiomatic Quix Streams 3 pipeline: ``app.dataframe(input)`` (JSON values) ``.apply(fn)``
 ``.to_topic(output)``, at-least-once, ``commit_interval=1.0`` s (the worker's ``commit_interval_ms`` default).
 librdkafka gets the
-worker's fetch and produce settings (``worker.adapters.kafka_clients`` defaults: prefetch queue, fetch wait
+worker's fetch and produce settings (``worker.kafka.clients`` defaults: prefetch queue, fetch wait
 and backoff; linger, batch size, lz4, acks=all; Quix already sets an idempotent producer), so that the
 comparison is of the frameworks, not of their defaults. Quix keeps what it requires: its own commit handling,
 per-message delivery reports and the range assignor. Per record it builds the same result as the raw loop (id,
@@ -31,7 +31,7 @@ def main() -> int:
 
     from quixstreams import Application, message_context
 
-    from worker.adapters.kafka_clients import CONSUMER_DEFAULTS, PRODUCER_DEFAULTS
+    from worker.kafka.clients import CONSUMER_DEFAULTS, PRODUCER_DEFAULTS
 
     consumer_extra = {k: CONSUMER_DEFAULTS[k] for k in ("queued.max.messages.kbytes", "queued.min.messages",
                                                         "fetch.wait.max.ms", "fetch.queue.backoff.ms")}

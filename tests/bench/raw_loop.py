@@ -3,7 +3,7 @@
 consume(1000) -> decode the JSON request (msgspec) -> encode a result (id, status, outputs = inputs, model,
 source) -> produce it with the request's key -> every ``commit_interval_ms``: flush the producer (every
 result delivered) and commit the consumed positions synchronously. Same librdkafka settings as the worker
-(``worker.adapters.kafka_clients`` defaults: idempotent producer, acks=all, linger 5 ms, lz4; no auto
+(``worker.kafka.clients`` defaults: idempotent producer, acks=all, linger 5 ms, lz4; no auto
 commit). At-least-once like the worker, without its per-record tracking, lanes or batching.
 
 ``python -m tests.bench.raw_loop --bootstrap B --input T --output T --group G``; SIGTERM stops it.
@@ -20,7 +20,7 @@ import msgspec
 from confluent_kafka import Consumer, Producer
 from confluent_kafka import TopicPartition as KTP
 
-from worker.adapters.kafka_clients import CONSUMER_DEFAULTS, CONSUMER_FIXED, PRODUCER_DEFAULTS
+from worker.kafka.clients import CONSUMER_DEFAULTS, CONSUMER_FIXED, PRODUCER_DEFAULTS
 
 
 def main() -> int:

@@ -19,7 +19,7 @@ from confluent_kafka import TopicPartition as KTP
 
 from tests.bench.common import Broker, create_topics, produce_backlog, uid
 from tests.bench.pipeline import requests
-from worker.adapters.kafka_clients import CONSUMER_DEFAULTS, CONSUMER_FIXED
+from worker.kafka.clients import CONSUMER_DEFAULTS, CONSUMER_FIXED
 
 RECORDS, PARTITIONS, EVERY = 60_000, 4, 12_000
 

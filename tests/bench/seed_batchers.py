@@ -48,7 +48,7 @@ import msgspec
 from confluent_kafka import Consumer, Producer
 from confluent_kafka import TopicPartition as KTP
 
-from worker.adapters.kafka_clients import CONSUMER_DEFAULTS, CONSUMER_FIXED, PRODUCER_DEFAULTS
+from worker.kafka.clients import CONSUMER_DEFAULTS, CONSUMER_FIXED, PRODUCER_DEFAULTS
 from worker.models.synthetic import SyntheticModel
 
 # --------------------------------------------------------------------------- seed 000, section 3.1

@@ -28,21 +28,21 @@ import msgspec
 from confluent_kafka import Consumer, Producer
 
 from tests.bench.pipeline import requests
-from worker.adapters.kafka_clients import PRODUCER_DEFAULTS
-from worker.config import from_dict
+from worker.config.settings import from_dict
 from worker.core.offsets import OffsetTracker
 from worker.core.ports import NullMetrics
 from worker.core.records import Record, TopicPartition
 from worker.core.scheduler import PriorityScheduler
-from worker.emit import Emitter
-from worker.intake import Intake
+from worker.kafka.clients import PRODUCER_DEFAULTS
 from worker.models.identity import IdentityModel
+from worker.output.emit import Emitter
 from worker.pipeline.context import RunStats
 from worker.pipeline.delivery import AtLeastOnce
 from worker.pipeline.ingest import Ingest
+from worker.pipeline.intake import Intake
 from worker.pipeline.partitions import PartitionTable
 from worker.pipeline.results import Results
-from worker.runner import GC_THRESHOLD
+from worker.pipeline.runner import GC_THRESHOLD
 
 # Records per poll batch (kafka.poll_max_records' default).
 POLL_BATCH = 1000

@@ -62,9 +62,9 @@ def one_mode(mode: str, n: int, bucket: int) -> dict[str, Any]:
     """Runs in a child process: batch the corpus in ``mode`` ("count" or "tokens") and time the passes."""
     import torch
 
-    from worker.adapters.torch_device import configure_threads
     from worker.core.batcher import MicroBatcher
     from worker.core.records import Record, TopicPartition
+    from worker.device.placement import configure_threads
     from worker.models.inputs import TextInput
     from worker.models.minilm import MiniLMModel
 

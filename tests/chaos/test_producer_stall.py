@@ -1,5 +1,5 @@
 """A broker paused while the worker has results to deliver: its producers hold them, and past
-``delivery.producer_stall_s`` the worker replaces them (worker/settling.py), purging what they held and
+``delivery.producer_stall_s`` the worker replaces them (worker/output/settling.py), purging what they held and
 sending it again on new ones, with a longer wait each time while nothing gets delivered. Once the broker
 runs again everything is delivered and committed, on the same process, nothing lost.
 

@@ -1,5 +1,6 @@
-"""Fuzz target ``config``: YAML bytes through the real config loader (worker.config.load: the duplicate-key
-loader, the shape checks, env-free secret references, msgspec conversion, the checks across keys).
+"""Fuzz target ``config``: YAML bytes through the real config loader (worker.config.settings.load: the
+duplicate-key loader, the shape checks, env-free secret references, msgspec conversion, the checks across
+keys).
 
 What must hold: load() either returns a Config or raises ConfigError (whose message starts with the key
 path or the file), never anything else (a RecursionError, a TypeError from a value of an unexpected type),
@@ -15,7 +16,7 @@ from pathlib import Path
 import yaml
 from hypothesis import strategies as st
 
-from worker.config import Config, ConfigError, load
+from worker.config.settings import Config, ConfigError, load
 
 BOUND_S = 5.0
 

@@ -1,5 +1,5 @@
 """Fuzz target ``dlq``: the headers and value of a record on the dead-letter topic through what ``worker dlq
-replay`` does with it (worker.dlq.examine, replay_headers), and, for one it would replay, through a real
+replay`` does with it (worker.app.dlq.examine, replay_headers), and, for one it would replay, through a real
 confluent-kafka producer's produce() (no broker: the message is queued, then purged).
 
 What must hold: examine() never raises; what it quotes is printable text; a replayed dead letter names a
@@ -13,7 +13,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from schemas import DLQ_HEADERS, DeadLetter
-from worker.dlq import examine, replay_headers, source
+from worker.app.dlq import examine, replay_headers, source
 
 _numbers = st.integers(-(2**70), 2**70).map(lambda i: str(i).encode())
 _text = st.text(max_size=30).map(str.encode)

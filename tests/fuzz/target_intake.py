@@ -18,10 +18,10 @@ import msgspec
 from hypothesis import strategies as st
 
 from schemas import H_PRIORITY, DeadLetter, ErrorStage, Result
-from worker.config import from_dict
+from worker.config.settings import from_dict
 from worker.core.records import Outcome, Record, TopicPartition
-from worker.emit import Emitter
-from worker.intake import Intake
+from worker.output.emit import Emitter
+from worker.pipeline.intake import Intake
 
 MAX_BYTES = 4096  # delivery.max_input_bytes here: small, so that generated records cross it
 MESSAGE_MAX = 1000  # librdkafka's smallest message.max.bytes: the hardest case for the dead letters

@@ -62,7 +62,7 @@ def test_dlq_smoke(args: tuple[list[tuple[str, bytes | None]] | None, bytes | No
 
 
 def test_dlq_replay_lines_escape_control_characters() -> None:
-    from worker.dlq import examine
+    from worker.app.dlq import examine
 
     seen = examine(_letter(b"\x1b[2Jevil"), b"{}", None)
     assert seen.skip is not None and "\x1b" not in seen.skip and "\\x1b[2Jevil" in seen.skip

@@ -44,9 +44,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from worker.adapters.torch_engine import DeviceWorker, Engine  # noqa: E402
-from worker.config import ModelConfig  # noqa: E402
+from worker.config.settings import ModelConfig  # noqa: E402
 from worker.core.records import Batch, Record, TopicPartition  # noqa: E402
+from worker.device.engine import DeviceWorker, Engine  # noqa: E402
 from worker.models.registry import load_model  # noqa: E402
 
 Result = dict[str, Any]  # name, value, target, status (PASS|FAIL|INFO|SKIP), detail
@@ -254,7 +254,7 @@ def profile_verdict(rc: int, data: dict[str, Any], budget_ms: float) -> str | No
 
 
 def check_profile_curve(device: str, quick: bool, out_dir: Path) -> list[Result]:
-    from worker import profile
+    from worker.app import profile
 
     png, js = out_dir / "minilm_profile.png", out_dir / "minilm_profile.json"
     for f in (png, js):

@@ -25,7 +25,7 @@ def test_pipeline_outputs_match_engine_run() -> None:
     import threading
 
     from tests.gpu import gpu_check
-    from worker.adapters.torch_engine import DeviceWorker
+    from worker.device.engine import DeviceWorker
 
     eng = gpu_check.engine("cuda")
     items = eng.example_items(24)

@@ -73,12 +73,12 @@ fi
   || die "$PY lacks kubernetes-validate (offline Kubernetes schemas): pip install kubernetes-validate"
 
 # `worker check-config` is the contract; before the CLI had it, config.load was the same check.
-if grep -q '"check-config"' "$root/worker/cli.py" 2>/dev/null; then
+if grep -q '"check-config"' "$root/worker/app/cli.py" 2>/dev/null; then
   check_config() { PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m worker check-config --config "$1"; }
 else
   check_config() {
     PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c '
-import sys, worker.config as c
+import sys, worker.config.settings as c
 try:
     c.load(sys.argv[1])
 except c.ConfigError as e:

@@ -22,7 +22,7 @@ import yaml
 
 _REF = re.compile(r"\$\{(env|file):([^}]+)\}")
 _ONLY_REF = re.compile(r"^\$\{(env|file):[^}]+\}$")
-# The worker's own list (worker.config.SECRET_WORDS), spelled with "." and "_" alike.
+# The worker's own list (worker.config.settings.SECRET_WORDS), spelled with "." and "_" alike.
 _SECRET_KEY = re.compile(
     r"(password|passwd|secret|token|sasl[._]jaas|sasl[._]oauthbearer[._]config|key[._]pem|"
     r"private|credential|api[._]?key|authorization)",

@@ -1,6 +1,6 @@
 """What the chart renders to watch the worker, checked against the worker itself.
 
-- The PrometheusRule's expressions use only metrics the worker exposes (worker/adapters/metrics.py), and
+- The PrometheusRule's expressions use only metrics the worker exposes (worker/observability/metrics.py), and
   every metric the docs' "What to alert on" names has an alert.
 - The dashboard ConfigMap carries deploy/grafana's dashboard as it is, for the Grafana sidecar.
 - The exec probes and the `helm test` script, as rendered, run against the worker's real health server: they
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from helm_render import ROOT, one, render
 
-from worker.adapters.health import HealthServer, HealthState
-from worker.adapters.metrics import PrometheusMetrics
+from worker.observability.health import HealthServer, HealthState
+from worker.observability.metrics import PrometheusMetrics
 
 pytestmark = pytest.mark.timeout(300)
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "kafka-inference-worker.json"

@@ -23,7 +23,7 @@ from tests.support.kafka_io import (
     read_all,
     worker_config,
 )
-from worker.load import produce, requests
+from worker.app.load import produce, requests
 
 pytestmark = pytest.mark.integration
 

@@ -35,8 +35,8 @@ def test_demo_reports_a_worker_that_fails_to_start_at_once(kafka, monkeypatch, c
     import time
 
     import worker.models.registry
-    from worker.cli import main
-    from worker.config import ConfigError
+    from worker.app.cli import main
+    from worker.config.settings import ConfigError
 
     def broken(cfg):
         raise ConfigError("$.model.name: 'minilm' needs the models extra (in this test: on purpose)")
@@ -53,13 +53,13 @@ def test_demo_reports_a_worker_that_fails_to_start_at_once(kafka, monkeypatch, c
 def test_an_interrupted_demo_stops_its_worker_before_returning(kafka, monkeypatch):
     import threading
 
-    import worker.demo
-    from worker.cli import main
+    import worker.app.demo
+    from worker.app.cli import main
 
     def interrupted(*_args, **_kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(worker.demo, "_collect", interrupted)  # Ctrl-C while the demo waits for results
+    monkeypatch.setattr(worker.app.demo, "_collect", interrupted)  # Ctrl-C while the demo waits for results
     assert main(["demo", "--records", "10", "--bootstrap", kafka.bootstrap, "--warm-up-s", "0"]) == 130
     # Stopped and joined: with a broker of the demo's own, it is closed only after this.
     assert [t for t in threading.enumerate() if t.name == "worker-loop"] == []

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from tests.support.kafka_io import wait_for
-from worker.load import produce, requests
+from worker.app.load import produce, requests
 
 pytestmark = pytest.mark.integration
 

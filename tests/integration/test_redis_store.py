@@ -14,11 +14,11 @@ import pytest
 import redis
 
 from tests.support import needs
-from worker.adapters.metrics import PrometheusMetrics
-from worker.adapters.redis_store import RedisStore
-from worker.adapters.stores import make_store
-from worker.config import RedisConfig
+from worker.config.settings import RedisConfig
 from worker.local.redis_server import LocalRedis
+from worker.observability.metrics import PrometheusMetrics
+from worker.store.from_config import make_store
+from worker.store.redis_store import RedisStore
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,7 @@ import yaml
 from confluent_kafka import Consumer, Producer
 from confluent_kafka import TopicPartition as KTP
 
-from worker.adapters.kafka_clients import ensure_topics, retry_transient
+from worker.kafka.clients import ensure_topics, retry_transient
 
 ROOT = Path(__file__).resolve().parents[2]
 _dec = msgspec.json.Decoder()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 
-from worker.config import LaneConfig
+from worker.config.settings import LaneConfig
 from worker.core.records import Record, TopicPartition
 
 

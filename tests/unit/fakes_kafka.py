@@ -41,8 +41,8 @@ import pytest
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, OFFSET_INVALID, KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KTP
 
-from worker.adapters.kafka_clients import PRODUCER_DEFAULTS
 from worker.core.records import Batch, TopicPartition
+from worker.kafka.clients import PRODUCER_DEFAULTS
 
 TIMESTAMP_CREATE_TIME = 1
 Hook = Callable[[], None]
@@ -51,7 +51,7 @@ Hook = Callable[[], None]
 # ----------------------------------------------------------------------------------------------- clock
 class FakeTime:
     """The clock a Runner is given (``Runner(clock=...)``), and the ``time`` module of the modules that still
-    read it (worker.emit, worker.intake, ...).
+    read it (worker.output.emit, worker.pipeline.intake, ...).
 
     ``monotonic``/``perf_counter`` start at 1000 s, ``time`` at a fixed wall clock; ``sleep`` advances
     both (and records the request), so code that waits finishes at once and a test can assert on the
@@ -902,7 +902,7 @@ BASE_CONFIG: dict[str, Any] = {
 
 def make_config(**sections: dict[str, Any]) -> Any:
     """BASE_CONFIG with ``sections`` merged in (one level deep: ``kafka={"commit_interval_ms": 5}``)."""
-    from worker.config import from_dict
+    from worker.config.settings import from_dict
 
     data: dict[str, Any] = {k: dict(v) for k, v in BASE_CONFIG.items()}
     for name, values in sections.items():
@@ -920,7 +920,7 @@ class Harness:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, cfg: Any = None, *, model: FakeModel | None = None,
                  store: Any = None, devices: int = 1, metrics: Any = None, spare: bool = False,
                  wrap_consumer: Callable[[FakeConsumer], Any] | None = None, **runner_kw: Any) -> None:
-        import worker.runner as wr
+        import worker.pipeline.runner as wr
 
         self.cfg = cfg if cfg is not None else make_config()
         self.clock = FakeTime()
@@ -929,8 +929,8 @@ class Harness:
         self.consumer = FakeConsumer(self.clock)
         self.producer = FakeProducer(self.clock)
         self.producer.group_offsets = self.consumer.committed_offsets
-        # At-least-once runs with a spare producer (worker.emit); most tests read one producer's messages,
-        # so a test asks for the spare explicitly.
+        # At-least-once runs with a spare producer (worker.output.emit); most tests read one producer's
+        # messages, so a test asks for the spare explicitly.
         self.spare: FakeProducer | None = FakeProducer(self.clock) if spare else None
         made: list[FakeProducer] = []
         self.replacements: list[FakeProducer] = []  # producers made to replace a stalled one, in order
@@ -948,7 +948,7 @@ class Harness:
 
         def make_producer(cfg: Any, **extra: Any) -> FakeProducer:
             # The first call makes the producer, a second one the spare (Harness(spare=True)); later ones
-            # replace a stalled producer (worker.emit), listed in ``replacements``.
+            # replace a stalled producer (worker.output.emit), listed in ``replacements``.
             if not made:
                 p = self.producer
             elif len(made) == 1 and self.spare is not None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from confluent_kafka import OFFSET_BEGINNING
 
-import worker.backfill as bf
-import worker.runner as wr
+import worker.app.backfill as bf
+import worker.pipeline.runner as wr
 from tests.unit.fakes_kafka import Harness, make_config, tp_of
 from worker.core.records import TopicPartition
 

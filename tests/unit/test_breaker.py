@@ -2,10 +2,10 @@ from __future__ import annotations
 
 import pytest
 
-from worker.adapters.memory_store import MemoryStore
-from worker.adapters.redis_store import CircuitBreaker, RedisStore, redact_url
-from worker.adapters.stores import make_store
-from worker.config import RedisConfig
+from worker.config.settings import RedisConfig
+from worker.store.from_config import make_store
+from worker.store.memory_store import MemoryStore
+from worker.store.redis_store import CircuitBreaker, RedisStore, redact_url
 
 
 class Clock:

@@ -14,7 +14,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tests.support.props import examples
-from worker.config import ConfigError
+from worker.config.settings import ConfigError
 from worker.core.step_model import GenerativeHandler, GenParams, StepModel
 from worker.models.causal_lm import CausalLM, HFStepModel, causal_lm
 from worker.models.tiny_lm import TinyLM, save_tiny_lm, tiny_lm

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.cli import main
+from worker.app.cli import main
 
 MODULE = '''
 import torch
@@ -226,12 +226,12 @@ def test_secrets_not_here_are_notes_in_check_config(tmp_path: Path, capsys: pyte
 
 def test_secrets_not_here_are_errors_in_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    import worker.service
+    import worker.app.service
 
     def never(*_a: object, **_k: object) -> int:
         raise AssertionError("run must stop at the config")
 
-    monkeypatch.setattr(worker.service, "run_service", never)
+    monkeypatch.setattr(worker.app.service, "run_service", never)
     monkeypatch.delenv("KIW_TEST_ABSENT_PW", raising=False)
     f = tmp_path / "worker.yaml"
     f.write_text(textwrap.dedent(SECRETS))

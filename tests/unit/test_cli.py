@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from worker.cli import build_parser, main
+from worker.app.cli import build_parser, main
 
 
 def _help(*command: str) -> str:
@@ -33,12 +33,12 @@ def test_help_states_defaults_and_meanings(command: str, wanted: list[str]) -> N
 
 
 def test_metrics_port_turns_the_metrics_endpoint_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    import worker.service
+    import worker.app.service
 
     seen: list[tuple[Any, int | None]] = []
-    monkeypatch.setattr(worker.service, "run_service",
+    monkeypatch.setattr(worker.app.service, "run_service",
                         lambda cfg, metrics_port=None: seen.append((cfg, metrics_port)) or 0)
-    monkeypatch.setattr("worker.cli._setup_logging", lambda cfg, level=None: None)
+    monkeypatch.setattr("worker.app.cli._setup_logging", lambda cfg, level=None: None)
     f = tmp_path / "c.yaml"
     f.write_text("kafka: {input_topics: [in]}\nmetrics: {enabled: false, port: 9400}\n")
     assert main(["run", "--config", str(f)]) == 0

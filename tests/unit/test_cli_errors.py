@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.cli import build_parser, main
+from worker.app.cli import build_parser, main
 
 CLOSED = "127.0.0.1:1"  # a closed port: no broker at all (not a fake of one)
 
@@ -30,7 +30,7 @@ def _keep_signal_handlers() -> Iterator[None]:
 
 @pytest.fixture
 def no_log_setup(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("worker.cli._setup_logging", lambda cfg, level=None: None)
+    monkeypatch.setattr("worker.app.cli._setup_logging", lambda cfg, level=None: None)
 
 
 def _config(tmp_path: Path, model: str = "{name: tiny, device: cpu}", extra: str = "") -> str:
@@ -49,12 +49,12 @@ def test_top_level_help_lists_the_exit_codes() -> None:
 def test_the_fatal_error_log_line_names_the_cause(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                    caplog: pytest.LogCaptureFixture,
                                                   no_log_setup: None) -> None:
-    import worker.service
+    import worker.app.service
 
     def boom(cfg: object, metrics_port: int | None = None) -> int:
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(worker.service, "run_service", boom)
+    monkeypatch.setattr(worker.app.service, "run_service", boom)
     with caplog.at_level(logging.ERROR, logger="worker"):
         assert main(["run", "--config", _config(tmp_path)]) == 1
     # A JSON log's msg is what log search shows: "fatal error" alone says nothing.
@@ -65,9 +65,9 @@ def test_the_fatal_error_log_line_names_the_cause(monkeypatch: pytest.MonkeyPatc
 def test_metrics_port_out_of_range_is_a_usage_error(port: str, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    import worker.service
+    import worker.app.service
 
-    monkeypatch.setattr(worker.service, "run_service", lambda cfg, metrics_port=None: 0)
+    monkeypatch.setattr(worker.app.service, "run_service", lambda cfg, metrics_port=None: 0)
     with pytest.raises(SystemExit) as e:
         main(["run", "--config", _config(tmp_path), "--metrics-port", port])
     assert e.value.code == 2
@@ -96,9 +96,9 @@ def test_a_cuda_device_without_cuda_is_a_config_error(tmp_path: Path, capsys: py
     # A machine without CUDA, wherever the test runs (it skipped on one with CUDA).
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     # Refused before anything opens or connects (the metrics port, the runner's clients and model load).
-    monkeypatch.setattr("worker.adapters.health.HealthServer.start",
+    monkeypatch.setattr("worker.observability.health.HealthServer.start",
                         lambda self: pytest.fail("metrics port opened"))
-    monkeypatch.setattr("worker.runner.Runner", lambda *a, **kw: pytest.fail("runner started"))
+    monkeypatch.setattr("worker.pipeline.runner.Runner", lambda *a, **kw: pytest.fail("runner started"))
     cfg = _config(tmp_path, model="{name: tiny, device: cuda}", extra="metrics: {enabled: true, port: 0}\n")
     assert main(["run", "--config", cfg]) == 2
     err = capsys.readouterr().err
@@ -112,7 +112,7 @@ def test_a_property_librdkafka_refuses_stops_run_before_the_model_loads(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """It used to exit 1 with a traceback when the consumer was made, after the model load."""
-    monkeypatch.setattr("worker.service.run_service", lambda *a, **kw: pytest.fail("started"))
+    monkeypatch.setattr("worker.app.service.run_service", lambda *a, **kw: pytest.fail("started"))
     monkeypatch.setenv("WORKER__KAFKA__CONSUMER__SESION_TIMEOUT_MS", "10000")
     assert main(["run", "--config", _config(tmp_path)]) == 2
     assert capsys.readouterr().err == (
@@ -152,8 +152,8 @@ def test_dlq_replay_refuses_a_negative_limit(tmp_path: Path, capsys: pytest.Capt
 def test_dlq_replay_refuses_a_stage_no_dead_letter_has(stage: str, tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     """Such a filter would skip every dead letter and commit past it, then exit 0."""
-    import worker.dlq
-    from worker.config import load
+    import worker.app.dlq
+    from worker.config.settings import load
 
     with pytest.raises(SystemExit) as e:
         main(["dlq", "replay", "--config", _config(tmp_path), "--filter-stage", stage])
@@ -161,16 +161,16 @@ def test_dlq_replay_refuses_a_stage_no_dead_letter_has(stage: str, tmp_path: Pat
     err = capsys.readouterr().err
     assert "argument --filter-stage: invalid choice" in err and "'inference'" in err
     with pytest.raises(ValueError, match="unknown error stage"):
-        worker.dlq.replay(load(_config(tmp_path), environ={}), stage=stage,
+        worker.app.dlq.replay(load(_config(tmp_path), environ={}), stage=stage,
                           new_consumer=lambda *a, **kw: pytest.fail("connected"))
 
 
 def test_dlq_replay_reports_an_unreachable_broker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                   capsys: pytest.CaptureFixture[str],
                                                   no_log_setup: None) -> None:
-    import worker.dlq
+    import worker.app.dlq
 
-    monkeypatch.setattr(worker.dlq, "CONNECT_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(worker.app.dlq, "CONNECT_TIMEOUT_S", 1.0)
     assert main(["dlq", "replay", "--config", _config(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert f"error: cannot reach Kafka at {CLOSED} (from $.kafka.bootstrap_servers) within 1 s" in err
@@ -179,9 +179,9 @@ def test_dlq_replay_reports_an_unreachable_broker(tmp_path: Path, monkeypatch: p
 
 def test_demo_reports_an_unreachable_broker(monkeypatch: pytest.MonkeyPatch,
                                             capsys: pytest.CaptureFixture[str]) -> None:
-    import worker.demo
+    import worker.app.demo
 
-    monkeypatch.setattr(worker.demo, "CONNECT_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(worker.app.demo, "CONNECT_TIMEOUT_S", 1.0)
     assert main(["demo", "--bootstrap", CLOSED]) == 1
     err = capsys.readouterr().err
     assert f"error: cannot reach Kafka at {CLOSED} (from --bootstrap) within 1 s" in err
@@ -244,7 +244,7 @@ def test_profile_refuses_an_unwritable_json_path_before_profiling(capsys: pytest
         pytest.fail("profile loaded or profiled the model before refusing the unwritable --json path")
 
     monkeypatch.setattr("worker.models.registry.load_model", too_late)
-    monkeypatch.setattr("worker.profile.profile_engine", too_late)
+    monkeypatch.setattr("worker.app.profile.profile_engine", too_late)
     missing = os.path.join(os.sep, "nonexistent-kiw", "x.json")
     assert main(["profile", "--model", "tiny", "--batch-sizes", "1", "--json", missing]) == 2
     err = capsys.readouterr().err
@@ -256,7 +256,7 @@ def test_a_demo_worker_that_dies_after_start_is_reported(caplog: pytest.LogCaptu
     silent, and the demo ended with a misleading message and no cause."""
     import threading
 
-    from worker.demo import _WorkerThread
+    from worker.app.demo import _WorkerThread
 
     class Dies:
         ready = threading.Event()
@@ -282,7 +282,7 @@ def test_a_ca_file_not_on_this_machine_fails_run_and_is_a_note_in_check_config(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """check-config made the clients with the pod's CA path, which a CI machine does not have: librdkafka
     refused it and check-config exited 2 on a valid config (the chart's checks of the TLS examples)."""
-    monkeypatch.setattr("worker.service.run_service", lambda *a, **kw: pytest.fail("started"))
+    monkeypatch.setattr("worker.app.service.run_service", lambda *a, **kw: pytest.fail("started"))
     monkeypatch.setenv("WORKER__KAFKA__CONSUMER__SECURITY_PROTOCOL", "ssl")
     monkeypatch.setenv("WORKER__KAFKA__CONSUMER__SSL_CA_LOCATION",
                        str(tmp_path / "mounted-in-the-pod" / "ca.crt"))

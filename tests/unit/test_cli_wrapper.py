@@ -60,7 +60,7 @@ def test_version_outside_a_clone_is_the_installed_distributions(tmp_path: Path) 
 
 
 def test_version_flag_in_process(capsys: pytest.CaptureFixture[str]) -> None:
-    from worker.cli import main
+    from worker.app.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(["--version"])

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.config import ConfigError, from_dict, load, name_overrides, redact
+from worker.config.settings import ConfigError, from_dict, load, name_overrides, redact
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = {"kafka": {"input_topics": ["in"]}}
@@ -397,7 +397,7 @@ def test_config_reprs_hide_secrets():
 
 
 def test_redact_config_masks_secret_keys_at_any_depth_and_url_passwords():
-    from worker.config import redact_config
+    from worker.config.settings import redact_config
 
     data = {"kafka": {"consumer": {"sasl.password": "p", "ssl.key.password": "p",
                                    "sasl.mechanisms": "PLAIN"}},

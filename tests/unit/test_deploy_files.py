@@ -13,8 +13,8 @@ from pathlib import Path
 import yaml
 
 from tests.support.readme import section
-from worker import config as worker_config
-from worker.adapters.metrics import PrometheusMetrics
+from worker.config import settings as worker_config
+from worker.observability.metrics import PrometheusMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -7,10 +7,10 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError
 
-import worker.dlq
+import worker.app.dlq
 from schemas import DeadLetter
 from tests.unit.fakes_kafka import FakeMessage, FakeTime, make_config
-from worker.adapters.kafka_clients import consumer_config
+from worker.kafka.clients import consumer_config
 
 
 class _Meta:
@@ -76,7 +76,7 @@ def test_nothing_is_committed_while_replayed_records_are_undelivered(
         producers.append(StuckProducer(conf))
         return producers[-1]
 
-    assert worker.dlq.replay(make_config(), new_consumer=lambda cfg, **kw: consumer,
+    assert worker.app.dlq.replay(make_config(), new_consumer=lambda cfg, **kw: consumer,
                              new_producer=new_producer) == 1
     assert [v for _, v in producers[0].produced] == [b"v0", b"v1"] and consumer.commits == []
     assert "still undelivered" in capsys.readouterr().out
@@ -108,9 +108,9 @@ def test_a_stage_filter_replays_in_a_group_of_its_own() -> None:
         return producers[-1]
 
     cfg = make_config(kafka={"group_id": "g"})
-    assert worker.dlq.replay(cfg, stage="inference", new_consumer=consumer_for("inference"),
+    assert worker.app.dlq.replay(cfg, stage="inference", new_consumer=consumer_for("inference"),
                              new_producer=new_producer) == 0
-    assert worker.dlq.replay(cfg, new_consumer=consumer_for(None), new_producer=new_producer) == 0
+    assert worker.app.dlq.replay(cfg, new_consumer=consumer_for(None), new_producer=new_producer) == 0
     assert groups == ["g-dlq-replay-inference", "g-dlq-replay"]
     assert [len(p.produced) for p in producers] == [2, 2]  # the unfiltered run sees both again
 
@@ -123,8 +123,9 @@ class SilentConsumer(ReplayConsumer):
 
 
 def test_no_progress_with_dead_letters_left_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
-    assert worker.dlq.replay(make_config(), timeout_s=0.05, new_consumer=lambda cfg, **kw: SilentConsumer(),
-                             new_producer=OkProducer) == 1
+    assert worker.app.dlq.replay(make_config(), timeout_s=0.05,
+                                 new_consumer=lambda cfg, **kw: SilentConsumer(),
+                                 new_producer=OkProducer) == 1
     out = capsys.readouterr().out
     assert (
         "nothing read for" in out and "dead letters left on partitions [0]" in out and "consume error" in out
@@ -154,7 +155,7 @@ def test_dead_letters_without_their_original_bytes_are_skipped_and_listed(
         producers.append(OkProducer(conf))
         return producers[-1]
 
-    assert worker.dlq.replay(make_config(), dry_run=dry_run, new_consumer=lambda cfg, **kw: consumer,
+    assert worker.app.dlq.replay(make_config(), dry_run=dry_run, new_consumer=lambda cfg, **kw: consumer,
                              new_producer=new_producer) == 0
     out = capsys.readouterr().out
     assert [v for _, v in producers[0].produced] == ([] if dry_run else [b"v0"])
@@ -178,7 +179,7 @@ def test_a_first_replay_starts_at_the_earliest_dead_letter_whatever_auto_offset_
         return ReplayConsumer()
 
     cfg = make_config(kafka={"consumer": {"auto.offset.reset": "latest"}})
-    assert worker.dlq.replay(cfg, new_consumer=make, new_producer=OkProducer) == 0
+    assert worker.app.dlq.replay(cfg, new_consumer=make, new_producer=OkProducer) == 0
     assert seen["auto.offset.reset"] == "earliest"
 
 
@@ -195,7 +196,7 @@ def test_a_slow_delivery_that_succeeds_is_progress(capsys: pytest.CaptureFixture
             return super().flush(timeout)
 
     consumer = ReplayConsumer()
-    assert worker.dlq.replay(make_config(), new_consumer=lambda cfg, **kw: consumer, new_producer=SlowFlush,
-                             clock=clock) == 0
+    assert worker.app.dlq.replay(make_config(), new_consumer=lambda cfg, **kw: consumer,
+                                 new_producer=SlowFlush, clock=clock) == 0
     assert [(o.partition, o.offset) for o in consumer.commits[-1]] == [(0, 2)]
     assert "replayed 2 dead letters" in capsys.readouterr().out

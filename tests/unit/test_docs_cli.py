@@ -6,7 +6,7 @@ import argparse
 import re
 
 from tests.support.doc_blocks import ROOT
-from worker.cli import build_parser
+from worker.app.cli import build_parser
 
 PAGE = (ROOT / "docs" / "cli.md").read_text()
 

@@ -16,8 +16,8 @@ from schemas import DeadLetter, Result
 from tests.support.props import examples
 from tests.unit.fakes_kafka import FakeModel, FakeProducer, FakeTime, Harness, Produced, make_config, request
 from worker.core.records import Outcome, Record, TopicPartition
-from worker.emit import Emitter
-from worker.settling import SWITCH_AFTER_S, Pending
+from worker.output.emit import Emitter
+from worker.output.settling import SWITCH_AFTER_S, Pending
 
 TP = TopicPartition("in", 3)
 

@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from worker.adapters.torch_engine import (
+from worker.config.settings import ModelConfig
+from worker.core.records import Batch, Record, TopicPartition
+from worker.device.engine import (
     DeviceWorker,
     Engine,
     OutputCountError,
@@ -20,8 +22,6 @@ from worker.adapters.torch_engine import (
     resolve_device,
     resolve_dtype,
 )
-from worker.config import ModelConfig
-from worker.core.records import Batch, Record, TopicPartition
 from worker.models.registry import load_model
 
 torch.set_num_threads(1)
@@ -687,7 +687,7 @@ class RuntimeOOM(Exception):
 
 
 def test_an_out_of_memory_error_from_another_runtime_splits_instead_of_bisecting() -> None:
-    from worker.adapters.torch_engine import is_oom
+    from worker.device.engine import is_oom
 
     assert is_oom(RuntimeOOM("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : CUDA failure 2: out of memory"))
     assert is_oom(RuntimeOOM("Failed to allocate memory for requested buffer of size 1073741824"))
@@ -708,7 +708,7 @@ class CPUAllocatorOOM(Fake):
 def test_a_cpu_out_of_memory_error_splits_the_batch_and_lowers_the_limit() -> None:
     """"DefaultCPUAllocator: can't allocate memory" was not an OOM: the batch was bisected as if its records
     were poison, and the lane kept a max batch size that does not fit."""
-    from worker.adapters.torch_engine import is_oom
+    from worker.device.engine import is_oom
 
     with pytest.raises(RuntimeError) as info:
         torch.empty(2**60, dtype=torch.uint8)
@@ -770,7 +770,7 @@ def test_forward_never_runs_on_two_threads_at_once() -> None:
 
 
 def test_a_mapping_batch_keeps_its_type_when_moved() -> None:
-    from worker.adapters.torch_device import map_tensors
+    from worker.device.placement import map_tensors
 
     class Encoding(dict):  # like transformers' BatchEncoding: a dict with attribute access
         def __getattr__(self, k: str) -> Any:
@@ -785,7 +785,7 @@ def test_a_dataclass_batch_is_moved_too() -> None:
     CPU, and on a GPU every record failed."""
     import dataclasses as dc
 
-    from worker.adapters.torch_device import map_tensors
+    from worker.device.placement import map_tensors
 
     @dc.dataclass
     class Inputs:
@@ -803,7 +803,7 @@ def test_a_packed_sequence_batch_keeps_its_batch_sizes_on_the_cpu() -> None:
     stands in for one."""
     from torch.nn.utils.rnn import PackedSequence, pack_sequence
 
-    from worker.adapters.torch_device import map_tensors, tensors
+    from worker.device.placement import map_tensors, tensors
 
     packed = pack_sequence([torch.ones(3, 2), torch.zeros(1, 2)], enforce_sorted=False)
     moved = map_tensors({"x": packed}, lambda t: t.to("meta"))["x"]
@@ -837,7 +837,7 @@ class Sticky(Fake):
 
 
 def test_is_device_error_tells_device_errors_from_oom_and_input_errors() -> None:
-    from worker.adapters.torch_engine import is_device_error
+    from worker.device.engine import is_device_error
 
     for text in (
         "CUDA error: device-side assert triggered",
@@ -869,7 +869,7 @@ def _broken_cuda(monkeypatch: pytest.MonkeyPatch, eng: Engine) -> Engine:
 def test_a_sticky_device_error_raises_instead_of_dead_lettering_every_record(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from worker.adapters.torch_engine import DeviceError
+    from worker.device.engine import DeviceError
 
     m = Sticky()
     eng = _broken_cuda(monkeypatch, Engine(m, "cpu", warmup=False))
@@ -886,7 +886,7 @@ def test_a_sticky_device_error_stops_the_device_worker(monkeypatch: pytest.Monke
     """It used to bisect every later batch to single records and hand each an exception: every record
     dead-lettered and committed, /healthz green. Now the thread dies with DeviceError in ``error`` (the runner
     exits 1 on it without committing the batch: tests/unit/test_runner_shutdown.py)."""
-    from worker.adapters.torch_engine import DeviceError
+    from worker.device.engine import DeviceError
 
     feeder = Feeder([make_batch([1, 2], offset=0), make_batch([3, 13, 4], offset=10),
                      make_batch([5, 6], offset=20)])
@@ -1072,7 +1072,7 @@ def test_tensors_finds_what_map_tensors_moves() -> None:
     had moved, so the copy stream's allocator could reuse their memory while forward still read it."""
     import dataclasses as dc
 
-    from worker.adapters.torch_device import map_tensors, tensors
+    from worker.device.placement import map_tensors, tensors
 
     @dc.dataclass
     class Inputs:

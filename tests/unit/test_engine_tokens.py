@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from tests.unit.fakes_kafka import FakeModel
-from worker.adapters.torch_engine import Engine
+from worker.device.engine import Engine
 
 
 class TokenHungry(FakeModel):

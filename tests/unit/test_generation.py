@@ -10,13 +10,13 @@ from typing import Any
 import msgspec
 import pytest
 
-from worker.config import GenerationConfig, ModelConfig
+from worker.config.settings import GenerationConfig, ModelConfig
 from worker.core.records import Batch, Record, TopicPartition
 from worker.core.step_scheduler import Expired, LaneRule
-from worker.generation import GenerationError, GenerationWorker
 from worker.models.generative import GenerationRequestError, GenerativeModel
 from worker.models.inputs import GenerateInput, GenerationOutput
 from worker.models.registry import load_model
+from worker.pipeline.generation import GenerationError, GenerationWorker
 
 TP0, TP1 = TopicPartition("in", 0), TopicPartition("in", 1)
 

@@ -12,7 +12,7 @@ import time
 
 from tests.bench.cpu_threads import CpuProbe, broker_pid, per_record_us, process_cpu, thread_class
 from tests.bench.gpu_feed import VARIANTS, corpus, encoding_of
-from worker.adapters.host_pool import name_os_thread
+from worker.device.host_pool import name_os_thread
 
 
 def test_a_named_thread_is_counted_under_its_class() -> None:
@@ -115,7 +115,7 @@ def test_the_kafka_loop_sends_outputs_as_the_worker_does() -> None:
     import torch
 
     from tests.bench.kafka_loop import outputs_of
-    from worker.result_encoding import pack_float32
+    from worker.output.result_encoding import pack_float32
 
     out = torch.randn(3, 384)
     assert outputs_of(out, "lists") == out.tolist()

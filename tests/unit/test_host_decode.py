@@ -1,5 +1,5 @@
 """Host work off the loop thread: a handler's ``decode_batch`` on the host pool
-(``worker.adapters.host_pool``), in the engine's collate stage, its per-record failures as dead letters at
+(``worker.device.host_pool``), in the engine's collate stage, its per-record failures as dead letters at
 stage ``decode``, and the intake that leaves decoding to the device (the record carries its inputs, sized by
 ``estimate_size``)."""
 
@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 
 from tests.unit.fakes_kafka import FakeModel, Harness, make_config, request
-from worker.adapters.device_errors import OutputCountError
-from worker.adapters.device_pipeline import DeviceWorker
-from worker.adapters.host_pool import MIN_CHUNK, HostPool, decode_chunk
-from worker.adapters.torch_engine import Engine
 from worker.core.ports import DecodeFailed
 from worker.core.records import Batch, Record, TopicPartition
-from worker.intake import Intake
+from worker.device.engine import Engine
+from worker.device.errors import OutputCountError
+from worker.device.host_pool import MIN_CHUNK, HostPool, decode_chunk
+from worker.device.pipeline import DeviceWorker
+from worker.pipeline.intake import Intake
 
 
 class BatchDecoding:
@@ -216,7 +216,7 @@ def test_a_record_that_fails_to_decode_on_the_host_threads_is_dead_lettered_at_s
 
 
 def test_host_threads_is_a_positive_count_or_the_cpus_available() -> None:
-    from worker.config import ConfigError
+    from worker.config.settings import ConfigError
 
     assert make_config().model.host_threads is None
     assert make_config(model={"host_threads": 3}).model.host_threads == 3
@@ -225,7 +225,7 @@ def test_host_threads_is_a_positive_count_or_the_cpus_available() -> None:
 
 
 def test_host_threads_also_sizes_the_rust_tokenizer_pool_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker.adapters import torch_engine
+    from worker.device import engine as torch_engine
 
     monkeypatch.delenv(torch_engine.RAYON_ENV, raising=False)
     Engine(BatchDecoding(), "cpu", warmup=False, host_threads=3, host_pool=HostPool(1))

@@ -36,8 +36,8 @@ def broken() -> str:
         copy = Path(tmp)
         shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
         shutil.copytree(ROOT / "worker", copy / "worker", ignore=shutil.ignore_patterns("__pycache__"))
-        (copy / "worker" / "core" / "probe_core.py").write_text("from worker.config import Config\n")
-        (copy / "worker" / "adapters" / "probe_adapter.py").write_text("import worker.pipeline.flow\n")
+        (copy / "worker" / "core" / "probe_core.py").write_text("from worker.config.settings import Config\n")
+        (copy / "worker" / "kafka" / "probe_adapter.py").write_text("import worker.pipeline.flow\n")
         (copy / "worker" / "probe_a.py").write_text("from worker import probe_b\n")
         (copy / "worker" / "probe_b.py").write_text("def f() -> None:\n    from worker import probe_a\n")
         out = _lint(copy)
@@ -47,11 +47,11 @@ def broken() -> str:
 
 def test_core_may_not_import_the_rest_of_the_worker(broken: str) -> None:
     assert "worker.core imports nothing else of the worker BROKEN" in broken
-    assert "worker.core.probe_core -> worker.config" in broken
+    assert "worker.core.probe_core -> worker.config.settings" in broken
 
 
 def test_an_adapter_may_not_import_the_pipeline(broken: str) -> None:
-    assert "worker.adapters.probe_adapter -> worker.pipeline.flow" in broken
+    assert "worker.kafka.probe_adapter -> worker.pipeline.flow" in broken
 
 
 def test_a_cycle_fails_even_through_a_function_level_import(broken: str) -> None:

@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 from tests.support.props import examples
 from worker.core.offsets import OffsetTracker
 from worker.core.records import TopicPartition
+from worker.output.transactions import TransactionalCommitter
 from worker.pipeline.delivery import AtLeastOnce, DeliveryMode
 from worker.pipeline.exactly_once import ExactlyOnce
 from worker.pipeline.ingest import Ingest
 from worker.pipeline.partitions import PartitionTable
-from worker.transactions import TransactionalCommitter
 
 TPS = [TopicPartition("in", 0), TopicPartition("in", 1)]
 

@@ -13,7 +13,7 @@ import pytest
 from schemas import H_PRIORITY, DeadLetter
 from tests.unit.fakes_kafka import FakeModel, FakeTime, Harness, make_config, request
 from worker.core.records import Record, TopicPartition
-from worker.intake import Intake
+from worker.pipeline.intake import Intake
 
 IN0 = TopicPartition("in", 0)
 
@@ -293,7 +293,7 @@ def test_unknown_lanes_are_exported_and_logged_per_report_not_per_record(
 
 
 def test_unknown_lanes_reach_the_metrics_at_the_lag_report(monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker.adapters.metrics import PrometheusMetrics
+    from worker.observability.metrics import PrometheusMetrics
 
     m = PrometheusMetrics()
     h = Harness(monkeypatch, make_config(batching=LANES), metrics=m).start()
@@ -306,7 +306,7 @@ def test_unknown_lanes_reach_the_metrics_at_the_lag_report(monkeypatch: pytest.M
 def test_unknown_lanes_since_the_last_report_are_reported_at_shutdown(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from worker.adapters.metrics import PrometheusMetrics
+    from worker.observability.metrics import PrometheusMetrics
 
     m = PrometheusMetrics()
     h = Harness(monkeypatch, make_config(batching=LANES), metrics=m).start()

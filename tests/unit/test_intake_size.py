@@ -9,7 +9,7 @@ import pytest
 
 from tests.unit.fakes_kafka import FakeModel, Harness, make_config, request
 from worker.core.records import Record, TopicPartition
-from worker.intake import Intake
+from worker.pipeline.intake import Intake
 
 
 class Sized(FakeModel):

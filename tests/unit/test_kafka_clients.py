@@ -10,8 +10,8 @@ import msgspec
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
-from worker.adapters.kafka_clients import config_problem, retry_transient
-from worker.config import from_dict
+from worker.config.settings import from_dict
+from worker.kafka.clients import config_problem, retry_transient
 
 BASE_CFG = from_dict({"kafka": {"input_topics": ["in"]}}, environ={})
 

@@ -15,16 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from worker.logs import LibrdkafkaLog
+from worker.observability.logs import LibrdkafkaLog
 
 ROOT = Path(__file__).resolve().parents[2]
 
 # A client of an address nothing listens on: librdkafka logs "Connect to ... failed" (FAIL, level 3) at once.
 CLIENT = """
 import sys
-from worker.adapters.kafka_clients import consumer_config, producer_config
-from worker.config import from_dict
-from worker.logs import setup_logging
+from worker.kafka.clients import consumer_config, producer_config
+from worker.config.settings import from_dict
+from worker.observability.logs import setup_logging
 from confluent_kafka import Consumer, Producer
 
 setup_logging("INFO", "json")

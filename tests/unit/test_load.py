@@ -6,8 +6,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from worker.cli import main
-from worker.load import parse_lanes, requests
+from worker.app.cli import main
+from worker.app.load import parse_lanes, requests
 
 
 def test_parse_lanes():
@@ -61,9 +61,9 @@ def test_demo_cli_usage_errors_exit_2_before_starting_anything(capsys):
 
 
 def test_load_reports_an_unreachable_broker_and_exits_1(capsys, monkeypatch):
-    import worker.load
+    import worker.app.load
 
-    monkeypatch.setattr(worker.load, "CONNECT_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(worker.app.load, "CONNECT_TIMEOUT_S", 1.0)
     # A closed port: no broker at all (not a fake of one); nothing can be delivered.
     assert main(["load", "--topic", "t", "--count", "5", "--bootstrap", "127.0.0.1:1"]) == 1
     err = capsys.readouterr().err
@@ -77,11 +77,11 @@ def test_load_reports_an_unreachable_broker_and_exits_1(capsys, monkeypatch):
 ])
 def test_a_non_finite_number_is_a_usage_error(argv, capsys, monkeypatch):
     """nan passed every range check (--rate nan meant unthrottled) and inf overflowed once the demo ran."""
-    import worker.demo
-    import worker.load
+    import worker.app.demo
+    import worker.app.load
 
-    monkeypatch.setattr(worker.demo, "demo", lambda **kw: pytest.fail("started"))
-    monkeypatch.setattr(worker.load, "produce", lambda *a, **kw: pytest.fail("started"))
+    monkeypatch.setattr(worker.app.demo, "demo", lambda **kw: pytest.fail("started"))
+    monkeypatch.setattr(worker.app.load, "produce", lambda *a, **kw: pytest.fail("started"))
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2
@@ -91,9 +91,9 @@ def test_a_non_finite_number_is_a_usage_error(argv, capsys, monkeypatch):
 def test_a_deadline_outside_the_schema_range_is_a_usage_error(capsys, monkeypatch):
     """Every record got a deadline_ms past +-2^53, which the worker refuses (a validate dead letter each), and
     load said "produced N records" with exit 0."""
-    import worker.load
+    import worker.app.load
 
-    monkeypatch.setattr(worker.load, "produce", lambda *a, **kw: pytest.fail("started"))
+    monkeypatch.setattr(worker.app.load, "produce", lambda *a, **kw: pytest.fail("started"))
     assert main(["load", "--topic", "t", "--count", "1", "--deadline-ms", str(2**60)]) == 2
     assert "--deadline-ms" in capsys.readouterr().err
 
@@ -101,12 +101,12 @@ def test_a_deadline_outside_the_schema_range_is_a_usage_error(capsys, monkeypatc
 def test_a_paced_request_gets_its_deadline_when_it_is_sent(monkeypatch):
     """The next request was made before the pacing sleep, so its deadline counted from up to 1/rate before it
     was sent: at --rate 2 --deadline-ms 200, records were produced 300 ms past their deadline."""
-    import worker.load
+    import worker.app.load
 
     clock = [1000.0]
-    monkeypatch.setattr(worker.load.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(worker.load.time, "time", lambda: clock[0])
-    monkeypatch.setattr(worker.load.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    monkeypatch.setattr(worker.app.load.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(worker.app.load.time, "time", lambda: clock[0])
+    monkeypatch.setattr(worker.app.load.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
     sent: list[tuple[float, int]] = []
 
     class Producer:
@@ -123,6 +123,7 @@ def test_a_paced_request_gets_its_deadline_when_it_is_sent(monkeypatch):
         def flush(self, timeout: float) -> int:
             return 0
 
-    n = worker.load.produce("b", "t", worker.load.requests(3, deadline_ms=200), rate=2, producer=Producer())
+    n = worker.app.load.produce("b", "t", worker.app.load.requests(3, deadline_ms=200), rate=2,
+                                producer=Producer())
     assert n == 3
     assert all(deadline - at * 1000 == pytest.approx(200) for at, deadline in sent), sent

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from worker.logs import is_secret_key, redact, redact_text, setup_logging
+from worker.observability.logs import is_secret_key, redact, redact_text, setup_logging
 
 
 @pytest.fixture

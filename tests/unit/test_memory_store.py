@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support.props import examples
-from worker.adapters.memory_store import MemoryStore, as_time_fn, cache_key
-from worker.adapters.stores import make_store
-from worker.config import RedisConfig
+from worker.config.settings import RedisConfig
+from worker.store.from_config import make_store
+from worker.store.memory_store import MemoryStore, as_time_fn, cache_key
 
 
 class Clock:

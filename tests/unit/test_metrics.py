@@ -11,8 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import needs
-from worker.adapters.health import HealthServer, HealthState
-from worker.adapters.metrics import DrainEstimator, PrometheusMetrics
+from worker.observability.health import HealthServer, HealthState
+from worker.observability.metrics import DrainEstimator, PrometheusMetrics
 
 EXPECTED = {
     # family name (as the parser reports it) -> (type, label names)
@@ -116,7 +116,7 @@ def test_every_metric_name_the_worker_emits_exists() -> None:
     import re
     from pathlib import Path
 
-    from worker.adapters.metrics import _short
+    from worker.observability.metrics import _short
 
     used: set[tuple[str, str]] = set()
     for f in (Path(__file__).resolve().parents[2] / "worker").rglob("*.py"):

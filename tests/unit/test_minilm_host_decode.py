@@ -13,9 +13,9 @@ import torch
 
 from tests.bench.realmodel import texts
 from tests.support import needs
-from worker.adapters.host_pool import HostPool
-from worker.adapters.torch_engine import Engine
-from worker.config import ModelConfig
+from worker.config.settings import ModelConfig
+from worker.device.engine import Engine
+from worker.device.host_pool import HostPool
 from worker.models.inputs import TextInput
 from worker.models.registry import load_model
 

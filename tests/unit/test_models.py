@@ -15,7 +15,7 @@ import torch
 
 from schemas import Request
 from tests.support import needs
-from worker.config import ConfigError, ModelConfig
+from worker.config.settings import ConfigError, ModelConfig
 from worker.core.ports import Model
 from worker.models.registry import builtin_input_types, load_model
 
@@ -180,7 +180,7 @@ class PerRecordList(torch.nn.Module):
 def test_a_list_output_is_one_output_per_record_not_heads() -> None:
     """split_rows read a list as heads and transposed it: with a batch as wide as a record (4 x 4), record 0
     got the first value of every record's output, record 1 the second..., all returned as ok."""
-    from worker.adapters.torch_engine import Engine, OutputCountError
+    from worker.device.engine import Engine, OutputCountError
     from worker.models.base import split_rows
     from worker.models.loaders import TensorModel
 
@@ -474,7 +474,7 @@ def test_docs_custom_model_example_runs(tmp_path: Path, monkeypatch: pytest.Monk
     import yaml
 
     from tests.support.readme import section
-    from worker.adapters.torch_engine import Engine
+    from worker.device.engine import Engine
 
     doc = section("models")
     code = re.search(r"```python\n(.*?)```", doc, re.S)
@@ -499,7 +499,7 @@ def test_an_onnx_file_with_a_fixed_batch_axis(tmp_path: Path) -> None:
     error and bisect it down to single records; now the engine caps every lane at 1. Any other fixed size
     cannot take a stream's partial batches: refused at load."""
     needs.module("onnxruntime")
-    from worker.adapters.torch_engine import Engine
+    from worker.device.engine import Engine
 
     one = tmp_path / "one.onnx"
     _onnx_linear(one, [[1, 0], [0, 1], [1, 1]], [0.5, -0.5], batch=1)
@@ -511,7 +511,7 @@ def test_an_onnx_file_with_a_fixed_batch_axis(tmp_path: Path) -> None:
     assert limits == [("default", 1)] and eng.effective_max("default") == 1
     out = eng.infer([m.decode([1, 2, 3])] * 5)
     assert out == [[4.5, 4.5]] * 5 and eng.stats.poison == 0
-    from worker.profile import profile_engine
+    from worker.app.profile import profile_engine
 
     rows = profile_engine(eng, [1, 2, 4], iters=2, warmup=1)  # worker profile: sizes over 1 are skipped
     assert [r.status for r in rows] == ["ok"] + ["skipped: the model takes at most 1 per batch"] * 2
@@ -541,7 +541,7 @@ def test_an_onnx_file_with_a_dynamic_sequence_axis_batches_records_of_different_
     import onnx
     from onnx import TensorProto, helper
 
-    from worker.adapters.torch_engine import Engine
+    from worker.device.engine import Engine
 
     graph = helper.make_graph([helper.make_node("ReduceSum", ["x", "axes"], ["y"], keepdims=1)], "sum",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq"])],

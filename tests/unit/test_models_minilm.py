@@ -14,7 +14,7 @@ import torch
 
 from schemas import Request
 from tests.support import needs
-from worker.config import ConfigError, ModelConfig
+from worker.config.settings import ConfigError, ModelConfig
 from worker.models.inputs import TextInput
 from worker.models.registry import load_model
 

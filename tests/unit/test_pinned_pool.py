@@ -1,4 +1,4 @@
-"""The reused pinned host buffers of the CUDA copy path (``worker.adapters.pinned_pool``), on the CPU: plain
+"""The reused pinned host buffers of the CUDA copy path (``worker.device.pinned_pool``), on the CPU: plain
 memory stands in for pinned memory, fake events for the copies' CUDA events."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from worker.adapters.pinned_pool import PinnedPool, capacity
+from worker.device.pinned_pool import PinnedPool, capacity
 
 
 class Copy:

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from schemas import Result
-from worker.cli import main
+from worker.app.cli import main
 
 TINY = [0.1 * i for i in range(16)]
 

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from schemas import Result
-from worker.cli import main
+from worker.app.cli import main
 
 CONFIG = """\
 kafka: {input_topics: [requests]}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker import profile
+from worker.app import profile
 
 torch.set_num_threads(1)
 

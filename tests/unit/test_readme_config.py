@@ -11,7 +11,7 @@ import msgspec
 import yaml
 
 from tests.support.readme import section
-from worker.config import Config, RedisConfig
+from worker.config.settings import Config, RedisConfig
 
 # Values the README shows as an example rather than the default.
 EXAMPLES = {"kafka.input_topics"}

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from schemas import Float32Tensor, Result
 from worker.core.records import Record, TopicPartition
-from worker.result_encoding import UNENCODABLE, ResultEncoder, pack_float32
+from worker.output.result_encoding import UNENCODABLE, ResultEncoder, pack_float32
 
 TP = TopicPartition("in", 1)
 f32 = st.floats(width=32, allow_nan=False)
@@ -110,7 +110,7 @@ def test_the_runner_packs_numeric_outputs_also_of_cache_hits(monkeypatch: pytest
     """Through the worker's loop: ``delivery.outputs_encoding: float32`` packs a list of floats, whether the
     batch path sends it or the general path (a cache hit); a dict output is sent as it is."""
     from tests.unit.fakes_kafka import FakeModel, Harness, make_config, request
-    from worker.adapters.memory_store import MemoryStore
+    from worker.store.memory_store import MemoryStore
 
     model = FakeModel(output=lambda x: [float(v) / 4 for v in x["v"]] if x["v"] else {"label": "none"})
     cfg = make_config(redis={"cache": True}, delivery={"outputs_encoding": "float32"})

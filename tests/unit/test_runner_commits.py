@@ -222,7 +222,7 @@ def test_periodic_commit_is_asynchronous_and_counted_when_reported(monkeypatch: 
 def test_failed_asynchronous_commit_is_counted_and_retried(monkeypatch: pytest.MonkeyPatch) -> None:
     from confluent_kafka import KafkaError, KafkaException
 
-    from worker.adapters.metrics import PrometheusMetrics
+    from worker.observability.metrics import PrometheusMetrics
 
     metrics = PrometheusMetrics()
     h = Harness(monkeypatch, make_config(kafka={"commit_interval_ms": 100}), metrics=metrics).start()
@@ -397,7 +397,7 @@ def test_results_that_cannot_be_written_are_counted_as_errors_and_dead_letters(
     model's outputs were."""
     from tests.unit.fakes_kafka import FakeModel
     from tests.unit.test_metrics import value
-    from worker.adapters.metrics import PrometheusMetrics
+    from worker.observability.metrics import PrometheusMetrics
 
     m = PrometheusMetrics()
     cfg = make_config(delivery={"mode": mode, "transactional_id": "tid-1"})

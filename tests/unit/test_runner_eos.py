@@ -1,4 +1,4 @@
-"""Runner, exactly-once mode (worker/transactions.py): results are produced per
+"""Runner, exactly-once mode (worker/output/transactions.py): results are produced per
 partition in offset order (reorder buffer), each checkpoint sends the offsets of exactly the produced and
 delivered prefix to the transaction, and a failed commit aborts, rewinds the consumer to the committed
 offsets and ignores the aborted attempt's late delivery reports. A read_committed reader sees every
@@ -215,7 +215,7 @@ def test_metrics_count_every_result_by_lane_and_status_on_the_general_path(
     and status: the totals are those of one count and one latency per record."""
     from tests.unit.fakes_kafka import FakeModel
     from tests.unit.test_metrics import value
-    from worker.adapters.metrics import PrometheusMetrics
+    from worker.observability.metrics import PrometheusMetrics
 
     m = PrometheusMetrics()
     cfg = make_config(batching=LANES, delivery={"mode": "exactly_once", "transactional_id": "tid-1"})
@@ -327,7 +327,7 @@ def test_a_failed_delivery_aborts_the_transaction_and_the_records_are_redone(
 def test_a_delivery_that_fails_every_time_ends_the_worker_after_a_few_aborts(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from worker.runner import DELIVERY_ABORTS_MAX
+    from worker.pipeline.runner import DELIVERY_ABORTS_MAX
 
     h = eos(monkeypatch)
     h.c.assign(("in", 0))

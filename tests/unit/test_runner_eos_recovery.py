@@ -1,7 +1,7 @@
-"""Runner, exactly-once recovery (worker/transactions.py): what an abort rewinds to and forgets, a rewind
-served inside consume(), librdkafka's abortable state (produce refused with _STATE after a timed-out message),
-and a commit_transaction that times out (abort and begin refused with _CONFLICT until the commit is called
-again)."""
+"""Runner, exactly-once recovery (worker/output/transactions.py): what an abort rewinds to and forgets, a
+rewind served inside consume(), librdkafka's abortable state (produce refused with _STATE after a timed-out
+message), and a commit_transaction that times out (abort and begin refused with _CONFLICT until the commit is
+called again)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from collections import Counter
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
-import worker.runner as wr
+import worker.pipeline.runner as wr
 from tests.unit.fakes_kafka import Harness, make_config
-from worker.backfill import BackfillRunner
-from worker.clock import Deadline
+from worker.app.backfill import BackfillRunner
 from worker.core.records import TopicPartition
+from worker.timing.clock import Deadline
 
 IN0, IN1 = TopicPartition("in", 0), TopicPartition("in", 1)
 EOS = {"mode": "exactly_once", "transactional_id": "tid-1"}

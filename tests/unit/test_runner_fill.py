@@ -8,7 +8,7 @@ import pytest
 
 from tests.unit.fakes_kafka import Harness, make_config, request
 from tests.unit.test_metrics import value
-from worker.adapters.metrics import PrometheusMetrics
+from worker.observability.metrics import PrometheusMetrics
 
 LANES = {"lanes": [{"name": "hi", "priority": 1, "max_batch_size": 8, "fill_with_lower": True},
                    {"name": "lo", "max_batch_size": 8}], "default_lane": "lo"}

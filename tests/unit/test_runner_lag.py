@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from tests.unit.fakes_kafka import Harness, make_config
-from worker.adapters.metrics import PrometheusMetrics
 from worker.core.records import TopicPartition
+from worker.observability.metrics import PrometheusMetrics
 
 ONE_BY_ONE = {"lanes": [{"name": "default", "max_batch_size": 1}]}
 

@@ -105,7 +105,7 @@ def test_readiness_follows_the_broker(monkeypatch: pytest.MonkeyPatch) -> None:
     come back from poll), and true again once metadata can be fetched, even with nothing to consume."""
     from confluent_kafka import KafkaError
 
-    from worker.adapters.health import HealthState
+    from worker.observability.health import HealthState
 
     health = HealthState()
     h = Harness(monkeypatch, make_config(metrics={"lag_interval_s": 1}), health=health)
@@ -136,7 +136,7 @@ def test_the_loop_is_alive_while_it_waits_for_room_in_a_full_producer_queue(
     """produce() into a full local queue waits for the messages ahead to be delivered or time out (up to
     message.timeout.ms, 120 s): the liveness heartbeat is kept fresh meanwhile. It went stale after 30 s, and
     the kubelet restarted a worker that was only waiting for a slow broker."""
-    from worker.adapters.health import HealthState
+    from worker.observability.health import HealthState
 
     health = HealthState()
     h = Harness(monkeypatch, health=health).start()
@@ -163,7 +163,7 @@ def test_a_model_object_is_not_spread_over_several_devices() -> None:
     """Runner(cfg, model) with several devices set the object up on the first and loaded cfg.model on the
     others, which may be another model."""
     from tests.unit.fakes_kafka import FakeModel
-    from worker.runner import Runner
+    from worker.pipeline.runner import Runner
 
     r = Runner(make_config(model={"name": "identity", "devices": ["cpu", "cpu"]}), FakeModel())
     with pytest.raises(ValueError, match="runs one device, but the config lists 2"):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.unit.fakes_kafka import Harness, Produced, make_config
-from worker.adapters.metrics import PrometheusMetrics
+from worker.observability.metrics import PrometheusMetrics
 
 
 def src(m: Produced) -> int:

@@ -13,8 +13,8 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException
 
 from tests.unit.fakes_kafka import Harness, make_config
-from worker.adapters.metrics import PrometheusMetrics
 from worker.core.records import Batch, TopicPartition
+from worker.observability.metrics import PrometheusMetrics
 
 IN0, IN1 = TopicPartition("in", 0), TopicPartition("in", 1)
 REVOKE_S = 0.2  # delivery.revoke_timeout_ms in make_config
@@ -244,7 +244,7 @@ def test_a_released_partitions_lag_series_is_removed(monkeypatch: pytest.MonkeyP
     on /metrics (and in the summed lag an autoscaler reads) for the life of the process."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from worker.adapters.metrics import PrometheusMetrics
+    from worker.observability.metrics import PrometheusMetrics
 
     m = PrometheusMetrics()
 
@@ -268,7 +268,7 @@ def test_a_released_partitions_lag_series_is_removed(monkeypatch: pytest.MonkeyP
 def test_a_refused_message_inside_a_revoke_stops_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     # Serving results inside the revoke callback can raise FatalDeliveryError (the producer refuses a
     # message); the callback logged it and the worker went on, where a loop turn would have stopped it.
-    from worker.emit import FatalDeliveryError
+    from worker.output.emit import FatalDeliveryError
 
     h = Harness(monkeypatch).start()
     h.c.assign(("in", 0))

@@ -34,7 +34,7 @@ def join_closers(h: Harness) -> None:
 
 def test_a_lost_consumer_that_does_not_rejoin_is_replaced_and_the_new_one_goes_on_from_the_commits(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker.adapters.metrics import PrometheusMetrics
+    from worker.observability.metrics import PrometheusMetrics
 
     metrics = PrometheusMetrics()
     h = Harness(monkeypatch, make_config(kafka={"rejoin_timeout_ms": 5000}), metrics=metrics).start()

@@ -307,7 +307,7 @@ def test_results_confirmed_by_the_last_flush_reach_the_ledger(monkeypatch: pytes
     """At a shutdown timeout the last flush of the producer confirms results that were still unacknowledged.
     Behind a stuck record no commit covers them, and they went into the delivered-id ledger only at the next
     loop turn, which never came: after the restart they were processed and delivered a second time."""
-    from worker.adapters.memory_store import MemoryStore
+    from worker.store.memory_store import MemoryStore
 
     store = MemoryStore(cache=False)
     recorded: list[str] = []

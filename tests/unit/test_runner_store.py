@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from tests.unit.fakes_kafka import FakeModel, Harness, make_config, request
-from worker.adapters.memory_store import MemoryStore
 from worker.core.records import TopicPartition
-from worker.store_gate import model_fingerprint
+from worker.pipeline.store_gate import model_fingerprint
+from worker.store.memory_store import MemoryStore
 
 IN0 = TopicPartition("in", 0)
 REDIS_URL = "redis://store-is-injected:6379"  # never connected to: the test passes the store itself
@@ -321,7 +321,7 @@ def test_models_with_the_same_name_and_version_do_not_share_cached_results(
 
 
 def test_the_model_fingerprint_ignores_key_order_and_takes_any_yaml_keys() -> None:
-    from worker.config import ModelConfig
+    from worker.config.settings import ModelConfig
 
     a = ModelConfig(options={"labels": {0: "neg", 1: "pos"}, "max_tokens": 128})  # int keys: valid YAML
     b = ModelConfig(options={"max_tokens": 128, "labels": {1: "pos", 0: "neg"}})
@@ -441,7 +441,7 @@ def test_ledger_holds_ok_results_only_so_a_failed_request_may_be_retried(
 
 
 def test_ledger_skips_and_isolated_suspects_are_counted_on_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker.adapters.metrics import PrometheusMetrics
+    from worker.observability.metrics import PrometheusMetrics
 
     m = PrometheusMetrics()
     store = MemoryStore()

@@ -10,7 +10,7 @@ from tests.support.props import examples
 from tests.unit import fakes
 from tests.unit.batching_ops import LANES, PRIORITY, SchedulerPlay
 from tests.unit.fakes import FakeClock, ids, rec, recs
-from worker.config import LaneConfig
+from worker.config.settings import LaneConfig
 from worker.core import lane as lane_module
 from worker.core.records import Batch, Record, TopicPartition
 from worker.core.scheduler import PriorityScheduler

@@ -13,7 +13,7 @@ from tests.bench.latency import W_HIGH, W_LOW
 from tests.bench.overload_sim import simulate
 from tests.support.props import examples
 from tests.unit.fakes import ids, lanes, recs
-from worker.config import ConfigError, LaneConfig, from_dict
+from worker.config.settings import ConfigError, LaneConfig, from_dict
 from worker.core.latency import LatencyModel, efficient_size
 from worker.core.records import Record
 from worker.core.scheduler import PriorityScheduler

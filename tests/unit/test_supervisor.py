@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from worker.config import Config, ConfigError, DeliveryConfig, KafkaConfig, MetricsConfig
-from worker.supervisor import RestartPolicy, Supervisor, check_ports, child_env, describe_exit, supervise
+from worker.app.supervisor import RestartPolicy, Supervisor, check_ports, child_env, describe_exit, supervise
+from worker.config.settings import Config, ConfigError, DeliveryConfig, KafkaConfig, MetricsConfig
 
 
 class FakeChild:
@@ -222,14 +222,14 @@ def test_supervise_drains_on_sigterm_with_the_real_loop():
 
 @pytest.mark.parametrize(("argv", "want"), [([], 2), (["--processes", "3"], 3), (["--processes", "1"], None)])
 def test_worker_run_supervises_per_model_processes_or_the_flag(tmp_path, monkeypatch, argv, want):
-    from worker import cli
+    from worker.app import cli
 
     path = tmp_path / "w.yaml"
     path.write_text("kafka: {input_topics: [in]}\nmodel: {processes: 2}\nmetrics: {enabled: false}\n")
     calls: list[tuple[int, int | None]] = []
-    monkeypatch.setattr("worker.supervisor.supervise",
+    monkeypatch.setattr("worker.app.supervisor.supervise",
                         lambda cfg, p, n, metrics_port=None: calls.append((n, metrics_port)) or 0)
-    monkeypatch.setattr("worker.service.run_service",
+    monkeypatch.setattr("worker.app.service.run_service",
                         lambda cfg, metrics_port=None: calls.append((1, None)) or 0)
     monkeypatch.setattr(cli, "_setup_logging", lambda cfg, level=None: None)
     assert cli.main(["run", "--config", str(path), *argv]) == 0
@@ -238,7 +238,7 @@ def test_worker_run_supervises_per_model_processes_or_the_flag(tmp_path, monkeyp
 
 @pytest.mark.parametrize("bad", ["0", "65", "two", "-1"])
 def test_processes_flag_out_of_range_is_a_usage_error(bad, capsys):
-    from worker.cli import build_parser
+    from worker.app.cli import build_parser
 
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["run", "--config", "x.yaml", "--processes", bad])

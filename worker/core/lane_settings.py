@@ -1,6 +1,6 @@
 """What the scheduler needs to know of a lane, in core's own terms.
 
-``LaneSpec`` is the shape the scheduler reads (``worker.config.LaneConfig`` has it, and
+``LaneSpec`` is the shape the scheduler reads (``worker.config.settings.LaneConfig`` has it, and
 ``LaneConfig.settings()`` converts one); ``LaneSettings`` is the frozen copy the scheduler keeps, checked
 once (the lane's batcher checks the sizes), so a config object changed later changes nothing here.
 """

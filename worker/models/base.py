@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from schemas import Float32Tensor
-from worker.config import ConfigError
+from worker.config.settings import ConfigError
 
 S = TypeVar("S")
 
@@ -54,7 +54,7 @@ def split_rows(output: Any, n: int) -> list[Any]:
     ones) would otherwise be cut or padded into the wrong records' results. A list of another length is
     refused with ``OutputCountError`` (heads returned as a list are told to use a tuple)."""
     if isinstance(output, list) and len(output) != n:
-        from worker.adapters.torch_engine import OutputCountError
+        from worker.device.engine import OutputCountError
 
         # Not a record's fault (no bisecting): the model returns something split_rows cannot read.
         raise OutputCountError(

@@ -24,7 +24,7 @@ from typing import Annotated, Any, ClassVar
 import msgspec
 import torch
 
-from worker.config import ConfigError
+from worker.config.settings import ConfigError
 from worker.core.step_model import GenParams, StepModel
 from worker.models.base import Options, parse_options
 

@@ -2,14 +2,14 @@
 the request limits of ``model.generation``, and the handler's ``step_model()`` for the generation worker.
 
 ``decode`` runs on the loop thread and only validates: tokenizing belongs to the device thread, which owns
-the step model (``worker.generation``).
+the step model (``worker.pipeline.generation``).
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar, NamedTuple
 
-from worker.config import GenerationConfig
+from worker.config.settings import GenerationConfig
 from worker.core.step_model import GenerativeHandler, GenParams, StepModel
 from worker.models.inputs import GenerateInput, GenerationOutput
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from worker.config import ConfigError
+from worker.config.settings import ConfigError
 from worker.models.tensor_models import DTYPES, ExportedModel, OnnxModel, TensorModel
 
 __all__ = ["DTYPES", "ExportedModel", "OnnxModel", "TensorModel", "from_factory", "from_file",

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from worker.config import ConfigError
+from worker.config.settings import ConfigError
 from worker.models.base import Options, float32_rows, parse_options
 from worker.models.inputs import Embedding, TextInput
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from worker.config import ConfigError, ModelConfig
+from worker.config.settings import ConfigError, ModelConfig
 from worker.core.ports import Model
 from worker.models import inputs
 

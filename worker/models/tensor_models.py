@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from worker.config import ConfigError
+from worker.config.settings import ConfigError
 from worker.models.base import split_rows
 
 log = logging.getLogger("worker.models.loaders")
@@ -291,7 +291,7 @@ class OnnxModel:
             pos = pos or []
             got = self._rows(part, len(pos))
             if len(got) != len(pos):
-                from worker.adapters.torch_engine import OutputCountError
+                from worker.device.engine import OutputCountError
 
                 # As for one stack (the engine's check): a model bug, not the records' (no bisecting).
                 raise OutputCountError(f"{self.path.name}: {len(got)} output rows for a group of {len(pos)} "

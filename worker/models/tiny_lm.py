@@ -13,7 +13,7 @@ from typing import Annotated, Any, ClassVar
 
 import msgspec
 
-from worker.config import ConfigError
+from worker.config.settings import ConfigError
 from worker.core.step_model import StepModel
 from worker.models.base import Options, parse_options
 

@@ -1,1 +1,2 @@
-"""The runner's loop, one room per kind of state: partitions, lifecycle, delivery, dispatch, results."""
+"""The loop: the runner, one room per kind of state (partitions, lifecycle, delivery, dispatch, results,
+...), and the services only the loop uses (intake, the store gate, the generation worker)."""

@@ -11,15 +11,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from worker.clock import LoopClock
-from worker.config import Config
+from worker.config.settings import Config
 from worker.core.offsets import OffsetTracker
 from worker.core.ports import Metrics
 from worker.core.records import TopicPartition
 from worker.pipeline.dispatch import Dispatch
 from worker.pipeline.lifecycle import Lifecycle
 from worker.pipeline.partitions import PartitionTable
-from worker.store_gate import StoreGate
+from worker.pipeline.store_gate import StoreGate
+from worker.timing.clock import LoopClock
 
 
 @dataclass
@@ -54,8 +54,8 @@ class Loop:
     health: Any = None
     stop_at: dict[TopicPartition, int] | None = None  # backfill: the end offsets to stop at
     consumer: Any = None  # replaced when it stays out of its group (Membership)
-    emitter: Any = None  # worker.emit.Emitter, made once the producers are
-    intake: Any = None  # worker.intake.Intake, made once the model is loaded
+    emitter: Any = None  # worker.output.emit.Emitter, made once the producers are
+    intake: Any = None  # worker.pipeline.intake.Intake, made once the model is loaded
     broker_ok: bool = True  # the last client call that needed a broker got an answer
     clock: LoopClock = time  # every time the rooms read comes from it
 

@@ -20,11 +20,11 @@ from typing import Any
 from confluent_kafka import KafkaException
 from confluent_kafka import TopicPartition as KTP
 
-from worker.clock import Deadline
 from worker.core.records import Outcome, Record, TopicPartition
-from worker.emit import FatalDeliveryError
+from worker.output.emit import FatalDeliveryError
 from worker.pipeline.context import Loop
 from worker.pipeline.partitions import Partition
+from worker.timing.clock import Deadline
 
 log = logging.getLogger("worker.runner")
 MakeProducer = Callable[..., Any]

@@ -15,13 +15,13 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from worker.clock import LoopClock
 from worker.core.ports import Metrics
 from worker.core.records import Batch, Record, TopicPartition
 from worker.core.scheduler import PriorityScheduler
 from worker.pipeline.lifecycle import Deadline, Lifecycle
 from worker.pipeline.partitions import PartitionTable
-from worker.store_gate import StoreGate
+from worker.pipeline.store_gate import StoreGate
+from worker.timing.clock import LoopClock
 
 log = logging.getLogger("worker.runner")
 Completion = tuple[Batch, list[Any], dict[str, float]]
@@ -163,7 +163,7 @@ class Dispatch:
             self.cv.notify_all()  # a device became free: a waiting collate stage may take an open window
         self.completions.put((batch, outputs, timings))
 
-    # ---- generation workers (worker.generation): records join a running batch one by one
+    # ---- generation workers (worker.pipeline.generation): records join a running batch one by one
     def hold(self, holder: Holder) -> None:
         """A generation worker keeps records in flight across steps: a revoke or rewind asks it for theirs."""
         self._holders.append(holder)

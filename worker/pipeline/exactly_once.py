@@ -1,5 +1,5 @@
 """Exactly-once delivery: results, dead letters and input offsets commit in one Kafka transaction
-(worker/transactions.py keeps the reorder buffer and drives the producer's transaction calls).
+(worker/output/transactions.py keeps the reorder buffer and drives the producer's transaction calls).
 
 A failed delivery aborts the transaction and every assigned partition is read again from its last commit
 (a rewind); results of an aborted transaction are invisible to ``read_committed`` readers.
@@ -15,14 +15,14 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KTP
 
-from worker.adapters.kafka_clients import retry_transient, transactional_extra
-from worker.clock import Deadline
 from worker.core.records import Outcome, Record, TopicPartition
-from worker.emit import FatalDeliveryError
+from worker.kafka.clients import retry_transient, transactional_extra
+from worker.output.emit import FatalDeliveryError
+from worker.output.transactions import TransactionalCommitter, TransactionFailed
 from worker.pipeline.context import Loop
 from worker.pipeline.delivery import DeliveryMode, MakeProducer
 from worker.pipeline.partitions import Partition
-from worker.transactions import TransactionalCommitter, TransactionFailed
+from worker.timing.clock import Deadline
 
 log = logging.getLogger("worker.runner")
 # A failed delivery aborts the transaction and the records are read again; this many such aborts in a row

@@ -23,7 +23,7 @@ class LagReport:
         self.next_report = 0.0
         self._done_before = 0  # records done at the last report
         self._turn = 0  # which paused partitions ask the broker next
-        from worker.adapters.metrics import DrainEstimator
+        from worker.observability.metrics import DrainEstimator
 
         self._drain = DrainEstimator(window_s=60.0)
 

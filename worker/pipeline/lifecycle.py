@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import threading
 
-from worker.clock import Deadline, LoopClock
+from worker.timing.clock import Deadline, LoopClock
 
 __all__ = ["Deadline", "Lifecycle", "Phase"]
 

@@ -11,12 +11,12 @@ from typing import Any
 from confluent_kafka import KafkaException
 from confluent_kafka import TopicPartition as KTP
 
-from worker.clock import Deadline
 from worker.core.membership import RejoinWatch
 from worker.core.records import TopicPartition
 from worker.pipeline.context import Loop
 from worker.pipeline.delivery import DeliveryMode
 from worker.pipeline.results import Results
+from worker.timing.clock import Deadline
 
 log = logging.getLogger("worker.runner")
 # Reading the group's commits of partitions lost earlier, inside the assign callback (it holds the loop): at

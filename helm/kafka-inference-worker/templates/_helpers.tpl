@@ -130,7 +130,7 @@ uncommitted partitions exactly like the worker does.
 {{- define "kiw.kedaOffsetResetPolicy" -}}
 {{- if .Values.autoscaling.keda.offsetResetPolicy }}{{ .Values.autoscaling.keda.offsetResetPolicy }}
 {{- else }}
-{{- /* The worker's default is earliest (worker/adapters/kafka_clients.py), not librdkafka's latest. */}}
+{{- /* The worker's default is earliest (worker/kafka/clients.py), not librdkafka's latest. */}}
 {{- $reset := include "kiw.consumerProp" (dict "ctx" . "prop" "auto.offset.reset") | default "earliest" | lower }}
 {{- if has $reset (list "earliest" "smallest" "beginning") }}earliest
 {{- else if has $reset (list "latest" "largest" "end") }}latest

@@ -1,0 +1,1 @@
+"""Logs (JSON lines, secrets redacted), Prometheus metrics, and the health port."""
