@@ -107,6 +107,9 @@ class SchedulerPlay:
         self.out: list[int] = []
         self.keep: list[Record] = []
         self.pending: deque[Batch] = deque()  # taken ahead, not started yet
+        # The lane of the batch taken ahead that the batch being checked preempted (its front records fill
+        # the preempting batch first), else None.
+        self.donor_lane: str | None = None
 
     def take(self, b: Batch | None, taken_ahead: Batch | None = None) -> None:
         if b is None:
@@ -133,7 +136,15 @@ class SchedulerPlay:
         cur = trimmed if trimmed is not None else pre
         if not cur.records:
             return  # every record expired: handed out by the next expire()
-        run = s.preempt(cur, now) or s.top_up(cur, now)
+        run = s.preempt(cur, now)
+        if run is not None:
+            self.donor_lane = cur.lane
+            try:
+                self.take(run)
+            finally:
+                self.donor_lane = None
+            return
+        run = s.top_up(cur, now)
         if run is None:
             self.take(cur, taken_ahead=cur)
         else:

@@ -3,7 +3,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tests.support.props import examples
@@ -479,6 +479,11 @@ op_st = st.one_of(
 
 
 @settings(max_examples=examples(200), deadline=None)
+@example(  # a preempted default batch's record fills the high batch before a waiting lo record
+    ops=[("add", 0, 0, None), ("add", 0, 0, None), ("add", 1, 0, None), ("max", 2, 1, None),
+         ("add", 0, 0, None), ("add", 0, 0, None), ("add", 0, 0, None), ("add", 2, 0, None),
+         ("next", False, 0, None), ("tick", 5, 0, None), ("ahead", 0, 0, None)],
+    policy="fixed", bucket=0, weights=(1, 1), fixed_cost=None, fill=True, eff=1.0)
 @given(ops=st.lists(op_st, min_size=10, max_size=80), policy=st.sampled_from(["fixed", "adaptive"]),
        bucket=st.sampled_from([0, 2]), weights=st.tuples(st.integers(1, 4), st.integers(1, 4)),
        fixed_cost=st.sampled_from([None, 0.002, 0.020]), fill=st.booleans(),
@@ -499,6 +504,11 @@ def test_every_record_comes_out_exactly_once(ops: list[tuple[str, object, int, f
     def check(b: Batch, _taken_ahead: Batch | None) -> None:
         others = b.records[len([r for r in b.records if r.lane == b.lane]):]
         assert not others or b.mixed
+        # A preempted batch's front records fill the preempting batch first (they are the oldest); what
+        # follows them is filled from the lower lanes, higher priority first.
+        donor = play.donor_lane
+        while donor is not None and others and others[0].lane == donor:
+            others = others[1:]
         assert [PRIORITY[r.lane] for r in others] == sorted((PRIORITY[r.lane] for r in others), reverse=True)
 
     play = SchedulerPlay(s, bucket, check)
