@@ -28,6 +28,7 @@ import msgspec
 from confluent_kafka import Consumer, Producer
 
 from tests.bench.pipeline import requests
+from tests.unit.fakes_kafka import FakeMessage
 from worker.config.settings import from_dict
 from worker.core.offsets import OffsetTracker
 from worker.core.ports import NullMetrics
@@ -46,37 +47,6 @@ from worker.pipeline.runner import GC_THRESHOLD
 
 # Records per poll batch (kafka.poll_max_records' default).
 POLL_BATCH = 1000
-
-
-class _FakeMsg:
-    __slots__ = ("_v", "_k", "_p", "_o")
-
-    def __init__(self, v: bytes, k: bytes, p: int, o: int) -> None:
-        self._v, self._k, self._p, self._o = v, k, p, o
-
-    def value(self) -> bytes:
-        return self._v
-
-    def key(self) -> bytes:
-        return self._k
-
-    def topic(self) -> str:
-        return "in"
-
-    def partition(self) -> int:
-        return self._p
-
-    def offset(self) -> int:
-        return self._o
-
-    def timestamp(self) -> tuple[int, int]:
-        return 1, 1795990000000
-
-    def headers(self) -> list[tuple[str, bytes]] | None:
-        return None
-
-    def error(self) -> None:
-        return None
 
 
 def timed(n: int, fn: Callable[[], Any]) -> float:
@@ -235,7 +205,8 @@ def main() -> int:
     n = args.records
     reqs = list(requests(n))
     if args.fake_messages:
-        fakes: list[Any] = [_FakeMsg(v, k, i % 4, i // 4) for i, (k, v) in enumerate(reqs)]
+        fakes: list[Any] = [FakeMessage("in", i % 4, i // 4, v, k, timestamp_ms=1795990000000)
+                            for i, (k, v) in enumerate(reqs)]
         batches = [fakes[i:i + POLL_BATCH] for i in range(0, n, POLL_BATCH)]
     else:
         batches = mock_cluster_batches(reqs)

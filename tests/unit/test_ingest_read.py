@@ -12,6 +12,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tests.support.props import examples
+from tests.unit.fakes_kafka import FakeMessage
 from worker.core.offsets import OffsetTracker
 from worker.core.records import TopicPartition
 from worker.output.transactions import TransactionalCommitter
@@ -23,33 +24,8 @@ from worker.pipeline.partitions import PartitionTable
 TPS = [TopicPartition("in", 0), TopicPartition("in", 1)]
 
 
-class _Msg:
-    def __init__(self, partition: int, offset: int) -> None:
-        self._p, self._o = partition, offset
-
-    def error(self) -> None:
-        return None
-
-    def topic(self) -> str:
-        return "in"
-
-    def partition(self) -> int:
-        return self._p
-
-    def offset(self) -> int:
-        return self._o
-
-    def timestamp(self) -> tuple[int, int]:
-        return 1, 1_000 + self._o
-
-    def headers(self) -> None:
-        return None
-
-    def value(self) -> bytes:
-        return b"{}"
-
-    def key(self) -> bytes:
-        return b"k"
+def _msg(partition: int, offset: int) -> FakeMessage:
+    return FakeMessage("in", partition, offset, b"{}", b"k", timestamp_ms=1_000 + offset)
 
 
 def _mode(kind: str) -> DeliveryMode:
@@ -96,7 +72,7 @@ def test_a_batch_tracked_per_partition_is_one_tracked_record_by_record(
     ingest = Ingest(mode.loop, mode, results=None)  # type: ignore[arg-type]
     for batch in batches:
         want = _one_at_a_time(ref, batch)
-        recs = ingest.read([_Msg(p, o) for p, o in batch], now=1.0)
+        recs = ingest.read([_msg(p, o) for p, o in batch], now=1.0)
         assert [(r.tp.partition, r.offset) for r in recs] == want
         assert all(r.tp is mode.loop.partitions.live(r.tp).tp and r.received_at == 1.0  # type: ignore[union-attr]
                    and r.produced_at_ms == 1_000 + r.offset for r in recs)
@@ -108,7 +84,7 @@ def test_a_revoked_partitions_messages_and_a_backfills_records_past_its_end_are_
     mode.loop.partitions.release([TPS[1]])
     mode.loop.stop_at = {TPS[0]: 2}
     recs = Ingest(mode.loop, mode, results=None).read(  # type: ignore[arg-type]
-        [_Msg(0, 0), _Msg(1, 0), _Msg(0, 1), _Msg(0, 2), _Msg(1, 1)], now=0.0)
+        [_msg(0, 0), _msg(1, 0), _msg(0, 1), _msg(0, 2), _msg(1, 1)], now=0.0)
     assert [(r.tp.partition, r.offset) for r in recs] == [(0, 0), (0, 1)]
     part = mode.loop.partitions.live(TPS[0])
     assert part is not None and part.reached and part.position == 2 and mode.tracker.in_flight() == 2
